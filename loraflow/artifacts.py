@@ -1,0 +1,294 @@
+"""The GCS hand-off contract between stages.
+
+A stage writes its files under its own prefix, ``{artifact_root}/{pipeline}/{run_id}/{stage}/``,
+then commits them by writing ``_MANIFEST.json`` last. The manifest lists every file with its size
+and crc32c (base64, as GCS reports it), the fingerprints of the stage's inputs, its resolved config
+and the lock version of the environment that produced it. Readers refuse a prefix without a
+manifest, refuse a manifest that was copied from another prefix, and verify the checksum of every
+file they read.
+
+Cache: ``{artifact_root}/_cache/{stage}/{cache_key}.json`` points at a committed manifest. The key
+hashes the input fingerprints, the resolved stage config and the lock version, so a hit means the
+stage would compute exactly what is already there.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraflow import gcs
+from loraflow.errors import ArtifactError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "_MANIFEST.json"
+MANIFEST_FORMAT = "loraflow.manifest/1"
+_RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_run_id(run_id: str) -> str:
+    """Airflow run ids hold ``:`` and ``+``; keep object names plain and portable."""
+    cleaned = _RUN_ID_UNSAFE.sub("-", run_id).strip("-.")
+    if not cleaned:
+        raise ArtifactError(f"run id {run_id!r} has no usable characters")
+    return cleaned
+
+
+def stage_prefix(artifact_root: str, pipeline: str, run_id: str, stage: str) -> str:
+    return gcs.join(artifact_root, pipeline, safe_run_id(run_id), stage)
+
+
+def crc32c_file(path: Path) -> str:
+    import google_crc32c
+
+    checksum = google_crc32c.Checksum()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            checksum.update(block)
+    return base64.b64encode(checksum.digest()).decode()
+
+
+def fingerprint(files: Mapping[str, Mapping[str, Any]]) -> str:
+    """Content fingerprint of a set of files: their names, sizes and checksums."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\0{files[name]['size']}\0{files[name]['crc32c']}\n".encode())
+    return h.hexdigest()
+
+
+def cache_key(input_fingerprints: Mapping[str, str], config: Mapping[str, Any], lock_version: str) -> str:
+    payload = json.dumps(
+        {"inputs": dict(sorted(input_fingerprints.items())), "config": config, "lock": lock_version},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def lock_version(lock_file: Path) -> str:
+    return hashlib.sha256(lock_file.read_bytes()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    uri: str
+    data: dict[str, Any]
+
+    @property
+    def prefix(self) -> str:
+        return self.uri.rsplit("/", 1)[0]
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        files: dict[str, dict[str, Any]] = self.data["files"]
+        return files
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.files)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        summary: dict[str, Any] = self.data.get("summary", {})
+        return summary
+
+
+# --------------------------------------------------------------------------------------- writing
+
+
+def upload_tree(local_dir: Path, prefix: str, progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Upload every file under ``local_dir`` to ``prefix``; return the manifest's file table."""
+    bucket_name, base = gcs.split_uri(prefix)
+    bucket = gcs.client().bucket(bucket_name)
+    files: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(local_dir).as_posix()
+        if rel == MANIFEST:
+            raise ArtifactError(f"a step may not write {MANIFEST} itself ({path})")
+        crc = crc32c_file(path)
+        blob = bucket.blob(f"{base}/{rel}" if base else rel)
+        blob.upload_from_filename(str(path), checksum="crc32c")
+        if blob.crc32c and blob.crc32c != crc:
+            raise ArtifactError(f"upload of {rel} to {prefix} was corrupted: crc32c {blob.crc32c} != {crc}")
+        files[rel] = {"size": path.stat().st_size, "crc32c": crc}
+        if progress:
+            progress(f"uploaded {rel} ({files[rel]['size']} bytes)")
+    return files
+
+
+def commit(
+    prefix: str,
+    files: dict[str, dict[str, Any]],
+    *,
+    stage: str,
+    inputs: Mapping[str, Mapping[str, str]],
+    config: Mapping[str, Any],
+    lock_version: str,
+    cache_key: str,
+    summary: Mapping[str, Any],
+) -> Manifest:
+    """Write ``_MANIFEST.json`` last: from this moment the prefix is an artifact."""
+    uri = gcs.join(prefix, MANIFEST)
+    data = {
+        "format": MANIFEST_FORMAT,
+        "stage": stage,
+        "prefix": prefix.rstrip("/"),
+        "files": files,
+        "inputs": dict(inputs),
+        "config": dict(config),
+        "lock_version": lock_version,
+        "cache_key": cache_key,
+        "summary": dict(summary),
+        "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_json(uri, data)
+    return Manifest(uri, data)
+
+
+def write_json(uri: str, data: Any) -> None:
+    bucket, path = gcs.split_uri(uri)
+    blob = gcs.client().bucket(bucket).blob(path)
+    blob.upload_from_string(json.dumps(data, indent=2, sort_keys=True), content_type="application/json")
+
+
+def read_json(uri: str) -> Any | None:
+    from google.api_core.exceptions import NotFound
+
+    bucket, path = gcs.split_uri(uri)
+    try:
+        return json.loads(gcs.client().bucket(bucket).blob(path).download_as_bytes())
+    except NotFound:
+        return None
+
+
+# --------------------------------------------------------------------------------------- reading
+
+
+def manifest_uri(prefix_or_manifest: str) -> str:
+    if prefix_or_manifest.endswith("/" + MANIFEST):
+        return prefix_or_manifest
+    return gcs.join(prefix_or_manifest, MANIFEST)
+
+
+def read_manifest(uri: str) -> Manifest:
+    """Load a committed manifest; refuse a missing one and one copied from another prefix."""
+    uri = manifest_uri(uri)
+    data = read_json(uri)
+    if data is None:
+        raise ArtifactError(
+            f"no committed artifact at {uri.rsplit('/', 1)[0]}: {MANIFEST} is missing "
+            "(the stage never finished, or the prefix is wrong); re-run the stage that writes it"
+        )
+    if data.get("format") != MANIFEST_FORMAT:
+        raise ArtifactError(f"{uri} is not a loraflow manifest (format {data.get('format')!r})")
+    manifest = Manifest(uri, data)
+    if data.get("prefix") != manifest.prefix:
+        raise ArtifactError(
+            f"{uri} was written for {data.get('prefix')!r}, not for {manifest.prefix!r}: "
+            "a manifest copied from another run is never trusted; re-run the stage"
+        )
+    return manifest
+
+
+def _download_verified(bucket: Any, object_name: str, dest: Path, name: str, size: int, crc: str, where: str) -> None:
+    from google.api_core.exceptions import NotFound
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        bucket.blob(object_name).download_to_filename(str(dest), checksum=None)
+    except NotFound:
+        raise ArtifactError(f"{where}: file {name!r} is listed in the manifest but missing from GCS") from None
+    actual_size = dest.stat().st_size
+    if actual_size != size:
+        raise ArtifactError(f"{where}: file {name!r} has {actual_size} bytes, the manifest says {size}")
+    actual = crc32c_file(dest)
+    if actual != crc:
+        raise ArtifactError(f"{where}: file {name!r} fails its checksum (crc32c {actual}, manifest {crc})")
+
+
+def fetch(manifest: Manifest, dest: Path, only: Iterable[str] | None = None) -> Path:
+    """Download a committed artifact's files into ``dest``, verifying each one."""
+    bucket_name, base = gcs.split_uri(manifest.prefix)
+    bucket = gcs.client().bucket(bucket_name)
+    wanted = set(only) if only is not None else None
+    for name, meta in sorted(manifest.files.items()):
+        if wanted is not None and name not in wanted:
+            continue
+        object_name = f"{base}/{name}" if base else name
+        _download_verified(bucket, object_name, dest / name, name, meta["size"], meta["crc32c"], manifest.prefix)
+    return dest
+
+
+def source_files(uri: str) -> dict[str, dict[str, Any]]:
+    """The file table of a source that is not a loraflow artifact (a dataset, an HF checkpoint).
+
+    ``uri`` is one object or a prefix ("directory"); sizes and checksums come from GCS itself.
+    """
+    bucket_name, path = gcs.split_uri(uri)
+    bucket = gcs.client().bucket(bucket_name)
+    blob = bucket.get_blob(path) if path and not path.endswith("/") else None
+    if blob is not None:
+        return {os.path.basename(path): {"size": blob.size, "crc32c": blob.crc32c, "object": path}}
+    base = path.rstrip("/") + "/" if path else ""
+    files = {
+        b.name[len(base) :]: {"size": b.size, "crc32c": b.crc32c, "object": b.name}
+        for b in gcs.client().list_blobs(bucket_name, prefix=base)
+        if not b.name.endswith("/")
+    }
+    if not files:
+        raise ArtifactError(f"source {uri} does not exist (no object and no files under that prefix)")
+    return files
+
+
+def fetch_source(uri: str, dest: Path) -> dict[str, dict[str, Any]]:
+    files = source_files(uri)
+    bucket = gcs.client().bucket(gcs.split_uri(uri)[0])
+    for name, meta in sorted(files.items()):
+        _download_verified(bucket, meta["object"], dest / name, name, meta["size"], meta["crc32c"], uri)
+    return files
+
+
+# ------------------------------------------------------------------------------------- the cache
+
+
+def cache_entry_uri(artifact_root: str, stage: str, key: str) -> str:
+    return gcs.join(artifact_root, "_cache", stage, f"{key}.json")
+
+
+def cache_lookup(artifact_root: str, stage: str, key: str) -> Manifest | None:
+    """The committed manifest cached under ``key``, if it is still whole; else None."""
+    entry = read_json(cache_entry_uri(artifact_root, stage, key))
+    if not entry:
+        return None
+    try:
+        manifest = read_manifest(entry["manifest"])
+    except ArtifactError as exc:
+        log.warning("cache entry for %s/%s is stale: %s", stage, key, exc)
+        return None
+    if manifest.data.get("cache_key") != key or not _files_present(manifest):
+        log.warning("cache entry for %s/%s does not match its manifest; ignoring it", stage, key)
+        return None
+    return manifest
+
+
+def _files_present(manifest: Manifest) -> bool:
+    bucket_name, base = gcs.split_uri(manifest.prefix)
+    listed = {
+        b.name[len(base) + 1 :]: (b.size, b.crc32c)
+        for b in gcs.client().list_blobs(bucket_name, prefix=base + "/")
+    }
+    return all(listed.get(n) == (m["size"], m["crc32c"]) for n, m in manifest.files.items())
+
+
+def cache_store(artifact_root: str, stage: str, key: str, manifest: Manifest) -> None:
+    write_json(cache_entry_uri(artifact_root, stage, key), {"manifest": manifest.uri, "stage": stage})

@@ -1,0 +1,30 @@
+"""The small family of errors loraflow raises; each message says what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class LoraflowError(Exception):
+    """Base class: anything loraflow reports to a user."""
+
+
+class SpecError(LoraflowError):
+    """A pipeline spec is invalid. ``problems`` lists every one, as ``(key path, message)``."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s) in the pipeline spec"]
+        lines += [f"  - {path}: {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+class ArtifactError(LoraflowError):
+    """An artifact is missing, uncommitted, tampered with or outside where it may be."""
+
+
+class DataValidationError(LoraflowError):
+    """The dataset broke its contract; the run stops before any training."""
+
+
+class StepError(LoraflowError):
+    """A step program failed."""

@@ -1,0 +1,46 @@
+"""The one place that builds a Google Cloud Storage client and splits ``gs://`` URIs.
+
+Locally ``STORAGE_EMULATOR_HOST`` points at the GCS emulator; the client library honours it and we
+talk to it anonymously. In production the default credentials of the host (Airflow worker, Vertex
+job, GKE pod) are used. Either way the code path is the same ``google-cloud-storage`` client.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from loraflow.errors import ArtifactError
+
+if TYPE_CHECKING:
+    from google.cloud import storage
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """``gs://bucket/a/b`` -> ``("bucket", "a/b")``; anything else is refused."""
+    if not uri.startswith("gs://"):
+        raise ArtifactError(f"{uri!r} is not a gs:// URI; artifacts live in GCS (gs://BUCKET/PATH)")
+    bucket, _, path = uri[len("gs://") :].partition("/")
+    if not bucket:
+        raise ArtifactError(f"{uri!r} names no bucket; write gs://BUCKET/PATH")
+    return bucket, path
+
+
+def join(prefix: str, *parts: str) -> str:
+    out = prefix.rstrip("/")
+    for part in parts:
+        out += "/" + part.strip("/")
+    return out
+
+
+@lru_cache(maxsize=1)
+def client() -> storage.Client:
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT", "loraflow-local")
+        return storage.Client(project=project, credentials=AnonymousCredentials())
+    return storage.Client()

@@ -1,0 +1,159 @@
+"""What every step program shares: its command line, fetching inputs, committing its output.
+
+A step program is ``python -m loraflow.steps.<stage>`` with::
+
+    --output gs://ROOT/PIPELINE/RUN/STAGE     the prefix it owns
+    --input NAME=URI                          repeated; a stage's _MANIFEST.json or a source URI
+    --config-json '{...}'                     the resolved stage config
+    --lock-version V --cache-key K            recorded in the manifest
+
+and nothing else of the world, so the local launcher, Vertex AI and GKE run the same argv. The
+harness downloads and verifies every input into a scratch directory, calls the stage's function
+with local paths, uploads what it wrote and commits the manifest last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraflow import artifacts, gcs
+from loraflow.errors import DataValidationError, LoraflowError
+
+log = logging.getLogger("loraflow.step")
+
+RESULT_MARKER = "LORAFLOW_RESULT "
+
+
+@dataclass
+class StepContext:
+    stage: str
+    output_uri: str
+    inputs: dict[str, Path]
+    input_manifests: dict[str, artifacts.Manifest | None]
+    out: Path
+    work: Path
+    config: dict[str, Any]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def progress(self, message: str) -> None:
+        print(f"[{self.stage}] {message}", flush=True)
+
+
+StepFn = Callable[[StepContext], dict[str, Any] | None]
+
+
+def parser(stage: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m loraflow.steps.{stage}",
+        description=f"loraflow step program for the {stage} stage (inputs and output are gs:// URIs).",
+    )
+    p.add_argument("--output", required=True, help="gs:// prefix this stage owns and commits")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=URI", help="an input (repeatable)")
+    p.add_argument("--config-json", default="{}", help="the resolved stage config, as JSON")
+    p.add_argument("--lock-version", default="unversioned", help="lock version of this environment")
+    p.add_argument("--cache-key", default="", help="cache key the manifest is committed under")
+    return p
+
+
+def _parse_inputs(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, uri = pair.partition("=")
+        if not sep or not name or not uri:
+            raise LoraflowError(f"--input {pair!r}: write NAME=gs://BUCKET/PATH")
+        gcs.split_uri(uri)
+        if name in out:
+            raise LoraflowError(f"--input {name} given twice")
+        out[name] = uri
+    return out
+
+
+def run_step(stage: str, fn: StepFn, argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parser(stage).parse_args(argv)
+    try:
+        return _run(stage, fn, args)
+    except LoraflowError as exc:
+        print(f"[{stage}] ERROR: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
+    output = args.output.rstrip("/")
+    gcs.split_uri(output)
+    inputs = _parse_inputs(args.input)
+    config = json.loads(args.config_json)
+
+    existing = artifacts.read_json(gcs.join(output, artifacts.MANIFEST))
+    if existing is not None:
+        if args.cache_key and existing.get("cache_key") == args.cache_key:
+            print(f"[{stage}] {output} is already committed with this cache key; nothing to do", flush=True)
+            _print_result(artifacts.read_manifest(output))
+            return 0
+        raise LoraflowError(
+            f"{output} already holds a committed artifact with another cache key; "
+            "committed artifacts are never overwritten: use a new run id"
+        )
+
+    started = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix=f"loraflow-{stage}-", dir=os.environ.get("LORAFLOW_SCRATCH")))
+    try:
+        ctx = StepContext(stage, output, {}, {}, root / "out", root / "work", config)
+        ctx.out.mkdir()
+        ctx.work.mkdir()
+        fingerprints: dict[str, dict[str, str]] = {}
+        for name, uri in inputs.items():
+            dest = root / "in" / name
+            if uri.endswith("/" + artifacts.MANIFEST):
+                manifest = artifacts.read_manifest(uri)
+                artifacts.fetch(manifest, dest)
+                ctx.input_manifests[name] = manifest
+                fingerprints[name] = {"uri": uri, "fingerprint": manifest.fingerprint}
+            else:
+                files = artifacts.fetch_source(uri, dest)
+                ctx.input_manifests[name] = None
+                fingerprints[name] = {"uri": uri, "fingerprint": artifacts.fingerprint(files)}
+            ctx.inputs[name] = dest
+            ctx.progress(f"input {name}: {uri} fetched and verified")
+
+        try:
+            summary = fn(ctx) or {}
+        except DataValidationError:
+            # Keep the evidence (e.g. the data-quality report) for people, but never commit it:
+            # without a manifest nothing downstream can use it.
+            rejected = gcs.join(output, "_rejected")
+            artifacts.upload_tree(ctx.out, rejected)
+            ctx.progress(f"evidence of the rejection uploaded to {rejected}/ (not an artifact)")
+            raise
+        summary = {**ctx.summary, **summary, "seconds": round(time.monotonic() - started, 2)}
+        files = artifacts.upload_tree(ctx.out, output)
+        manifest = artifacts.commit(
+            output,
+            files,
+            stage=stage,
+            inputs=fingerprints,
+            config=config,
+            lock_version=args.lock_version,
+            cache_key=args.cache_key,
+            summary=summary,
+        )
+        ctx.progress(f"committed {len(files)} file(s) at {manifest.uri}")
+        _print_result(manifest)
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _print_result(manifest: artifacts.Manifest) -> None:
+    print(RESULT_MARKER + json.dumps({"manifest": manifest.uri, "summary": manifest.summary}), flush=True)
