@@ -60,6 +60,9 @@ def parser(stage: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--output", required=True, help="gs:// prefix this stage owns and commits")
     p.add_argument("--input", action="append", default=[], metavar="NAME=URI", help="an input (repeatable)")
+    p.add_argument(
+        "--ref", action="append", default=[], metavar="NAME=URI", help="an input that is verified, not downloaded"
+    )
     p.add_argument("--config-json", default="{}", help="the resolved stage config, as JSON")
     p.add_argument("--lock-version", default="unversioned", help="lock version of this environment")
     p.add_argument("--cache-key", default="", help="cache key the manifest is committed under")
@@ -93,6 +96,7 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
     output = args.output.rstrip("/")
     gcs.split_uri(output)
     inputs = _parse_inputs(args.input)
+    refs = _parse_inputs(args.ref)
     config = json.loads(args.config_json)
 
     existing = artifacts.read_json(gcs.join(output, artifacts.MANIFEST))
@@ -126,6 +130,10 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
                 fingerprints[name] = {"uri": uri, "fingerprint": artifacts.fingerprint(files)}
             ctx.inputs[name] = dest
             ctx.progress(f"input {name}: {uri} fetched and verified")
+        for name, uri in refs.items():
+            manifest = artifacts.read_manifest(uri)
+            ctx.input_manifests[name] = manifest
+            fingerprints[name] = {"uri": manifest.uri, "fingerprint": manifest.fingerprint}
 
         try:
             summary = fn(ctx) or {}

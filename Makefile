@@ -1,0 +1,81 @@
+# loraflow: every command a user or CI needs. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENVS   := .venvs
+# uv resolves and installs in seconds; bootstrap it into its own venv if it is not on PATH.
+UV      ?= $(shell command -v uv 2>/dev/null || echo $(VENVS)/.uv/bin/uv)
+# Interpreters: the image ships them under pyenv; any python3.12 / python3.11 on PATH works too.
+PY312   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12 2>/dev/null))
+PY311   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11*/bin/python3.11) $(shell command -v python3.11 2>/dev/null))
+# The CPU torch wheel for the serving env lies on disk here; elsewhere point TORCH_WHEELS at yours.
+TORCH_WHEELS ?= /opt/wheels
+PIP_CONSTRAINTS ?= $(wildcard /etc/xdg/pip/constraints.txt)
+export UV_PYTHON_DOWNLOADS := never
+
+CONTROL := $(VENVS)/control/bin/python
+TRAINER := $(VENVS)/trainer/bin/python
+SERVING := $(VENVS)/serving/bin/python
+NO_TORCH_EXTRAS := --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
+
+.PHONY: help envs lock demo ui test lint typecheck test-control test-trainer test-serving test-e2e clean
+
+help:  ## list the commands
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+
+$(VENVS)/.uv/bin/uv:
+	python3 -m venv $(VENVS)/.uv && $(VENVS)/.uv/bin/pip install -q uv
+
+envs: $(VENVS)/control/.synced $(VENVS)/trainer/.synced $(VENVS)/serving/.synced  ## create the three environments from their lock files
+
+$(VENVS)/control/.synced: envs/control.lock pyproject.toml | $(UV)
+	$(UV) venv -q --allow-existing $(VENVS)/control --python $(PY312)
+	$(UV) pip sync -q -p $(VENVS)/control envs/control.lock
+	$(UV) pip install -q -p $(VENVS)/control --no-deps -e .
+	touch $@
+
+$(VENVS)/trainer/.synced: envs/trainer.lock | $(UV)
+	$(UV) venv -q --allow-existing $(VENVS)/trainer --python $(PY312)
+	$(UV) pip sync -q -p $(VENVS)/trainer envs/trainer.lock
+	touch $@
+
+$(VENVS)/serving/.synced: envs/serving.lock | $(UV)
+	$(UV) venv -q --allow-existing $(VENVS)/serving --python $(PY311)
+	$(UV) pip sync -q -p $(VENVS)/serving --find-links $(TORCH_WHEELS) envs/serving.lock
+	touch $@
+
+lock: | $(UV)  ## re-resolve the three lock files from envs/*.in
+	cd envs && $(UV) pip compile -q control.in -o control.lock --python-version 3.12
+	cd envs && $(UV) pip compile -q trainer.in -o trainer.lock --python-version 3.12 --override trainer.overrides
+	cd envs && $(UV) pip compile -q serving.in -o serving.lock --python-version 3.11 --find-links $(TORCH_WHEELS) \
+		$(if $(PIP_CONSTRAINTS),--constraint $(PIP_CONSTRAINTS)) $(NO_TORCH_EXTRAS)
+
+demo: envs  ## run the tiny pipeline end to end on a local Airflow + GCS emulator, print the verdict, stop
+	$(CONTROL) -m loraflow.demo run
+
+ui: envs  ## start Airflow + the GCS emulator on 127.0.0.1 and keep them up (credentials printed)
+	$(CONTROL) -m loraflow.demo ui
+
+lint: envs  ## ruff
+	$(VENVS)/control/bin/ruff check .
+	$(VENVS)/control/bin/ruff format --check .
+
+typecheck: envs  ## mypy over the core, operators and dags
+	$(VENVS)/control/bin/mypy
+
+test-control: envs
+	$(CONTROL) -m pytest tests/control -q
+
+test-trainer: envs
+	$(TRAINER) -m pytest tests/trainer -q
+
+test-serving: envs
+	$(SERVING) -m pytest tests/serving -q
+
+test-e2e: envs
+	$(CONTROL) -m pytest tests/e2e -q -s
+
+test: lint typecheck test-control test-trainer test-serving test-e2e  ## set up and run every check and test (what CI runs)
+
+clean:  ## remove the demo's state (Airflow DB, emulator data); keeps the environments
+	rm -rf .demo

@@ -1,0 +1,110 @@
+"""The ``loraflow`` command: validate and plan pipeline specs, make the tiny model, seed the emulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from loraflow.environments import REPO_ROOT
+from loraflow.errors import LoraflowError, SpecError
+
+DEFAULT_DIR = REPO_ROOT / "pipelines"
+
+
+def _specs(paths: list[Path]) -> list[Path]:
+    from loraflow.spec import discover
+
+    if not paths:
+        return discover(DEFAULT_DIR)
+    out: list[Path] = []
+    for p in paths:
+        out += discover(p) if p.is_dir() else [p]
+    return out
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from loraflow.spec import load_spec
+
+    bad = 0
+    specs = _specs(args.specs)
+    if not specs:
+        print("no pipeline specs found", file=sys.stderr)
+        return 1
+    for path in specs:
+        try:
+            spec = load_spec(path)
+            print(f"ok       {path}  ({spec.name})")
+        except SpecError as exc:
+            bad += 1
+            print(f"INVALID  {exc}", file=sys.stderr)
+    print(f"{len(specs) - bad} valid, {bad} invalid")
+    return 1 if bad else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from loraflow.plan import describe
+    from loraflow.spec import load_spec
+
+    plan = describe(load_spec(args.spec), args.run_id)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    print(f"pipeline {plan['pipeline']}  run {plan['run_id']}  artifacts under {plan['artifact_root']}")
+    for s in plan["stages"]:
+        after = ", ".join(s["after"]) or "-"
+        print(f"\n{s['stage']}  (after: {after}; env: {s['environment']}; launcher: {s['launcher']})")
+        print(f"  output: {s['output']}/")
+        print("  argv:   " + " ".join(_quote(a) for a in s["argv"]))
+    return 0
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def cmd_seed(args: argparse.Namespace) -> int:
+    from loraflow.demo import seed_sources
+
+    for line in seed_sources(args.spec, args.model_dir):
+        print(line)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loraflow",
+        description="Declarative LoRA fine-tuning pipelines on Airflow. Specs live in pipelines/*.yaml.",
+        epilog="Run `make demo` to run the tiny pipeline end to end; see docs/quickstart.md.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check pipeline specs; print every problem; exit 1 if any is invalid")
+    v.add_argument("specs", nargs="*", type=Path, help=f"spec files or folders (default: {DEFAULT_DIR})")
+    v.set_defaults(fn=cmd_validate)
+    pl = sub.add_parser("plan", help="print the resolved plan of a spec: stages, environments, argv, URIs")
+    pl.add_argument("spec", type=Path)
+    pl.add_argument("--run-id", default="RUN_ID", help="run id to show in the artifact URIs")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("seed", help="upload a spec's tiny model and datasets to the (emulated) GCS bucket")
+    s.add_argument("spec", type=Path)
+    s.add_argument("--model-dir", type=Path, required=True, help="the tiny HF checkpoint made by loraflow.tinymodel")
+    s.set_defaults(fn=cmd_seed)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc: int = args.fn(args)
+        return rc
+    except LoraflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

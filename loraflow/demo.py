@@ -1,0 +1,355 @@
+"""Run loraflow locally the way it runs in production: Airflow + GCS, all on 127.0.0.1.
+
+    python -m loraflow.demo run     # `make demo`: start everything, run the tiny pipeline, print the verdict, stop
+    python -m loraflow.demo ui      # `make ui`: start everything and keep it up for the web UI
+
+The GCS emulator keeps its data under .demo/gcs, Airflow its database and logs under .demo/airflow.
+Airflow runs as its real components (API server, scheduler with the LocalExecutor, DAG processor)
+with a password generated at first start. Nothing here is imported by the DAGs or the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from loraflow import artifacts, gcs, local_gcs
+from loraflow.environments import ENVIRONMENTS, REPO_ROOT
+from loraflow.errors import LoraflowError
+from loraflow.spec import PipelineSpec, load_spec
+
+DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
+TINY_SPEC = REPO_ROOT / "pipelines" / "tiny-llama-lora.yaml"
+TINY_DATA = REPO_ROOT / "pipelines" / "data" / "parity"
+TERMINAL = {"success", "failed"}
+
+
+def say(message: str) -> None:
+    print(f"[loraflow] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------- sources
+
+
+def make_tiny_model(dest: Path) -> Path:
+    """The tiny HF checkpoint, made once by the trainer environment's Python (numpy, tokenizers)."""
+    if (dest / "model.safetensors").exists():
+        return dest
+    python = ENVIRONMENTS["trainer"].local_python()
+    subprocess.run(
+        [str(python), "-m", "loraflow.tinymodel", "--out", str(dest), "--corpus", str(TINY_DATA / "train.jsonl")],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    return dest
+
+
+def _upload_file(local: Path, uri: str) -> None:
+    bucket, path = gcs.split_uri(uri)
+    gcs.client().bucket(bucket).blob(path).upload_from_filename(str(local), checksum="crc32c")
+
+
+def seed_sources(spec_path: Path, model_dir: Path, data_dir: Path = TINY_DATA) -> Iterator[str]:
+    """Upload the tiny model and the task's datasets to where the spec expects them."""
+    spec = load_spec(spec_path)
+    client = gcs.client()
+    for uri in (spec.artifact_root, spec.base_model.hf_checkpoint, spec.data.train):
+        bucket = gcs.split_uri(uri)[0]
+        if client.lookup_bucket(bucket) is None:
+            client.create_bucket(bucket)
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        _upload_file(path, gcs.join(spec.base_model.hf_checkpoint, path.name))
+    yield f"model {model_dir} -> {spec.base_model.hf_checkpoint}"
+    for name, uri in (("train.jsonl", spec.data.train), ("eval.jsonl", spec.data.eval)):
+        _upload_file(data_dir / name, uri)
+        yield f"dataset {data_dir / name} -> {uri}"
+
+
+# ---------------------------------------------------------------------------------- Airflow
+
+
+class LocalAirflow:
+    """Airflow's API server, scheduler (LocalExecutor) and DAG processor on 127.0.0.1."""
+
+    def __init__(self, home: Path, env: dict[str, str], port: int | None = None, pipelines_dir: Path | None = None):
+        self.home = home
+        self.port = port or local_gcs.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.password = self._password()
+        self._token: str | None = None
+        bin_dir = Path(sys.executable).parent
+        self.airflow = str(bin_dir / "airflow")
+        self.env = {
+            **os.environ,
+            **env,
+            "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__BASE_URL": self.url,
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+            "AIRFLOW__API_AUTH__JWT_SECRET": self._secret("jwt_secret"),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(local_gcs.free_port()),
+        }
+        if pipelines_dir is not None:
+            self.env["LORAFLOW_PIPELINES_DIR"] = str(pipelines_dir)
+
+    def _secret(self, name: str) -> str:
+        path = self.home / name
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            path.write_text(secrets.token_urlsafe(24))
+            path.chmod(0o600)
+        return path.read_text().strip()
+
+    def _password(self) -> str:
+        password = self._secret("admin_password")
+        (self.home / "passwords.json").write_text(json.dumps({"admin": password}))
+        return password
+
+    def start(self, timeout: float = 180) -> None:
+        logs = self.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        subprocess.run([self.airflow, "db", "migrate"], env=self.env, check=True, stdout=subprocess.DEVNULL)
+        for component in (["api-server"], ["scheduler", "--skip-serve-logs"], ["dag-processor"]):
+            out = open(logs / f"{component[0]}.log", "ab")
+            self.procs.append(
+                subprocess.Popen([self.airflow, *component], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise LoraflowError(f"an Airflow component exited at start; see {logs}")
+            try:
+                self.token()
+                return
+            except (OSError, LoraflowError):
+                time.sleep(2)
+        raise LoraflowError(f"Airflow did not come up on {self.url} within {timeout:.0f} s; see {logs}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+    # REST ------------------------------------------------------------------------------------
+
+    def token(self) -> str:
+        if self._token is None:
+            body = json.dumps({"username": "admin", "password": self.password}).encode()
+            req = urllib.request.Request(
+                f"{self.url}/auth/token", body, {"Content-Type": "application/json"}, method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                self._token = json.load(resp)["access_token"]
+        return self._token
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"}
+        req = urllib.request.Request(f"{self.url}/api/v2{path}", data, headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                return exc.code, json.loads(text)
+            except ValueError:
+                return exc.code, text
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status, _ = self.call("GET", f"/dags/{dag_id}")
+            if status == 200:
+                return
+            time.sleep(2)
+        raise LoraflowError(f"DAG {dag_id} did not appear within {timeout:.0f} s; check `loraflow validate`")
+
+    def import_errors(self) -> list[dict[str, Any]]:
+        _, body = self.call("GET", "/importErrors")
+        errors: list[dict[str, Any]] = body.get("import_errors", []) if isinstance(body, dict) else []
+        return errors
+
+    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
+        self.call("PATCH", f"/dags/{dag_id}", {"is_paused": False})
+        status, body = self.call("POST", f"/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}})
+        if status != 200:
+            raise LoraflowError(f"Airflow refused the run (HTTP {status}): {body}")
+        run_id: str = body["dag_run_id"]
+        return run_id
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        _, body = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")
+        return {ti["task_id"]: ti["state"] for ti in body.get("task_instances", [])}
+
+    def wait_for_run(
+        self, dag_id: str, run_id: str, timeout: float = 1800, progress: Callable[[str], None] = say
+    ) -> str:
+        seen: dict[str, str | None] = {}
+        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            states = self.task_states(dag_id, run_id)
+            for task, state in states.items():
+                if state != seen.get(task) and state not in (None, "scheduled", "queued"):
+                    progress(f"{time.monotonic() - started:6.0f}s  {task:<20} {state}")
+            seen.update(states)
+            _, run = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
+            if run.get("state") in TERMINAL:
+                state: str = run["state"]
+                return state
+            time.sleep(3)
+        raise LoraflowError(f"run {run_id} of {dag_id} did not finish within {timeout:.0f} s")
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
+        status, body = self.call(
+            "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
+        )
+        return body.get("value") if status == 200 and isinstance(body, dict) else None
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+        status, body = self.call(
+            "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}?full_content=true"
+        )
+        if status != 200 or not isinstance(body, dict):
+            return ""
+        content = body.get("content", [])
+        if isinstance(content, list):
+            return "\n".join(str(c.get("event", c)) if isinstance(c, dict) else str(c) for c in content)
+        return str(content)
+
+
+@contextmanager
+def local_stack(home: Path = DEMO_HOME, in_memory: bool = False, pipelines_dir: Path | None = None) -> Iterator[LocalAirflow]:
+    """The GCS emulator + Airflow, started and (always) stopped again."""
+    home.mkdir(parents=True, exist_ok=True)
+    emulator = local_gcs.start("loraflow-demo", None if in_memory else home / "gcs", log=home / "gcs-emulator.log")
+    os.environ.update(emulator.env())
+    gcs.client.cache_clear()
+    airflow = LocalAirflow(home / "airflow", emulator.env(), pipelines_dir=pipelines_dir)
+    try:
+        say(f"GCS emulator on {emulator.host}; starting Airflow on {airflow.url} ...")
+        airflow.start()
+        yield airflow
+    finally:
+        airflow.stop()
+        emulator.stop()
+
+
+# ---------------------------------------------------------------------------------- reporting
+
+
+def verdict(spec: PipelineSpec, airflow: LocalAirflow, run_id: str) -> dict[str, Any]:
+    """What a person wants at the end of a run: metrics before and after, the decision, where it all is."""
+    results = {task: airflow.xcom(spec.name, run_id, task) for task in airflow.task_states(spec.name, run_id)}
+    gate = results.get("gate") or {}
+    decision = artifacts.read_manifest(gate["manifest"]).summary if gate else {}
+    return {
+        "run_id": run_id,
+        "base": (results.get("evaluate_base") or {}).get("summary", {}),
+        "tuned": (results.get("evaluate_tuned") or {}).get("summary", {}),
+        "decision": decision,
+        "published": (results.get("publish") or {}).get("summary"),
+        "cached": sorted(t for t, r in results.items() if r and r.get("cached")),
+        "artifacts": gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id)),
+    }
+
+
+def print_verdict(v: dict[str, Any]) -> None:
+    d = v["decision"]
+    say("-" * 72)
+    say(f"run {v['run_id']}")
+    say(f"accuracy before SFT: {v['base'].get('accuracy')}  after: {v['tuned'].get('accuracy')}")
+    say(f"gate: {'PROMOTE' if d.get('promote') else 'do not promote'} - {d.get('reason', '')}")
+    if v["published"]:
+        say(f"published: {v['published']}")
+    if v["cached"]:
+        say(f"reused from the cache: {', '.join(v['cached'])}")
+    say(f"artifacts: {v['artifacts']}/ (GCS emulator data in {DEMO_HOME / 'gcs'})")
+
+
+def prepare(spec_path: Path = TINY_SPEC) -> PipelineSpec:
+    spec = load_spec(spec_path)
+    model = make_tiny_model(DEMO_HOME / "tiny-llama")
+    for line in seed_sources(spec_path, model):
+        say(line)
+    return spec
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    with local_stack() as airflow:
+        spec = prepare()
+        airflow.wait_for_dag(spec.name)
+        conf = json.loads(args.conf)
+        run_id = airflow.trigger(spec.name, conf)
+        say(f"triggered {spec.name} run {run_id} with {conf or 'the spec defaults'}")
+        state = airflow.wait_for_run(spec.name, run_id)
+        print_verdict(verdict(spec, airflow, run_id))
+        say(f"run {state}; Airflow logs under {airflow.home / 'logs'}")
+        return 0 if state == "success" else 1
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    with local_stack() as airflow:
+        spec = prepare()
+        airflow.wait_for_dag(spec.name)
+        say(f"Airflow UI: {airflow.url}  user: admin  password: {airflow.password}")
+        say(f"open {airflow.url}/dags/{spec.name}, press Trigger, change a parameter, run. Ctrl-C stops everything.")
+        try:
+            while all(p.poll() is None for p in airflow.procs):
+                time.sleep(2)
+        except KeyboardInterrupt:
+            say("stopping")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loraflow.demo", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the tiny pipeline once on a local Airflow and print the verdict")
+    r.add_argument("--conf", default="{}", help="trigger parameters as JSON, e.g. '{\"training_steps\": 100}'")
+    r.set_defaults(fn=cmd_run)
+    u = sub.add_parser("ui", help="start GCS emulator + Airflow and keep them up for the web UI")
+    u.set_defaults(fn=cmd_ui)
+    args = p.parse_args(argv)
+    try:
+        rc: int = args.fn(args)
+        return rc
+    except LoraflowError as exc:
+        say(f"error: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

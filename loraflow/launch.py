@@ -1,0 +1,94 @@
+"""How a step program is started. Here: the local launcher (a subprocess in the stage's venv).
+
+Vertex AI and GKE launchers start the stage's image with the same argv; the local launcher is what
+runs the tiny pipeline on one machine, and what a Vertex/GKE host does inside its container.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+from loraflow.environments import REPO_ROOT
+from loraflow.errors import StepError
+
+LineSink = Callable[[str], None]
+
+# Variables a step program may need from the launching process; nothing else leaks through.
+_PASSTHROUGH = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_CLOUD_PROJECT",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "LORAFLOW_SCRATCH",
+    "LORAFLOW_ENVS_DIR",
+    "JAX_PLATFORMS",
+    "XLA_FLAGS",
+)
+
+
+def step_environment(extra: Mapping[str, str] = {}) -> dict[str, str]:
+    env = {k: os.environ[k] for k in _PASSTHROUGH if k in os.environ}
+    env.setdefault("JAX_PLATFORMS", os.environ.get("LORAFLOW_JAX_PLATFORMS", "cpu"))
+    env |= {
+        "PYTHONPATH": str(REPO_ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    env |= dict(extra)
+    return env
+
+
+class LocalLauncher:
+    """Runs one step program as a child process group and streams its output line by line."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+
+    def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
+        with self._lock:
+            self._proc = subprocess.Popen(
+                list(argv),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+                env=step_environment(extra_env),
+                cwd=str(REPO_ROOT),
+                start_new_session=True,  # its own process group: kill() reaches every child
+            )
+        proc = self._proc
+        assert proc.stdout is not None
+        tail: list[str] = []
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            sink(line)
+            tail = (tail + [line])[-20:]
+        rc = proc.wait()
+        if rc != 0:
+            reason = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+            last = next((t for t in reversed(tail) if "ERROR" in t or "Error" in t), tail[-1] if tail else "")
+            raise StepError(f"step {argv[2] if len(argv) > 2 else argv[0]} failed ({reason}): {last.strip()}")
+
+    def kill(self) -> None:
+        """Terminate the step program and everything it started (Airflow's on_kill)."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

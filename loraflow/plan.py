@@ -1,0 +1,160 @@
+"""From a spec to a plan: the stages, their order, environments, inputs, configs and argv.
+
+Pure: no I/O. ``loraflow plan SPEC`` prints it; the operators run it one stage at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraflow import artifacts
+from loraflow.environments import ENVIRONMENTS, Environment
+from loraflow.spec import PipelineSpec
+
+
+@dataclass(frozen=True)
+class Source:
+    """An input that is not a loraflow artifact: a dataset, a Hugging Face checkpoint."""
+
+    uri: str
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An input that is another stage's committed output (its manifest)."""
+
+    stage: str
+    fetch: bool = True  # False: only referenced (fingerprinted, not downloaded)
+
+
+Input = Source | Upstream
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    env: Environment
+    module: str
+    inputs: dict[str, Input]
+    config: dict[str, Any]
+    cacheable: bool = True
+    upstream: tuple[str, ...] = field(default=())
+
+    def argv(self, python: str, output: str, inputs: dict[str, str], lock_version: str, cache_key: str) -> list[str]:
+        """The step program's command line: the same for every launcher."""
+        argv = [python, "-m", self.module, "--output", output]
+        for name, uri in inputs.items():
+            ref = self.inputs[name]
+            flag = "--ref" if isinstance(ref, Upstream) and not ref.fetch else "--input"
+            argv += [flag, f"{name}={uri}"]
+        argv += ["--config-json", json.dumps(self.config, sort_keys=True)]
+        argv += ["--lock-version", lock_version, "--cache-key", cache_key]
+        return argv
+
+
+def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
+    """Every stage of the pipeline, in an order where each stage follows its inputs."""
+    ctl, trn, srv = ENVIRONMENTS["control"], ENVIRONMENTS["trainer"], ENVIRONMENTS["serving"]
+    model = {"model_name": spec.base_model.maxtext_model, "model_overrides": dict(spec.base_model.model_overrides)}
+    evaluation = spec.evaluation.model_dump(mode="json") | {"dtype": spec.training.dtype}
+    plans = [
+        StagePlan(
+            "validate_data",
+            ctl,
+            "loraflow.steps.validate_data",
+            {"train": Source(spec.data.train), "eval": Source(spec.data.eval), "tokenizer": Source(spec.tokenizer_uri)},
+            spec.data.model_dump(mode="json", exclude={"train", "eval"}),
+        ),
+        StagePlan(
+            "convert_checkpoint",
+            trn,
+            "loraflow.steps.convert_checkpoint",
+            {"hf_checkpoint": Source(spec.base_model.hf_checkpoint)},
+            model | {"scan_layers": True},
+        ),
+        StagePlan(
+            "evaluate_base",
+            srv,
+            "loraflow.steps.evaluate",
+            {"model": Source(spec.base_model.hf_checkpoint), "eval_set": Upstream("validate_data")},
+            evaluation,
+        ),
+        StagePlan(
+            "lora_sft",
+            trn,
+            "loraflow.steps.lora_sft",
+            {
+                "checkpoint": Upstream("convert_checkpoint"),
+                "dataset": Upstream("validate_data"),
+                "tokenizer": Source(spec.tokenizer_uri),
+            },
+            model | spec.lora.model_dump(mode="json") | spec.training.model_dump(mode="json"),
+        ),
+        StagePlan(
+            "merge_adapter",
+            trn,
+            "loraflow.steps.merge_adapter",
+            {"base": Source(spec.base_model.hf_checkpoint), "adapter": Upstream("lora_sft")},
+            {"shard_size_mb": 500},
+        ),
+        StagePlan(
+            "evaluate_tuned",
+            srv,
+            "loraflow.steps.evaluate",
+            {"model": Upstream("merge_adapter"), "eval_set": Upstream("validate_data")},
+            evaluation,
+        ),
+        StagePlan(
+            "gate",
+            ctl,
+            "loraflow.steps.gate",
+            {"base_eval": Upstream("evaluate_base"), "tuned_eval": Upstream("evaluate_tuned")},
+            spec.gate.model_dump(mode="json"),
+        ),
+        StagePlan(
+            "publish",
+            ctl,
+            "loraflow.steps.publish",
+            {"model": Upstream("merge_adapter", fetch=False), "decision": Upstream("gate")},
+            {"registry_uri": spec.registry_uri, "pipeline": spec.name},
+            cacheable=False,
+        ),
+    ]
+    out: dict[str, StagePlan] = {}
+    for p in plans:
+        ups = tuple(dict.fromkeys(i.stage for i in p.inputs.values() if isinstance(i, Upstream)))
+        # Nothing is converted or trained before the data contract holds.
+        if p.stage == "convert_checkpoint":
+            ups = ("validate_data",)
+        out[p.stage] = StagePlan(p.stage, p.env, p.module, p.inputs, p.config, p.cacheable, ups)
+    return out
+
+
+def output_prefix(spec: PipelineSpec, run_id: str, stage: str) -> str:
+    return artifacts.stage_prefix(spec.artifact_root, spec.name, run_id, stage)
+
+
+def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
+    """The resolved plan as data: what ``loraflow plan`` prints."""
+    stages = []
+    for sp in stage_plans(spec).values():
+        inputs = {
+            name: ref.uri if isinstance(ref, Source) else artifacts.manifest_uri(output_prefix(spec, run_id, ref.stage))
+            for name, ref in sp.inputs.items()
+        }
+        compute = spec.compute_for(sp.stage)
+        python = "python" if compute.launcher != "local" else str(sp.env.lock_file.parent.parent / ".venvs" / sp.env.name / "bin" / "python")
+        stages.append(
+            {
+                "stage": sp.stage,
+                "after": list(sp.upstream),
+                "environment": sp.env.name,
+                "launcher": compute.model_dump(mode="json", exclude_defaults=True) or {"launcher": "local"},
+                "output": output_prefix(spec, run_id, sp.stage),
+                "cached": sp.cacheable,
+                "argv": sp.argv(python, output_prefix(spec, run_id, sp.stage), inputs, "LOCK", "CACHE_KEY"),
+            }
+        )
+    return {"pipeline": spec.name, "run_id": run_id, "artifact_root": spec.artifact_root, "stages": stages}

@@ -1,0 +1,95 @@
+"""Build one Airflow DAG per pipeline spec. Reads YAML; imports nothing heavy."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import DAG, Asset, Param
+
+from loraflow.errors import SpecError
+from loraflow.plan import stage_plans
+from loraflow.spec import PipelineSpec, discover, get_path, load_spec, param_name
+from operators.stages import OPERATORS
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def trigger_params(spec: PipelineSpec) -> dict[str, Param]:
+    """The spec's overridable settings as Airflow Params (the trigger form shows and checks them)."""
+    params = {}
+    for p in spec.params:
+        default = get_path(spec, p.path)
+        kind = _JSON_TYPES.get(type(default), "string")
+        schema: dict[str, Any] = {"type": kind}
+        if p.minimum is not None:
+            schema["minimum"] = p.minimum
+        if p.maximum is not None:
+            schema["maximum"] = p.maximum
+        if p.enum is not None:
+            schema["enum"] = p.enum
+        bounds = ", ".join(f"{k} {schema[k]}" for k in ("minimum", "maximum") if k in schema)
+        description = (p.description or f"overrides {p.path}") + (f" ({bounds})" if bounds else "")
+        params[param_name(p.path)] = Param(default, title=p.path, description=description, **schema)
+    return params
+
+
+def _schedule(spec: PipelineSpec) -> Any:
+    if isinstance(spec.schedule, dict):
+        return [Asset(spec.schedule["asset"])]
+    return spec.schedule
+
+
+def build_dag(spec: PipelineSpec, source: Path) -> DAG:
+    plans = stage_plans(spec)
+    doc = f"### {spec.name}\n\n{spec.description}\n\nSpec: `{source.name}`. Run `loraflow plan {source}` to see every step."
+    with DAG(
+        dag_id=spec.name,
+        description=(spec.description.splitlines() or [""])[0][:200],
+        doc_md=doc,
+        schedule=_schedule(spec),
+        start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+        catchup=False,
+        max_active_runs=4,
+        params=trigger_params(spec),
+        tags=["loraflow", *spec.tags],
+        default_args={"retries": 0},
+    ) as dag:
+        spec_data = spec.model_dump(mode="json")
+        tasks = {stage: OPERATORS[stage](spec=spec_data) for stage in plans}
+        for stage, plan in plans.items():
+            for upstream in plan.upstream:
+                tasks[upstream] >> tasks[stage]
+    return dag
+
+
+class InvalidSpecs(DAG):
+    """Stands in for the specs that failed validation: Airflow records its validate() error as the
+    file's import error (naming each spec and its problems) while every valid spec's DAG loads."""
+
+    def validate(self) -> None:
+        raise InvalidSpecsError(self.doc_md or "")
+
+
+class InvalidSpecsError(Exception):
+    """The import error Airflow shows for the invalid specs."""
+
+
+def load_pipelines(folder: Path) -> dict[str, DAG]:
+    dags: dict[str, DAG] = {}
+    errors: list[str] = []
+    for path in discover(folder):
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            errors.append(str(exc))
+            continue
+        if spec.name in dags:
+            errors.append(f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique")
+            continue
+        dags[spec.name] = build_dag(spec, path)
+    if errors:
+        message = "invalid pipeline spec(s); their DAGs are not loaded, the others are:\n" + "\n".join(errors)
+        dags["_loraflow_invalid_specs"] = InvalidSpecs(dag_id="_loraflow_invalid_specs", doc_md=message, schedule=None)
+    return dags

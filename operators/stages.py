@@ -1,0 +1,115 @@
+"""One operator per pipeline stage. Each is thin: spec + trigger params -> runner -> manifest URI."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from airflow.sdk import BaseOperator, Context
+
+from loraflow import runner
+from loraflow.launch import LocalLauncher
+from loraflow.plan import stage_plans
+from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
+
+
+def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
+    """The spec as this run sees it: the DAG's spec with the trigger form's values applied."""
+    base = validate_spec(spec, f"pipeline {spec.get('name')}")
+    overrides = {p.path: params[param_name(p.path)] for p in base.params if param_name(p.path) in params}
+    return with_overrides(base, overrides) if overrides else base
+
+
+class LoraflowStageOperator(BaseOperator):
+    """Runs one stage's step program and pushes its manifest URI (never its data) to XCom."""
+
+    stage: ClassVar[str]
+    ui_color = "#e8f0fe"
+
+    def __init__(self, *, spec: dict[str, Any], **kwargs: Any) -> None:
+        kwargs.setdefault("task_id", self.stage)
+        super().__init__(**kwargs)
+        self.spec = spec
+        self._launcher: LocalLauncher | None = None
+
+    def upstream_manifests(self, context: Context, spec: PipelineSpec) -> dict[str, str]:
+        ti = context["ti"]
+        out = {}
+        for stage in stage_plans(spec)[self.stage].upstream:
+            result = ti.xcom_pull(task_ids=stage)
+            if result is not None:
+                out[stage] = result["manifest"]
+        return out
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = resolve_spec(self.spec, dict(context["params"]))
+        self._launcher = LocalLauncher()
+        result = runner.run_stage(
+            spec, self.stage, context["run_id"], self.upstream_manifests(context, spec), self.log.info, self._launcher
+        )
+        self.log.info("%s %s: %s", self.stage, "reused" if result.cached else "committed", result.manifest)
+        for key, value in result.summary.items():
+            self.log.info("  %s = %s", key, value)
+        return result.to_xcom()
+
+    def on_kill(self) -> None:
+        if self._launcher is not None:
+            self._launcher.kill()
+
+
+class ValidateDataOperator(LoraflowStageOperator):
+    stage = "validate_data"
+
+
+class ConvertCheckpointOperator(LoraflowStageOperator):
+    stage = "convert_checkpoint"
+
+
+class EvaluateBaseOperator(LoraflowStageOperator):
+    stage = "evaluate_base"
+
+
+class LoraSftOperator(LoraflowStageOperator):
+    stage = "lora_sft"
+    ui_color = "#fce8e6"
+
+
+class MergeAdapterOperator(LoraflowStageOperator):
+    stage = "merge_adapter"
+
+
+class EvaluateTunedOperator(LoraflowStageOperator):
+    stage = "evaluate_tuned"
+
+
+class GateOperator(LoraflowStageOperator):
+    stage = "gate"
+
+
+class PublishOperator(LoraflowStageOperator):
+    """Publishes only what the gate promoted; otherwise the task is skipped with the gate's reason."""
+
+    stage = "publish"
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from airflow.exceptions import AirflowSkipException
+
+        decision = context["ti"].xcom_pull(task_ids="gate") or {}
+        summary = decision.get("summary", {})
+        if not summary.get("promote"):
+            raise AirflowSkipException(f"not published: the gate did not promote ({summary.get('reason', 'no decision')})")
+        return super().execute(context)
+
+
+OPERATORS: dict[str, type[LoraflowStageOperator]] = {
+    op.stage: op
+    for op in (
+        ValidateDataOperator,
+        ConvertCheckpointOperator,
+        EvaluateBaseOperator,
+        LoraSftOperator,
+        MergeAdapterOperator,
+        EvaluateTunedOperator,
+        GateOperator,
+        PublishOperator,
+    )
+}
