@@ -85,17 +85,8 @@ class TrainingSpec(_Model):
     learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(512, ge=8, description="tokens per packed training sequence")
     seed: int = Field(0, ge=0, description="data order and initialisation seed")
-    checkpoint_period: int = Field(50, ge=1, description="save an Orbax checkpoint every N steps")
+    checkpoint_period: int = Field(50, ge=1, description="save an Orbax checkpoint every N steps (and at the end)")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="compute dtype (float32 on CPU)")
-
-    @model_validator(mode="after")
-    def _period_within_steps(self) -> TrainingSpec:
-        if self.checkpoint_period > self.steps:
-            raise ValueError(
-                f"checkpoint_period ({self.checkpoint_period}) is larger than steps ({self.steps}); "
-                "set checkpoint_period <= steps"
-            )
-        return self
 
 
 class EvaluationSpec(_Model):

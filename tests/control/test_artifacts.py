@@ -1,0 +1,135 @@
+"""The GCS hand-off contract, against the GCS emulator through the real client library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loraflow import artifacts, gcs
+from loraflow.errors import ArtifactError, DataValidationError
+from loraflow.steps._harness import StepContext, run_step
+
+
+def blob(uri: str):
+    bucket, path = gcs.split_uri(uri)
+    return gcs.client().bucket(bucket).blob(path)
+
+
+def commit_dir(tmp_path: Path, prefix: str, files: dict[str, bytes]) -> artifacts.Manifest:
+    src = tmp_path / "src"
+    for name, data in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    table = artifacts.upload_tree(src, prefix)
+    return artifacts.commit(
+        prefix, table, stage="s", inputs={}, config={"a": 1}, lock_version="L", cache_key="K", summary={"n": 1}
+    )
+
+
+def test_commit_then_fetch_round_trip(gcs_bucket: str, tmp_path: Path) -> None:
+    prefix = f"{gcs_bucket}/p/run-1/s"
+    m = commit_dir(tmp_path, prefix, {"a.bin": b"\x00" * 1000, "sub/b.txt": b"hello"})
+    read = artifacts.read_manifest(prefix)
+    assert read.files == m.files and read.files["sub/b.txt"]["size"] == 5
+    out = artifacts.fetch(read, tmp_path / "out")
+    assert (out / "sub" / "b.txt").read_bytes() == b"hello"
+
+
+def test_a_prefix_without_manifest_is_not_an_artifact(gcs_bucket: str, tmp_path: Path) -> None:
+    blob(f"{gcs_bucket}/p/run-1/s/a.bin").upload_from_string(b"partial")
+    with pytest.raises(ArtifactError, match="_MANIFEST.json is missing"):
+        artifacts.read_manifest(f"{gcs_bucket}/p/run-1/s")
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda b: b.upload_from_string(b"hellO"), "fails its checksum"),
+        (lambda b: b.upload_from_string(b"hell"), "has 4 bytes, the manifest says 5"),
+        (lambda b: b.delete(), "missing from GCS"),
+    ],
+    ids=["flipped-byte", "truncated", "deleted"],
+)
+def test_tampering_is_detected_and_names_the_file(gcs_bucket: str, tmp_path: Path, damage, says: str) -> None:
+    prefix = f"{gcs_bucket}/p/run-1/s"
+    m = commit_dir(tmp_path, prefix, {"a.bin": b"1234", "sub/b.txt": b"hello"})
+    damage(blob(f"{prefix}/sub/b.txt"))
+    with pytest.raises(ArtifactError, match=says) as err:
+        artifacts.fetch(artifacts.read_manifest(m.uri), tmp_path / "out")
+    assert "'sub/b.txt'" in str(err.value)
+
+
+def test_a_manifest_copied_from_another_run_is_refused(gcs_bucket: str, tmp_path: Path) -> None:
+    m = commit_dir(tmp_path, f"{gcs_bucket}/p/run-1/s", {"a.bin": b"x"})
+    other = f"{gcs_bucket}/p/run-2/s"
+    blob(f"{other}/a.bin").upload_from_string(b"x")
+    blob(f"{other}/_MANIFEST.json").upload_from_string(json.dumps(m.data))
+    with pytest.raises(ArtifactError, match="copied from another run"):
+        artifacts.read_manifest(other)
+
+
+def test_cache_points_at_a_whole_committed_manifest(gcs_bucket: str, tmp_path: Path) -> None:
+    m = commit_dir(tmp_path, f"{gcs_bucket}/p/run-1/s", {"a.bin": b"x"})
+    assert artifacts.cache_lookup(gcs_bucket, "s", "K") is None
+    artifacts.cache_store(gcs_bucket, "s", "K", m)
+    assert artifacts.cache_lookup(gcs_bucket, "s", "K").uri == m.uri
+    blob(f"{gcs_bucket}/p/run-1/s/a.bin").upload_from_string(b"y")  # the cached files changed under it
+    assert artifacts.cache_lookup(gcs_bucket, "s", "K") is None
+
+
+def test_cache_key_depends_on_inputs_config_and_lock() -> None:
+    base = artifacts.cache_key({"a": "f1"}, {"lr": 1}, "L1")
+    assert base == artifacts.cache_key({"a": "f1"}, {"lr": 1}, "L1")
+    assert len({base, artifacts.cache_key({"a": "f2"}, {"lr": 1}, "L1"),
+                artifacts.cache_key({"a": "f1"}, {"lr": 2}, "L1"),
+                artifacts.cache_key({"a": "f1"}, {"lr": 1}, "L2")}) == 4  # fmt: skip
+
+
+def test_run_ids_become_plain_object_names() -> None:
+    assert artifacts.safe_run_id("manual__2026-12-02T21:00:00+00:00") == "manual__2026-12-02T21-00-00-00-00"
+    with pytest.raises(ArtifactError):
+        artifacts.safe_run_id("::")
+
+
+# ----------------------------------------------------------------------------- the step harness
+
+
+def _echo_step(ctx: StepContext) -> dict:
+    text = (ctx.inputs["data"] / "in.txt").read_text()
+    (ctx.out / "out.txt").write_text(text.upper())
+    return {"chars": len(text)}
+
+
+def _rejecting_step(ctx: StepContext) -> dict:
+    (ctx.out / "report.json").write_text('{"failed": 3}')
+    raise DataValidationError("3 rows are empty")
+
+
+def test_harness_fetches_runs_and_commits(gcs_bucket: str) -> None:
+    blob(f"{gcs_bucket}/src/in.txt").upload_from_string(b"abc")
+    out = f"{gcs_bucket}/p/r/echo"
+    argv = ["--output", out, "--input", f"data={gcs_bucket}/src/in.txt", "--cache-key", "K1", "--config-json", '{"x": 1}']
+    assert run_step("echo", _echo_step, argv) == 0
+    m = artifacts.read_manifest(out)
+    assert m.summary["chars"] == 3 and m.data["config"] == {"x": 1} and m.data["cache_key"] == "K1"
+    assert m.data["inputs"]["data"]["fingerprint"]
+    assert blob(f"{out}/out.txt").download_as_bytes() == b"ABC"
+    # A retry after the commit is a no-op; a different cache key never overwrites the artifact.
+    assert run_step("echo", _echo_step, argv) == 0
+    assert run_step("echo", _echo_step, [*argv[:-4], "--cache-key", "K2"]) == 2
+
+
+def test_a_rejected_step_keeps_evidence_but_commits_nothing(gcs_bucket: str) -> None:
+    out = f"{gcs_bucket}/p/r/validate"
+    assert run_step("validate", _rejecting_step, ["--output", out]) != 0
+    with pytest.raises(ArtifactError):
+        artifacts.read_manifest(out)
+    assert json.loads(blob(f"{out}/_rejected/report.json").download_as_bytes()) == {"failed": 3}
+
+
+def test_harness_refuses_a_non_gcs_input(gcs_bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = run_step("echo", _echo_step, ["--output", f"{gcs_bucket}/p/r/e", "--input", "data=/etc/passwd"])
+    assert rc == 2
+    assert "not a gs:// URI" in capsys.readouterr().err

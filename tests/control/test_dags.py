@@ -1,0 +1,83 @@
+"""The DAG folder: one DAG per spec, trigger-form Params, import discipline, invalid specs isolated."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = [
+    "jax", "maxtext", "tunix", "qwix", "vllm", "torch", "transformers", "great_expectations",
+    "google.cloud.aiplatform", "gcsfs", "pandas", "numpy",
+]  # fmt: skip
+
+# Parse the DAG folder in a fresh interpreter, as the DAG processor does, and report what it saw.
+PARSE = r"""
+import json, os, sys
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=os.environ["DAGS"])
+heavy = [m for m in json.loads(os.environ["HEAVY"]) if m in sys.modules]
+print(json.dumps({
+    "dags": sorted(bag.dag_ids),
+    "errors": {k: v for k, v in bag.import_errors.items()},
+    "heavy": heavy,
+    "tasks": {d: sorted(t.task_id for t in bag.dags[d].tasks) for d in bag.dag_ids},
+    "params": {d: {k: v.schema for k, v in bag.dags[d].params.items()} for d in bag.dag_ids},
+}))
+"""
+
+
+def parse(pipelines: Path, tmp_path: Path) -> dict:
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path / "airflow"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "LORAFLOW_PIPELINES_DIR": str(pipelines),
+        "DAGS": str(REPO / "dags"),
+        "HEAVY": json.dumps(HEAVY),
+    }
+    out = subprocess.run([sys.executable, "-c", PARSE], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return parse(REPO / "pipelines", tmp_path_factory.mktemp("parse"))
+
+
+def test_one_dag_per_shipped_spec(shipped: dict) -> None:
+    assert shipped["errors"] == {}
+    assert shipped["dags"] == ["llama31-8b-lora", "tiny-llama-lora"]
+    assert shipped["tasks"]["tiny-llama-lora"] == sorted(
+        ["validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned", "gate", "publish"]
+    )
+
+
+def test_parsing_imports_no_heavy_library(shipped: dict) -> None:
+    assert shipped["heavy"] == []
+
+
+def test_overridable_settings_become_params_with_bounds(shipped: dict) -> None:
+    params = shipped["params"]["tiny-llama-lora"]
+    assert params["training_steps"] == {"title": "training.steps", "type": "integer", "minimum": 10, "maximum": 2000}
+    assert params["training_learning_rate"]["type"] == "number"
+
+
+def test_invalid_spec_is_an_import_error_and_the_others_still_load(tmp_path: Path) -> None:
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    shutil.copy(REPO / "pipelines" / "tiny-llama-lora.yaml", folder)
+    broken = (REPO / "pipelines" / "tiny-llama-lora.yaml").read_text()
+    broken = broken.replace("name: tiny-llama-lora", "name: broken-one").replace("rank: 16", "rank: zero")
+    (folder / "broken-one.yaml").write_text(broken.replace("steps: 150", "steps: -1"))
+    result = parse(folder, tmp_path)
+    assert result["dags"] == ["tiny-llama-lora"]
+    [message] = result["errors"].values()
+    assert "broken-one.yaml" in message
+    assert "lora.rank" in message and "training.steps" in message

@@ -1,0 +1,92 @@
+"""The spec schema: shipped specs validate; broken ones fail with every problem named and a fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loraflow.errors import SpecError
+from loraflow.spec import discover, load_spec, validate_spec, with_overrides
+
+PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
+TINY = PIPELINES / "tiny-llama-lora.yaml"
+
+
+def tiny_data() -> dict:
+    return yaml.safe_load(TINY.read_text())
+
+
+@pytest.mark.parametrize("path", discover(PIPELINES), ids=lambda p: p.name)
+def test_shipped_specs_validate(path: Path) -> None:
+    spec = load_spec(path)
+    assert spec.name == path.stem
+    assert path.read_text().startswith("#"), "each shipped spec opens with a comment saying what it runs"
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = tiny_data()
+    data["training"]["steps"] = "many"
+    data["lora"]["rank"] = 0
+    data["data"]["train"] = "/home/me/train.jsonl"
+    data["gate"]["surprise"] = True
+    del data["base_model"]["maxtext_model"]
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "broken.yaml")
+    paths = {p for p, _ in err.value.problems}
+    assert {"training.steps", "lora.rank", "data.train", "gate.surprise", "base_model.maxtext_model"} <= paths
+    text = str(err.value)
+    assert "broken.yaml: 5 problem(s)" in text
+    assert "write gs://BUCKET/PATH" in text  # the fix, not just the complaint
+    assert "unknown key; remove it" in text
+    assert "required; add it" in text
+
+
+@pytest.mark.parametrize(
+    ("change", "where", "says"),
+    [
+        (lambda d: d.update(name="Tiny_LLama"), "name", "lowercase letters"),
+        (lambda d: d.update(schedule="every day"), "schedule", "five fields"),
+        (lambda d: d.update(schedule={"asset": "s3://x/y"}), "schedule", "gs://"),
+        (lambda d: d.update(artifact_root="gs://bucket/../other"), "artifact_root", "'..'"),
+        (lambda d: d["data"].update(min_rows=0), "data.min_rows", "greater than or equal to 1"),
+        (lambda d: d["evaluation"].update(answer_pattern="(unclosed"), "evaluation.answer_pattern", "regular expression"),
+        (lambda d: d["evaluation"].update(answer_pattern="no group"), "evaluation.answer_pattern", "capturing group"),
+        (lambda d: d["compute"].update(lora_sfft={"launcher": "local"}), "compute", "unknown stage"),
+        (lambda d: d["compute"].update(lora_sft={"launcher": "vertex"}), "compute.lora_sft", "needs image"),
+        (lambda d: d["compute"].update(lora_sft={"launcher": "local", "hosts": 4}), "compute.lora_sft", "hosts: 1"),
+        (lambda d: d["params"].append({"path": "training.nope"}), "(top level)", "training.nope is not a setting"),
+        (lambda d: d["params"].append({"path": "lora"}), "(top level)", "is a section"),
+        (lambda d: d["training"].update(dtype="float16"), "training.dtype", "float32"),
+    ],
+)
+def test_broken_spec_names_key_and_fix(change, where: str, says: str) -> None:
+    data = tiny_data()
+    change(data)
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert any(p == where and says in m for p, m in err.value.problems), err.value.problems
+
+
+def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nlora: [unclosed\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(bad)
+    assert "line" in err.value.problems[0][0] and "not valid YAML" in err.value.problems[0][1]
+
+
+def test_file_name_must_match_pipeline_name(tmp_path: Path) -> None:
+    other = tmp_path / "other.yaml"
+    other.write_text(TINY.read_text())
+    with pytest.raises(SpecError, match="make them match"):
+        load_spec(other)
+
+
+def test_overrides_are_validated_like_the_spec() -> None:
+    spec = load_spec(TINY)
+    assert with_overrides(spec, {"training.steps": 20}).training.steps == 20
+    with pytest.raises(SpecError) as err:
+        with_overrides(spec, {"training.steps": 0, "lora.rank": "big"})
+    assert {p for p, _ in err.value.problems} == {"training.steps", "lora.rank"}
