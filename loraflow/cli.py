@@ -74,6 +74,13 @@ def cmd_seed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spec_reference(args: argparse.Namespace) -> int:
+    from loraflow.specdoc import render
+
+    print(render(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loraflow",
@@ -89,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--run-id", default="RUN_ID", help="run id to show in the artifact URIs")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(fn=cmd_plan)
+    r = sub.add_parser("spec-reference", help="print the spec reference (markdown) generated from the schema")
+    r.set_defaults(fn=cmd_spec_reference)
     s = sub.add_parser("seed", help="upload a spec's tiny model and datasets to the (emulated) GCS bucket")
     s.add_argument("spec", type=Path)
     s.add_argument("--model-dir", type=Path, required=True, help="the tiny HF checkpoint made by loraflow.tinymodel")

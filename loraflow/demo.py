@@ -299,10 +299,11 @@ def print_verdict(v: dict[str, Any]) -> None:
     say(f"artifacts: {v['artifacts']}/ (GCS emulator data in {DEMO_HOME / 'gcs'})")
 
 
-def prepare(spec_path: Path = TINY_SPEC) -> PipelineSpec:
+def prepare(spec_path: Path = TINY_SPEC, home: Path = DEMO_HOME, data_dir: Path = TINY_DATA) -> PipelineSpec:
+    """Make the tiny model (once) and upload it and the task's data where the spec reads them."""
     spec = load_spec(spec_path)
-    model = make_tiny_model(DEMO_HOME / "tiny-llama")
-    for line in seed_sources(spec_path, model):
+    model = make_tiny_model(home / "tiny-llama")
+    for line in seed_sources(spec_path, model, data_dir):
         say(line)
     return spec
 

@@ -164,7 +164,7 @@ ScheduleSpec = Annotated[
 
 class PipelineSpec(_Model):
     name: str = Field(description="pipeline name: lowercase letters, digits, dashes; the DAG id")
-    description: str = ""
+    description: str = Field("", description="shown in the Airflow UI")
     schedule: ScheduleSpec = None
     artifact_root: GsUri = Field(description="gs:// prefix under which every run writes")
     base_model: BaseModelSpec
@@ -178,7 +178,7 @@ class PipelineSpec(_Model):
         default_factory=dict, description="per stage (or 'default') where it runs"
     )
     params: list[ParamSpec] = Field(default_factory=list, description="settings overridable at trigger time")
-    tags: list[str] = Field(default_factory=list)
+    tags: list[str] = Field(default_factory=list, description="extra Airflow DAG tags (loraflow is always one)")
 
     _uris = field_validator("artifact_root")(_gs_uri)
 

@@ -56,3 +56,10 @@ def test_plan_argv_never_goes_through_a_shell() -> None:
     spec = load_spec(PIPELINES / "tiny-llama-lora.yaml")
     for stage in describe(spec)["stages"]:
         assert isinstance(stage["argv"], list) and all(isinstance(a, str) for a in stage["argv"])
+
+
+def test_spec_reference_doc_matches_the_schema() -> None:
+    from loraflow.specdoc import render
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"
+    assert doc.read_text() == render(), "regenerate: loraflow spec-reference > docs/spec-reference.md"

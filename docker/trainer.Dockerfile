@@ -1,0 +1,16 @@
+# trainer: MaxText + Tunix on JAX for TPU hosts (convert_checkpoint, lora_sft, merge_adapter).
+# Build from the repository root:  docker build -f docker/trainer.Dockerfile -t loraflow/trainer .
+# Same recipe as `make envs`: the environment is exactly envs/trainer.lock (maxtext[tpu] brings libtpu).
+# Vertex AI / GKE run: python -m loraflow.steps.<stage> --output gs://... --input NAME=gs://... (see `loraflow plan`).
+FROM python:3.12-slim
+RUN pip install --no-cache-dir uv
+WORKDIR /opt/loraflow
+COPY envs/trainer.lock envs/trainer.lock
+RUN uv venv /opt/venv && uv pip sync -p /opt/venv envs/trainer.lock
+COPY envs/ envs/
+COPY loraflow/ loraflow/
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/opt/loraflow \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1
+ENTRYPOINT ["python"]

@@ -1,0 +1,73 @@
+"""Generate docs/spec-reference.md from the spec schema, so the reference never drifts from the code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from loraflow.spec import STAGES, ComputeSpec, ParamSpec, PipelineSpec
+
+HEADER = """# Pipeline spec reference
+
+Generated from `loraflow/spec.py` by `loraflow spec-reference > docs/spec-reference.md`; a test fails
+when this file and the schema disagree. A spec is one YAML file in `pipelines/` named after its
+`name`. `loraflow validate` checks specs and lists every problem at once; `loraflow plan SPEC` shows
+what a spec resolves to.
+"""
+
+
+def _type(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
+    text = (text or str(annotation)).replace("typing.", "").replace("loraflow.spec.", "")
+    return text.replace("NoneType", "null").replace("None", "null").replace("|", "\\|")
+
+
+def _default(field: Any) -> str:
+    if field.is_required():
+        return "**required**"
+    if field.default is PydanticUndefined:
+        return "`{}`" if field.default_factory is dict else "`[]`" if field.default_factory is list else "(see below)"
+    if isinstance(field.default, BaseModel):
+        return "(see below)"
+    return f"`{field.default!r}`" if field.default is not None else "`null`"
+
+
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+def _table(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, field in model.model_fields.items():
+        desc = (field.description or "").replace("|", "\\|")
+        bounds = [f"{sym} {getattr(m, attr)}" for m in field.metadata for attr, sym in _BOUNDS if hasattr(m, attr)]
+        if bounds:
+            desc = f"{desc} ({', '.join(bounds)})" if desc else ", ".join(bounds)
+        rows.append(f"| `{prefix}{name}` | `{_type(field.annotation)}` | {_default(field)} | {desc} |")
+    return rows
+
+
+def render() -> str:
+    out = [HEADER, "## Top level", *_table(PipelineSpec, "")]
+    for name, field in PipelineSpec.model_fields.items():
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            doc = (model.__doc__ or "").strip().splitlines()
+            out += ["", f"## `{name}`", *([doc[0], ""] if doc else []), *_table(model, f"{name}.")]
+    out += [
+        "",
+        "## `compute.<stage>`",
+        f"Keys: `default` or a stage: {', '.join(f'`{s}`' for s in STAGES)}. A stage without an entry uses `default`.",
+        "",
+        *_table(ComputeSpec, ""),
+        "",
+        "## `params[]`",
+        "Each entry becomes an Airflow Param named like the path with dots as underscores"
+        " (`training.steps` -> `training_steps`), shown on the trigger form with its bounds;"
+        " Airflow refuses a value outside them before any task runs.",
+        "",
+        *_table(ParamSpec, ""),
+        "",
+    ]
+    return "\n".join(out)

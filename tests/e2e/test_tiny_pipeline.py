@@ -1,0 +1,122 @@
+"""The tiny pipeline end to end on a real local Airflow (API server, scheduler, DAG processor)
+against the GCS emulator: every stage runs its real library. Takes several minutes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow import artifacts, gcs
+from loraflow.demo import LocalAirflow, local_stack, prepare, verdict
+from loraflow.spec import load_spec
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
+HEAVY_STAGES = {"validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned"}
+
+
+def bad_data_spec(folder: Path, data_dir: Path) -> Path:
+    """A second pipeline whose training set breaks the data contract (empty and duplicate rows)."""
+    text = TINY.read_text().replace("name: tiny-llama-lora", "name: tiny-bad-data")
+    text = text.replace("datasets/parity/", "datasets/bad/")
+    path = folder / "tiny-bad-data.yaml"
+    path.write_text(text)
+    rows = [json.loads(line) for line in (REPO / "pipelines/data/parity/train.jsonl").read_text().splitlines()]
+    rows[3]["completion"] = ""
+    rows[10] = rows[11]
+    data_dir.mkdir()
+    (data_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutil.copy(REPO / "pipelines/data/parity/eval.jsonl", data_dir / "eval.jsonl")
+    return path
+
+
+class Runs:
+    def __init__(self, airflow: LocalAirflow) -> None:
+        self.airflow = airflow
+        self.results: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("stack")
+    pipelines = home / "pipelines"
+    pipelines.mkdir()
+    shutil.copy(TINY, pipelines)
+    bad = bad_data_spec(pipelines, home / "bad-data")
+    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
+        spec = prepare(TINY, home)
+        prepare(bad, home, home / "bad-data")
+        airflow.wait_for_dag(spec.name)
+        airflow.wait_for_dag("tiny-bad-data")
+        r = Runs(airflow)
+        r.results["bad_param"] = airflow.call(
+            "POST", f"/dags/{spec.name}/dagRuns", {"logical_date": None, "conf": {"training_steps": 5}}
+        )
+        r.results["bad_data_run"] = airflow.trigger("tiny-bad-data")
+        r.results["first"] = airflow.trigger(spec.name)
+        r.results["first_state"] = airflow.wait_for_run(spec.name, r.results["first"])
+        r.results["first_verdict"] = verdict(spec, airflow, r.results["first"])
+        r.results["bad_data_state"] = airflow.wait_for_run("tiny-bad-data", r.results["bad_data_run"])
+        r.results["second"] = airflow.trigger(spec.name)
+        r.results["second_state"] = airflow.wait_for_run(spec.name, r.results["second"])
+        r.results["second_verdict"] = verdict(spec, airflow, r.results["second"])
+        yield r
+
+
+def test_first_run_succeeds_and_sft_beats_the_base_by_30_points(runs: Runs) -> None:
+    assert runs.results["first_state"] == "success"
+    v = runs.results["first_verdict"]
+    assert v["tuned"]["n"] == v["base"]["n"] == 400
+    assert v["tuned"]["accuracy"] - v["base"]["accuracy"] >= 0.30, v
+    assert v["decision"]["promote"] is True
+    assert v["published"]["promoted"] is True
+
+
+def test_every_stage_committed_a_verified_manifest_under_its_run(runs: Runs) -> None:
+    spec = load_spec(TINY)
+    run_prefix = gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(runs.results["first"]))
+    for task, state in runs.airflow.task_states(spec.name, runs.results["first"]).items():
+        assert state == "success", task
+        xcom = runs.airflow.xcom(spec.name, runs.results["first"], task)
+        assert len(json.dumps(xcom)) < 4096, f"{task} pushed more than URIs and a summary to XCom"
+        manifest = artifacts.read_manifest(xcom["manifest"])
+        assert manifest.prefix == f"{run_prefix}/{task}"
+        assert manifest.data["lock_version"] and manifest.data["cache_key"] and manifest.files
+
+
+def test_training_progress_is_in_the_task_log(runs: Runs) -> None:
+    log = runs.airflow.task_log("tiny-llama-lora", runs.results["first"], "lora_sft")
+    assert "loss" in log and "step" in log
+
+
+def test_rerun_of_unchanged_pipeline_recomputes_nothing_heavy(runs: Runs) -> None:
+    assert runs.results["second_state"] == "success"
+    v = runs.results["second_verdict"]
+    assert HEAVY_STAGES | {"gate"} <= set(v["cached"])
+    assert v["tuned"] == runs.results["first_verdict"]["tuned"]
+
+
+def test_bad_trigger_parameter_is_refused_before_any_task_runs(runs: Runs) -> None:
+    status, body = runs.results["bad_param"]
+    assert status == 400
+    assert "training_steps" in str(body) and "minimum" in str(body)
+
+
+def test_bad_dataset_stops_the_run_before_conversion(runs: Runs) -> None:
+    assert runs.results["bad_data_state"] == "failed"
+    states = runs.airflow.task_states("tiny-bad-data", runs.results["bad_data_run"])
+    assert states["validate_data"] == "failed"
+    assert states["convert_checkpoint"] == states["lora_sft"] == "upstream_failed"
+    log = runs.airflow.task_log("tiny-bad-data", runs.results["bad_data_run"], "validate_data")
+    assert "empty" in log.lower() and "duplicate" in log.lower()
+    spec = load_spec(TINY)
+    prefix = gcs.join(spec.artifact_root, "tiny-bad-data", artifacts.safe_run_id(runs.results["bad_data_run"]))
+    bucket, path = gcs.split_uri(prefix)
+    names = [b.name for b in gcs.client().list_blobs(bucket, prefix=path + "/")]
+    assert names and all("/validate_data/_rejected/" in n for n in names), names
