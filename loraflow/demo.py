@@ -227,8 +227,8 @@ class LocalAirflow:
             seen.update(states)
             _, run = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
             if run.get("state") in TERMINAL:
-                state: str = run["state"]
-                return state
+                final: str = run["state"]
+                return final
             time.sleep(3)
         raise LoraflowError(f"run {run_id} of {dag_id} did not finish within {timeout:.0f} s")
 

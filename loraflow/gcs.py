@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from loraflow.errors import ArtifactError
 
 if TYPE_CHECKING:
-    from google.cloud import storage
+    from google.cloud import storage  # type: ignore[attr-defined]
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -36,7 +36,7 @@ def join(prefix: str, *parts: str) -> str:
 
 @lru_cache(maxsize=1)
 def client() -> storage.Client:
-    from google.cloud import storage
+    from google.cloud import storage  # type: ignore[attr-defined]
 
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         from google.auth.credentials import AnonymousCredentials

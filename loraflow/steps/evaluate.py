@@ -1,0 +1,472 @@
+"""evaluate: generate answers for the eval set with vLLM and score them (evaluate_base, evaluate_tuned).
+
+One program serves both evaluation stages; the stage label is the last path component of
+``--output`` (``.../evaluate_base`` or ``.../evaluate_tuned``), "evaluate" when there is none.
+
+Inputs
+    ``model``    a Hugging Face checkpoint directory: config.json, ``*.safetensors`` (one file, or
+                 shards with ``model.safetensors.index.json``), tokenizer files with a chat template.
+    ``eval_set`` the validate_data artifact: a directory holding ``eval.jsonl`` with rows
+                 ``{"id", "messages": [{"role": "user", "content": ...}], "reference"}``
+                 (``{"prompt", "completion"}`` rows are accepted too).
+
+Config (defaults in :data:`DEFAULTS`)
+    ``max_new_tokens``, ``batch_size``, ``seed``, ``temperature`` (0 = greedy), ``answer_pattern``
+    (see :mod:`loraflow.scoring`), ``max_examples`` (first N rows; null = all), ``max_model_len``,
+    ``dtype``; engine keys for serving hosts: ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``distributed_executor_backend`` (null: "uni" for one device, vLLM's choice otherwise),
+    ``enforce_eager`` (null: true on CPU), ``kv_cache_memory_bytes`` (null: 256 MiB on CPU, vLLM's
+    profiling elsewhere), ``gpu_memory_utilization``, ``engine_args`` (any other ``vllm.LLM`` kwargs).
+
+Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``), exactly as
+training renders them, tokenised without extra special tokens (the template holds the BOS) and
+handed to vLLM as token ids. The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+the same argv runs on a laptop CPU, a GPU host or a TPU host.
+
+Output
+    ``predictions.jsonl`` (and ``predictions.parquet`` when pyarrow or fastparquet is installed):
+    one row per example with id, prompt, reference, generation, answer, correct, format_ok.
+    ``metrics.json``: accuracy, format_rate, n, the per-example ``ids`` / ``correct`` /
+    ``format_ok`` lists in eval-set order (for the gate's paired comparison), timings, settings.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraflow import scoring
+from loraflow.errors import LoraflowError
+from loraflow.steps._harness import StepContext, run_step
+
+DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 8,
+    "batch_size": 64,
+    "seed": 0,
+    "temperature": 0.0,
+    "answer_pattern": scoring.DEFAULT_ANSWER_PATTERN,
+    "max_examples": None,
+    "max_model_len": 256,
+    "dtype": "float32",
+    # engine settings; None = chosen for the platform in engine_kwargs()
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "distributed_executor_backend": None,
+    "enforce_eager": None,
+    "kv_cache_memory_bytes": None,
+    "gpu_memory_utilization": None,
+    "engine_args": {},
+}
+
+#: KV cache for the CPU backend when the config does not say: vLLM's default takes about half the
+#: machine's memory and profiles a warm-up pass first (~30 s on 2 cores); eval prompts are short.
+CPU_KV_CACHE_BYTES = 256 << 20
+
+EVAL_FILE = "eval.jsonl"
+PREDICTIONS_JSONL = "predictions.jsonl"
+PREDICTIONS_PARQUET = "predictions.parquet"
+METRICS_JSON = "metrics.json"
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The stage config over :data:`DEFAULTS` (a null value means the default), checked."""
+    unknown = sorted(set(config) - set(DEFAULTS))
+    if unknown:
+        raise LoraflowError(f"evaluate: unknown config key(s) {unknown}; known: {sorted(DEFAULTS)}")
+    cfg = dict(DEFAULTS)
+    cfg.update({k: v for k, v in config.items() if v is not None})
+    for key in ("max_new_tokens", "batch_size", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise LoraflowError(f"evaluate: config {key} must be a positive integer, got {cfg[key]!r}")
+    if cfg["max_examples"] is not None and (not isinstance(cfg["max_examples"], int) or cfg["max_examples"] < 1):
+        raise LoraflowError(
+            f"evaluate: config max_examples must be null or a positive integer, got {cfg['max_examples']!r}"
+        )
+    if float(cfg["temperature"]) < 0:
+        raise LoraflowError(f"evaluate: config temperature must be >= 0, got {cfg['temperature']!r}")
+    if not isinstance(cfg["engine_args"], dict):
+        raise LoraflowError("evaluate: config engine_args must be a mapping of vllm.LLM keyword arguments")
+    try:
+        scoring.compile_pattern(cfg["answer_pattern"])
+    except ValueError as exc:
+        raise LoraflowError(f"evaluate: {exc}") from None
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str
+    messages: list[dict[str, str]]
+    reference: str
+
+
+def find_model_dir(root: Path) -> Path:
+    """The checkpoint directory inside an input: ``root`` itself or the one folder below holding config.json."""
+    if (root / "config.json").is_file():
+        model_dir = root
+    else:
+        found = sorted({p.parent for p in root.rglob("config.json")}, key=lambda p: (len(p.parts), str(p)))
+        if not found:
+            raise LoraflowError(f"evaluate: model input {root} holds no config.json (not a Hugging Face checkpoint)")
+        if len(found) > 1 and len(found[0].parts) == len(found[1].parts):
+            raise LoraflowError(f"evaluate: model input holds several checkpoints: {[str(p) for p in found]}")
+        model_dir = found[0]
+    check_checkpoint(model_dir)
+    return model_dir
+
+
+def check_checkpoint(model_dir: Path) -> None:
+    """Fail early, with a message, on a checkpoint vLLM would reject obscurely."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if not shards or missing:
+            raise LoraflowError(f"evaluate: {index.name} names shard(s) that are missing: {missing or 'none listed'}")
+    elif not any(model_dir.glob("*.safetensors")):
+        raise LoraflowError(f"evaluate: no *.safetensors weights in {model_dir}")
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise LoraflowError(f"evaluate: no tokenizer files in {model_dir}; the checkpoint must carry its tokenizer")
+
+
+def find_eval_file(root: Path) -> Path:
+    """``eval.jsonl`` inside the eval_set input (or the input itself when it is a file)."""
+    if root.is_file():
+        return root
+    if (root / EVAL_FILE).is_file():
+        return root / EVAL_FILE
+    found = sorted(root.rglob(EVAL_FILE)) or sorted(root.rglob("*.jsonl"))
+    if len(found) != 1:
+        raise LoraflowError(
+            f"evaluate: eval_set input {root} must hold one {EVAL_FILE}; found {[str(p) for p in found]}"
+        )
+    return found[0]
+
+
+def load_examples(path: Path, max_examples: int | None = None) -> list[Example]:
+    """Rows of an eval JSONL as :class:`Example`; the first ``max_examples`` when given."""
+    examples: list[Example] = []
+    seen: set[str] = set()
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if max_examples is not None and len(examples) >= max_examples:
+                break
+            where = f"{path.name}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise LoraflowError(f"evaluate: {where} is not JSON ({exc})") from None
+            if "messages" in row:
+                messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+                reference = row.get("reference")
+                if reference is None and messages and messages[-1]["role"] == "assistant":
+                    reference = messages.pop()["content"]
+            elif "prompt" in row:
+                messages = [{"role": "user", "content": row["prompt"]}]
+                reference = row.get("reference", row.get("completion"))
+            else:
+                raise LoraflowError(f"evaluate: {where} has neither 'messages' nor 'prompt'")
+            if reference is None:
+                raise LoraflowError(f"evaluate: {where} has no reference answer")
+            if not messages or messages[-1]["role"] != "user":
+                raise LoraflowError(f"evaluate: {where}: the conversation must end with a user turn")
+            ex_id = str(row.get("id", len(examples)))
+            if ex_id in seen:
+                raise LoraflowError(f"evaluate: {where}: id {ex_id!r} appears twice")
+            seen.add(ex_id)
+            examples.append(Example(ex_id, messages, str(reference)))
+    if not examples:
+        raise LoraflowError(f"evaluate: {path} holds no examples")
+    return examples
+
+
+# ------------------------------------------------------------------------------------ engine
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def engine_kwargs(model_dir: Path, cfg: dict[str, Any], cpu: bool) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments for a resolved config on this platform."""
+    parallel = cfg["tensor_parallel_size"] * cfg["pipeline_parallel_size"]
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "tokenizer": str(model_dir),
+        "dtype": cfg["dtype"],
+        "max_model_len": cfg["max_model_len"],
+        "seed": cfg["seed"],
+        "tensor_parallel_size": cfg["tensor_parallel_size"],
+        "pipeline_parallel_size": cfg["pipeline_parallel_size"],
+        "enforce_eager": cpu if cfg["enforce_eager"] is None else bool(cfg["enforce_eager"]),
+        "max_num_seqs": max(cfg["batch_size"], 1),
+        "disable_log_stats": True,
+    }
+    backend = cfg["distributed_executor_backend"] or ("uni" if parallel == 1 else None)
+    if backend:
+        kwargs["distributed_executor_backend"] = backend
+    kv = cfg["kv_cache_memory_bytes"] or (CPU_KV_CACHE_BYTES if cpu else None)
+    if kv:
+        kwargs["kv_cache_memory_bytes"] = int(kv)
+    if cfg["gpu_memory_utilization"] is not None:
+        kwargs["gpu_memory_utilization"] = float(cfg["gpu_memory_utilization"])
+    kwargs.update(cfg["engine_args"])
+    return kwargs
+
+
+@dataclass
+class Engine:
+    """A loaded ``vllm.LLM`` and what it was built with."""
+
+    llm: Any
+    model_dir: Path
+    kwargs: dict[str, Any]
+    startup_s: float
+    device: str
+    vllm_version: str
+    import_s: float = 0.0
+    closed: bool = field(default=False)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    def close(self) -> None:
+        """Shut the engine core down and drop the model (memory back before the process ends)."""
+        if self.closed:
+            return
+        self.closed = True
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown()
+            except Exception:  # best effort at teardown
+                pass
+        self.llm = None
+        gc.collect()
+
+
+def build_engine(model_dir: Path, cfg: dict[str, Any], progress: Any = print) -> Engine:
+    """Load the checkpoint into an in-process ``vllm.LLM`` for a resolved config."""
+    # In-process engine core: no engine subprocess to spawn, a clean traceback on failure.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    started = time.monotonic()
+    import vllm
+
+    import_s = time.monotonic() - started
+    cpu = on_cpu()
+    kwargs = engine_kwargs(model_dir, cfg, cpu)
+    shown = {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")}
+    progress(f"loading {model_dir} into vLLM {vllm.__version__} ({'cpu' if cpu else 'accelerator'}): {shown}")
+    try:
+        llm = vllm.LLM(**kwargs)
+    except Exception as exc:  # vLLM raises many kinds; say which checkpoint and settings failed
+        raise LoraflowError(
+            f"evaluate: vLLM could not load {model_dir} with {shown}: {type(exc).__name__}: {exc}"
+        ) from exc
+    from vllm.platforms import current_platform
+
+    startup = time.monotonic() - started
+    progress(f"vLLM ready in {startup:.1f}s ({import_s:.1f}s of it importing vllm)")
+    return Engine(llm, model_dir, kwargs, startup, str(current_platform.device_name), vllm.__version__, import_s)
+
+
+# ------------------------------------------------------------------------------------ evaluate
+
+
+def render_prompts(tokenizer: Any, examples: list[Example]) -> tuple[list[str], list[list[int]]]:
+    """Chat-template text and token ids of each example's prompt (``add_generation_prompt=True``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise LoraflowError(
+            "evaluate: the checkpoint's tokenizer has no chat_template; training and evaluation render through it"
+        )
+    texts = [tokenizer.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True) for ex in examples]
+    # The template already holds the BOS: no second one from the tokenizer.
+    ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    return texts, ids
+
+
+def evaluate(ctx: StepContext, engine: Engine | None = None) -> dict[str, Any]:
+    """:func:`run` with an optional already-loaded engine (reused by tests; closed only if built here)."""
+    started = time.monotonic()
+    cfg = resolve_config(ctx.config)
+    model_dir = find_model_dir(ctx.inputs["model"])
+    eval_file = find_eval_file(ctx.inputs["eval_set"])
+    examples = load_examples(eval_file, cfg["max_examples"])
+    ctx.progress(f"{len(examples)} example(s) from {eval_file.name}; model {model_dir.name}")
+
+    own_engine = engine is None
+    if engine is None:
+        engine = build_engine(model_dir, cfg, ctx.progress)
+    try:
+        return _evaluate(ctx, engine, cfg, examples, started)
+    finally:
+        if own_engine:
+            engine.close()
+
+
+def _evaluate(
+    ctx: StepContext, engine: Engine, cfg: dict[str, Any], examples: list[Example], started: float
+) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    texts, prompt_ids = render_prompts(engine.tokenizer, examples)
+    longest = max(len(p) for p in prompt_ids)
+    if longest + cfg["max_new_tokens"] > cfg["max_model_len"]:
+        raise LoraflowError(
+            f"evaluate: the longest prompt has {longest} tokens; with max_new_tokens={cfg['max_new_tokens']} it "
+            f"exceeds max_model_len={cfg['max_model_len']}: raise max_model_len"
+        )
+    sampling = SamplingParams(
+        temperature=float(cfg["temperature"]),
+        max_tokens=cfg["max_new_tokens"],
+        seed=cfg["seed"],
+        skip_special_tokens=True,
+    )
+    # Same seed, same batches, empty cache -> the same generations run after run.
+    if hasattr(engine.llm, "reset_prefix_cache"):
+        engine.llm.reset_prefix_cache()
+
+    generations: list[str] = []
+    gen_tokens: list[int] = []
+    finish: list[str | None] = []
+    bs = cfg["batch_size"]
+    n_batches = (len(examples) + bs - 1) // bs
+    gen_started = time.monotonic()
+    for b in range(n_batches):
+        t0 = time.monotonic()
+        batch = [{"prompt_token_ids": ids} for ids in prompt_ids[b * bs : (b + 1) * bs]]
+        outputs = engine.llm.generate(batch, sampling, use_tqdm=False)
+        ntok = 0
+        for out in outputs:
+            completion = out.outputs[0]
+            generations.append(completion.text)
+            gen_tokens.append(len(completion.token_ids))
+            finish.append(completion.finish_reason)
+            ntok += len(completion.token_ids)
+        dt = time.monotonic() - t0
+        ctx.progress(
+            f"batch {b + 1}/{n_batches}: {len(generations)}/{len(examples)} examples, "
+            f"{ntok} tokens in {dt:.2f}s ({ntok / dt if dt > 0 else 0.0:.0f} tok/s)"
+        )
+    generate_s = time.monotonic() - gen_started
+    total_tokens = sum(gen_tokens)
+    tokens_per_s = total_tokens / generate_s if generate_s > 0 else 0.0
+
+    pattern = scoring.compile_pattern(cfg["answer_pattern"])
+    scored = scoring.score_all(generations, [ex.reference for ex in examples], pattern)
+    metrics = scoring.aggregate(scored)
+
+    written = _write_predictions(ctx.out, examples, texts, generations, scored, gen_tokens, finish)
+    timing = {
+        "startup_s": round(engine.startup_s, 3),
+        "import_s": round(engine.import_s, 3),
+        "generate_s": round(generate_s, 3),
+        "generated_tokens": total_tokens,
+        "prompt_tokens": sum(len(p) for p in prompt_ids),
+        "tokens_per_s": round(tokens_per_s, 1),
+    }
+    report = {
+        "stage": ctx.stage,
+        "accuracy": metrics["accuracy"],
+        "format_rate": metrics["format_rate"],
+        "n": metrics["n"],
+        "n_correct": metrics["n_correct"],
+        "n_format_ok": metrics["n_format_ok"],
+        "answer_pattern": pattern.pattern,
+        "ids": [ex.id for ex in examples],
+        "correct": metrics["correct"],
+        "format_ok": metrics["format_ok"],
+        "timing": timing,
+        "config": cfg,
+        "engine": {k: v for k, v in engine.kwargs.items() if k not in ("model", "tokenizer")},
+        "device": engine.device,
+        "vllm_version": engine.vllm_version,
+        "files": [*written, METRICS_JSON],
+    }
+    (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
+    ctx.progress(
+        f"accuracy {metrics['accuracy']:.4f}, format_rate {metrics['format_rate']:.4f} over n={metrics['n']}; "
+        f"{total_tokens} tokens at {tokens_per_s:.0f} tok/s"
+    )
+    return {
+        "accuracy": metrics["accuracy"],
+        "format_rate": metrics["format_rate"],
+        "n": metrics["n"],
+        "tokens_per_s": round(tokens_per_s, 1),
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+def _write_predictions(
+    out: Path,
+    examples: list[Example],
+    texts: list[str],
+    generations: list[str],
+    scored: list[scoring.ScoredExample],
+    gen_tokens: list[int],
+    finish: list[str | None],
+) -> list[str]:
+    import pandas as pd
+
+    df = pd.DataFrame(
+        {
+            "id": [ex.id for ex in examples],
+            "prompt": texts,
+            "reference": [ex.reference for ex in examples],
+            "generation": generations,
+            "answer": [s.answer for s in scored],
+            "correct": [s.correct for s in scored],
+            "format_ok": [s.format_ok for s in scored],
+            "generated_tokens": gen_tokens,
+            "finish_reason": finish,
+        }
+    )
+    df.to_json(out / PREDICTIONS_JSONL, orient="records", lines=True, force_ascii=False)
+    written = [PREDICTIONS_JSONL]
+    if importlib.util.find_spec("pyarrow") or importlib.util.find_spec("fastparquet"):
+        df.to_parquet(out / PREDICTIONS_PARQUET, index=False)
+        written.append(PREDICTIONS_PARQUET)
+    return written
+
+
+def run(ctx: StepContext) -> dict[str, Any]:
+    """The step: load the model into vLLM, generate for the eval set, score, write predictions and metrics."""
+    return evaluate(ctx)
+
+
+def stage_from_argv(argv: list[str]) -> str:
+    """The stage label: the last path component of ``--output`` ("evaluate" when absent)."""
+    for i, arg in enumerate(argv):
+        value = None
+        if arg == "--output" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--output="):
+            value = arg.split("=", 1)[1]
+        if value:
+            last = value.rstrip("/").rsplit("/", 1)[-1]
+            if last and not last.endswith(":"):
+                return last
+    return "evaluate"
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_step(stage_from_argv(sys.argv[1:]), run))

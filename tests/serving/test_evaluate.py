@@ -1,0 +1,364 @@
+"""The evaluate step program: config and inputs (fast), then vLLM on the tiny model (one shared load).
+
+The vLLM tests load the tiny random Llama made by loraflow.tinymodel once per module (~15-30 s on
+2 cores, most of it importing vLLM), and a second time for the sharded-checkpoint test through the
+public ``run`` (which builds and closes its own engine).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow.errors import LoraflowError
+from loraflow.steps import evaluate
+from loraflow.steps._harness import StepContext
+
+ROOT = Path(__file__).resolve().parents[2]
+PARITY = ROOT / "pipelines" / "data" / "parity"
+N_ROWS = 20
+SUMMARY_KEYS = {"accuracy", "format_rate", "n", "tokens_per_s", "seconds"}
+CONFIG: dict[str, Any] = {"max_new_tokens": 6, "batch_size": 8, "seed": 0, "max_model_len": 128, "dtype": "float32"}
+
+
+def write_eval_set(dest: Path, n: int = N_ROWS) -> Path:
+    """The validate_data shape: eval.jsonl with id / messages / reference rows."""
+    dest.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(line) for line in (PARITY / "eval.jsonl").read_text().splitlines()[:n]]
+    with (dest / "eval.jsonl").open("w") as f:
+        for i, row in enumerate(rows):
+            item = {
+                "id": f"ex{i:03d}",
+                "messages": [{"role": "user", "content": row["prompt"]}],
+                "reference": row["completion"],
+            }
+            f.write(json.dumps(item) + "\n")
+    return dest
+
+
+def make_ctx(
+    tmp: Path, model: Path, eval_set: Path, config: dict[str, Any], stage: str = "evaluate_base"
+) -> StepContext:
+    out, work = tmp / "out", tmp / "work"
+    out.mkdir(parents=True)
+    work.mkdir(parents=True)
+    return StepContext(
+        stage=stage,
+        output_uri=f"gs://bucket/p/run/{stage}",
+        inputs={"model": model, "eval_set": eval_set},
+        input_manifests={"model": None, "eval_set": None},
+        out=out,
+        work=work,
+        config=dict(config),
+    )
+
+
+def shard_checkpoint(src: Path, dest: Path) -> Path:
+    """Copy a one-file checkpoint as 2 safetensors shards plus model.safetensors.index.json."""
+    from safetensors.numpy import load_file, save_file
+
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, dest / f.name)
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map: dict[str, str] = {}
+    for i, part in enumerate(halves, 1):
+        shard = f"model-{i:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, str(dest / shard), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, shard)
+    total = sum(int(t.nbytes) for t in tensors.values())
+    (dest / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return dest
+
+
+def read_predictions(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / evaluate.PREDICTIONS_JSONL).read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------- no vLLM needed
+
+
+def test_resolve_config_defaults_and_nulls() -> None:
+    cfg = evaluate.resolve_config({"max_new_tokens": 4, "max_examples": None, "dtype": None})
+    assert cfg["max_new_tokens"] == 4
+    assert cfg["max_examples"] is None
+    assert cfg["dtype"] == "float32"
+    assert cfg["batch_size"] == 64
+    assert cfg["temperature"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"batch_sz": 3}, "unknown config key"),
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"max_examples": -1}, "max_examples"),
+        ({"answer_pattern": "([a"}, "not a valid regular expression"),
+        ({"temperature": -1}, "temperature"),
+    ],
+)
+def test_resolve_config_rejects(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(LoraflowError, match=message):
+        evaluate.resolve_config(config)
+
+
+def test_engine_kwargs_cpu_and_accelerator(tmp_path: Path) -> None:
+    cfg = evaluate.resolve_config({"tensor_parallel_size": 1})
+    cpu = evaluate.engine_kwargs(tmp_path, cfg, cpu=True)
+    assert cpu["distributed_executor_backend"] == "uni"
+    assert cpu["enforce_eager"] is True
+    assert cpu["kv_cache_memory_bytes"] == evaluate.CPU_KV_CACHE_BYTES
+    gpu = evaluate.engine_kwargs(tmp_path, evaluate.resolve_config({"tensor_parallel_size": 4}), cpu=False)
+    assert gpu["tensor_parallel_size"] == 4
+    assert "distributed_executor_backend" not in gpu
+    assert gpu["enforce_eager"] is False
+    assert "kv_cache_memory_bytes" not in gpu
+    extra = evaluate.engine_kwargs(tmp_path, evaluate.resolve_config({"engine_args": {"swap_space": 0}}), cpu=False)
+    assert extra["swap_space"] == 0
+
+
+def test_load_examples_formats(tmp_path: Path) -> None:
+    f = tmp_path / "eval.jsonl"
+    f.write_text(
+        "\n".join(
+            [
+                json.dumps(
+                    {"id": "a", "messages": [{"role": "user", "content": "Is 2 even or odd?"}], "reference": "even"}
+                ),
+                json.dumps({"prompt": "Is 3 even or odd?", "completion": "odd"}),
+                json.dumps(
+                    {
+                        "id": "c",
+                        "messages": [
+                            {"role": "user", "content": "Is 5 even or odd?"},
+                            {"role": "assistant", "content": "odd"},
+                        ],
+                    }
+                ),
+                "",
+            ]
+        )
+    )
+    examples = evaluate.load_examples(f)
+    assert [e.id for e in examples] == ["a", "1", "c"]
+    assert [e.reference for e in examples] == ["even", "odd", "odd"]
+    assert examples[1].messages == [{"role": "user", "content": "Is 3 even or odd?"}]
+    assert examples[2].messages == [{"role": "user", "content": "Is 5 even or odd?"}]
+    assert len(evaluate.load_examples(f, max_examples=2)) == 2
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"id": "a", "prompt": "p", "completion": "x"}, {"id": "a", "prompt": "q", "completion": "y"}],
+            "appears twice",
+        ),
+        ([{"id": "a", "messages": [{"role": "user", "content": "p"}]}], "no reference"),
+        ([{"text": "x"}], "neither"),
+        ([], "no examples"),
+    ],
+)
+def test_load_examples_rejects(tmp_path: Path, rows: list[dict[str, Any]], message: str) -> None:
+    f = tmp_path / "eval.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(LoraflowError, match=message):
+        evaluate.load_examples(f)
+
+
+def test_find_eval_file(tmp_path: Path) -> None:
+    write_eval_set(tmp_path / "top", n=2)
+    assert evaluate.find_eval_file(tmp_path / "top") == tmp_path / "top" / "eval.jsonl"
+    write_eval_set(tmp_path / "nested" / "data", n=2)
+    assert evaluate.find_eval_file(tmp_path / "nested") == tmp_path / "nested" / "data" / "eval.jsonl"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoraflowError, match=r"must hold one eval\.jsonl"):
+        evaluate.find_eval_file(tmp_path / "empty")
+
+
+def test_find_model_dir_and_checks(tmp_path: Path, tiny_model: Path) -> None:
+    assert evaluate.find_model_dir(tiny_model) == tiny_model
+    nested = tmp_path / "artifact"
+    shutil.copytree(tiny_model, nested / "hf")
+    assert evaluate.find_model_dir(nested) == nested / "hf"
+    sharded = shard_checkpoint(tiny_model, tmp_path / "sharded")
+    evaluate.check_checkpoint(sharded)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(LoraflowError, match="missing"):
+        evaluate.check_checkpoint(sharded)
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(LoraflowError, match=r"no config\.json"):
+        evaluate.find_model_dir(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize(
+    ("argv", "stage"),
+    [
+        (["--output", "gs://b/p/run/evaluate_base", "--input", "x=gs://b/y"], "evaluate_base"),
+        (["--output=gs://b/p/run/evaluate_tuned/"], "evaluate_tuned"),
+        (["--config-json", "{}"], "evaluate"),
+        (["--output", "gs://b"], "b"),
+    ],
+)
+def test_stage_from_argv(argv: list[str], stage: str) -> None:
+    assert evaluate.stage_from_argv(argv) == stage
+
+
+# ---------------------------------------------------------------------------- vLLM on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraflow import tinymodel
+
+    return tinymodel.create(tmp_path_factory.mktemp("tiny") / "model", [PARITY / "train.jsonl"], seed=0)
+
+
+@pytest.fixture(scope="module")
+def eval_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_eval_set(tmp_path_factory.mktemp("evalset") / "validate_data")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[evaluate.Engine]:
+    pytest.importorskip("vllm")
+    eng = evaluate.build_engine(tiny_model, evaluate.resolve_config(CONFIG))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(
+    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], Path]:
+    ctx = make_ctx(tmp_path_factory.mktemp("run1"), tiny_model, eval_set, CONFIG)
+    return evaluate.evaluate(ctx, engine), ctx.out
+
+
+def test_outputs_and_metrics_shape(baseline: tuple[dict[str, Any], Path]) -> None:
+    summary, out = baseline
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["n"] == N_ROWS
+    assert 0.0 <= summary["accuracy"] <= 1.0
+    assert 0.0 <= summary["format_rate"] <= 1.0
+    assert summary["tokens_per_s"] > 0
+
+    metrics = json.loads((out / evaluate.METRICS_JSON).read_text())
+    assert metrics["n"] == N_ROWS
+    assert metrics["ids"] == [f"ex{i:03d}" for i in range(N_ROWS)]
+    assert len(metrics["correct"]) == len(metrics["format_ok"]) == N_ROWS
+    assert metrics["accuracy"] == pytest.approx(sum(metrics["correct"]) / N_ROWS)
+    assert metrics["format_rate"] == pytest.approx(sum(metrics["format_ok"]) / N_ROWS)
+    assert metrics["accuracy"] == summary["accuracy"]
+    assert metrics["timing"]["generated_tokens"] > 0
+    assert metrics["timing"]["startup_s"] > 0
+    assert metrics["engine"]["distributed_executor_backend"] == "uni"
+    assert metrics["stage"] == "evaluate_base"
+
+    preds = read_predictions(out)
+    assert len(preds) == N_ROWS
+    assert {"id", "prompt", "reference", "generation", "answer", "correct", "format_ok"} <= set(preds[0])
+    assert [p["id"] for p in preds] == metrics["ids"]
+    assert [p["correct"] for p in preds] == metrics["correct"]
+    # rendered with the chat template, generation prompt included, exactly as training renders
+    assert preds[0]["prompt"].startswith("<|bos|><|user|>Is ")
+    assert preds[0]["prompt"].endswith("?\n<|assistant|>")
+    assert all(p["generated_tokens"] <= CONFIG["max_new_tokens"] for p in preds)
+    assert set(metrics["files"]) >= {evaluate.PREDICTIONS_JSONL, evaluate.METRICS_JSON}
+
+
+def test_progress_per_batch(
+    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ctx = make_ctx(tmp_path, tiny_model, eval_set, CONFIG | {"max_examples": 10, "batch_size": 4})
+    summary = evaluate.evaluate(ctx, engine)
+    assert summary["n"] == 10
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[evaluate_base] batch ")]
+    assert len(lines) == 3
+    assert "10/10 examples" in lines[-1]
+
+
+def test_deterministic_same_engine(
+    baseline: tuple[dict[str, Any], Path], engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    summary1, out1 = baseline
+    ctx = make_ctx(tmp_path, tiny_model, eval_set, CONFIG, stage="evaluate_tuned")
+    summary2 = evaluate.evaluate(ctx, engine)
+    assert [p["generation"] for p in read_predictions(ctx.out)] == [p["generation"] for p in read_predictions(out1)]
+    assert summary2["accuracy"] == summary1["accuracy"]
+    assert json.loads((ctx.out / evaluate.METRICS_JSON).read_text())["stage"] == "evaluate_tuned"
+
+
+def test_prompt_longer_than_max_model_len(
+    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    ctx = make_ctx(tmp_path, tiny_model, eval_set, CONFIG | {"max_model_len": 16})
+    with pytest.raises(LoraflowError, match="raise max_model_len"):
+        evaluate.evaluate(ctx, engine)
+
+
+def test_sharded_checkpoint_through_run(
+    baseline: tuple[dict[str, Any], Path], tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    """A 2-shard checkpoint with an index loads in a fresh engine and generates exactly as the one file did."""
+    sharded = shard_checkpoint(tiny_model, tmp_path / "merge_adapter" / "model")
+    assert len(list(sharded.glob("*.safetensors"))) == 2
+    ctx = make_ctx(tmp_path / "run", tmp_path / "merge_adapter", eval_set, CONFIG, stage="evaluate_tuned")
+    summary = evaluate.run(ctx)
+    assert set(summary) == SUMMARY_KEYS
+    _, out1 = baseline
+    assert [p["generation"] for p in read_predictions(ctx.out)] == [p["generation"] for p in read_predictions(out1)]
+
+
+# ---------------------------------------------------------------------------- the real command line
+
+
+def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: Path) -> None:
+    """``python -m loraflow.steps.evaluate`` through the harness: gs:// inputs in, a committed manifest out."""
+    import os
+    import subprocess
+    import sys
+
+    from loraflow import artifacts, gcs
+
+    bucket_name, base = gcs.split_uri(gcs_bucket)
+    bucket = gcs.client().bucket(bucket_name)
+    for name, local in (("model", tiny_model), ("eval", eval_set)):
+        for f in sorted(local.iterdir()):
+            bucket.blob(f"{base}/sources/{name}/{f.name}").upload_from_filename(str(f))
+    output = f"{gcs_bucket}/tiny/run1/evaluate_base"
+    argv = [
+        sys.executable,
+        "-m",
+        "loraflow.steps.evaluate",
+        "--output",
+        output,
+        "--input",
+        f"model={gcs_bucket}/sources/model",
+        "--input",
+        f"eval_set={gcs_bucket}/sources/eval",
+        "--config-json",
+        json.dumps(CONFIG | {"max_examples": 8}),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[evaluate_base] batch 1/1: 8/8 examples" in proc.stdout
+    result = [ln for ln in proc.stdout.splitlines() if ln.startswith("LORAFLOW_RESULT ")]
+    assert len(result) == 1
+    summary = json.loads(result[0].removeprefix("LORAFLOW_RESULT "))["summary"]
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["n"] == 8
+    manifest = artifacts.read_manifest(output)
+    assert manifest.data["stage"] == "evaluate_base"
+    assert {evaluate.PREDICTIONS_JSONL, evaluate.METRICS_JSON} <= set(manifest.files)
