@@ -1,0 +1,509 @@
+"""Fold a LoRA adapter (PEFT format) into Hugging Face base weights, one tensor at a time.
+
+PEFT layout (what ``adapter_model.safetensors`` holds), for a base ``Linear`` whose weight is
+``W[out, in]`` and which computes ``y = x Wᵀ``::
+
+    base_model.model.<module>.lora_A.weight   A[r, in]
+    base_model.model.<module>.lora_B.weight   B[out, r]
+    y = x Wᵀ + scale · x Aᵀ Bᵀ      so      W_merged = W + scale · B @ A
+
+with ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` when ``use_rslora``), from
+``adapter_config.json``; ``rank_pattern`` / ``alpha_pattern`` override r / alpha per module and
+``fan_in_fan_out`` means W is stored ``[in, out]`` (GPT-2 Conv1D). The base tensor is
+``<module>.weight``. DoRA, LoRA biases, embedding LoRA and ``modules_to_save`` are refused.
+
+The pure pieces (:func:`lora_scale`, :func:`merge_lora`, :func:`peft_module`, :func:`plan_merge`)
+are separate from the streaming driver :func:`merge_checkpoint`, which never holds more than one
+base tensor (plus its merged copy) in memory. Everything that can be checked before writing is
+checked first, and all problems are reported together, each with its fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loraflow.errors import LoraflowError
+from loraflow.safetensors_io import INDEX_FILE, Checkpoint, ShardedWriter, TensorInfo
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+# Weight formats other than safetensors are never copied into a merged checkpoint: they would hold
+# the *unmerged* base weights next to the merged ones.
+WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf"}
+BLOCK_ELEMS = 1 << 22  # merge this many elements at a time (16 MiB of float32 scratch)
+
+_PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+_LAYER = re.compile(r"^(?P<group>.*?\.(?:layers|h|blocks)\.\d+)\.")
+
+
+class MergeError(LoraflowError):
+    """The adapter cannot be merged into this base checkpoint (each message names the key and the fix)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The parts of a PEFT ``adapter_config.json`` the merge needs."""
+
+    r: int
+    lora_alpha: float
+    target_modules: list[str] | str | None = None
+    use_rslora: bool = False
+    fan_in_fan_out: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+
+    def rank_alpha(self, module: str) -> tuple[int, float]:
+        """``(r, alpha)`` for one module, after ``rank_pattern`` / ``alpha_pattern`` (PEFT's matching)."""
+        r = self.rank_pattern[k] if (k := _pattern_key(self.rank_pattern, module)) else self.r
+        alpha = self.alpha_pattern[k] if (k := _pattern_key(self.alpha_pattern, module)) else self.lora_alpha
+        return int(r), float(alpha)
+
+    def targets(self, module: str) -> bool:
+        """Whether ``target_modules`` names this module (as PEFT matches them)."""
+        t = self.target_modules
+        if t is None or t == "all-linear":
+            return True
+        if isinstance(t, str):
+            return re.fullmatch(t, module) is not None
+        return any(module == m or module.endswith("." + m) for m in t)
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None
+
+
+def load_adapter_config(path: str | Path) -> LoraConfig:
+    """Read and check a PEFT ``adapter_config.json``.
+
+    Args:
+        path: the JSON file.
+
+    Returns:
+        The :class:`LoraConfig`.
+
+    Raises:
+        MergeError: not a plain LoRA adapter (DoRA, another PEFT type, LoRA bias), or r / lora_alpha
+            missing or not positive.
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise MergeError(f"{path}: cannot read the adapter config ({exc})") from None
+    problems = []
+    if raw.get("peft_type", "LORA").upper() != "LORA":
+        problems.append(f"peft_type is {raw['peft_type']!r}: only LORA adapters can be merged")
+    if raw.get("use_dora"):
+        problems.append("use_dora is true: DoRA adapters are not supported; train with use_dora: false")
+    if raw.get("bias", "none") != "none":
+        problems.append(f"bias is {raw['bias']!r}: LoRA biases are not supported; train with bias: none")
+    r, alpha = raw.get("r"), raw.get("lora_alpha")
+    if not isinstance(r, int) or r <= 0:
+        problems.append(f"r is {r!r}: set it to the LoRA rank the adapter was trained with")
+    if not isinstance(alpha, (int, float)) or alpha <= 0:
+        problems.append(f"lora_alpha is {alpha!r}: set it to the alpha the adapter was trained with")
+    if problems:
+        raise MergeError(f"{path}: " + "; ".join(problems))
+    return LoraConfig(
+        r=r,
+        lora_alpha=float(alpha),
+        target_modules=raw.get("target_modules"),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
+        rank_pattern=dict(raw.get("rank_pattern") or {}),
+        alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+    )
+
+
+def lora_scale(r: int, alpha: float, use_rslora: bool = False) -> float:
+    """The factor the LoRA product is multiplied by.
+
+    Args:
+        r: LoRA rank.
+        alpha: ``lora_alpha``.
+        use_rslora: rank-stabilised LoRA (scale alpha / sqrt(r) instead of alpha / r).
+
+    Returns:
+        ``alpha / r``, or ``alpha / sqrt(r)`` with ``use_rslora``.
+    """
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def merge_lora(
+    weight: np.ndarray,
+    lora_a: np.ndarray,
+    lora_b: np.ndarray,
+    scale: float,
+    fan_in_fan_out: bool = False,
+    block_elems: int = BLOCK_ELEMS,
+) -> np.ndarray:
+    """Fold one LoRA pair into its base weight: ``W + scale · B @ A``.
+
+    Computed in float32 (float64 for float64 weights), a block of rows at a time, and rounded once
+    to the weight's dtype: scratch memory stays ~``block_elems`` floats whatever the tensor size.
+
+    Args:
+        weight: base weight ``[out, in]`` (``[in, out]`` with ``fan_in_fan_out``); any float dtype
+            numpy or ml_dtypes knows (F16, BF16, F32, F64).
+        lora_a: ``lora_A`` ``[r, in]``.
+        lora_b: ``lora_B`` ``[out, r]``.
+        scale: see :func:`lora_scale`.
+        fan_in_fan_out: the weight is stored transposed, ``[in, out]``.
+        block_elems: elements merged per block.
+
+    Returns:
+        A new array with the weight's dtype and shape; ``weight`` is not modified.
+
+    Raises:
+        MergeError: shapes that do not compose, or a merged value that overflows the weight's dtype.
+    """
+    if weight.ndim != 2 or lora_a.ndim != 2 or lora_b.ndim != 2:
+        raise MergeError(f"merge needs 2-D tensors, got weight {weight.shape}, A {lora_a.shape}, B {lora_b.shape}")
+    (r_a, n_in), (n_out, r_b) = lora_a.shape, lora_b.shape
+    expected = (n_in, n_out) if fan_in_fan_out else (n_out, n_in)
+    if r_a != r_b or weight.shape != expected:
+        raise MergeError(
+            f"shapes do not compose: weight {list(weight.shape)}, lora_A {list(lora_a.shape)}, lora_B {list(lora_b.shape)} "
+            f"(need A [r, in], B [out, r], weight {'[in, out]' if fan_in_fan_out else '[out, in]'} = {list(expected)})"
+        )
+    return _merge_blocks(weight, lora_a, lora_b, scale, fan_in_fan_out, block_elems)[0]
+
+
+def _merge_blocks(
+    weight: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float, fan_in_fan_out: bool, block_elems: int
+) -> tuple[np.ndarray, float, bool]:
+    """:func:`merge_lora` (shapes already checked), plus max |scale · B @ A| and whether any stored value changed."""
+    compute = np.float64 if weight.dtype == np.float64 else np.float32
+    a: np.ndarray[Any, np.dtype[np.floating[Any]]] = lora_a.astype(compute)
+    b: np.ndarray[Any, np.dtype[np.floating[Any]]] = lora_b.astype(compute)
+    if fan_in_fan_out:  # W[in, out] += scale · (B @ A)ᵀ = scale · Aᵀ @ Bᵀ
+        a, b = b.T, a.T
+    out = np.empty_like(weight)
+    bits = np.dtype(f"u{weight.dtype.itemsize}")
+    max_update, changed = 0.0, False
+    rows = max(1, block_elems // max(1, weight.shape[1]))
+    for lo in range(0, weight.shape[0], rows):
+        hi = min(lo + rows, weight.shape[0])
+        block: np.ndarray[Any, np.dtype[np.floating[Any]]] = b[lo:hi] @ a
+        block *= scale
+        if block.size:
+            max_update = max(max_update, float(block.max()), -float(block.min()))
+        block += weight[lo:hi].astype(compute)
+        if not np.isfinite(block).all():
+            raise MergeError(f"non-finite merged values in rows {lo}..{hi}: the base weight holds NaN/Inf")
+        with np.errstate(over="ignore"):
+            out[lo:hi] = block  # rounds to the weight's dtype (nearest even)
+        if weight.dtype == np.float16 and not np.isfinite(out[lo:hi]).all():
+            raise MergeError(
+                f"merged values overflow float16 in rows {lo}..{hi}: merge into a bf16/f32 copy of the base"
+            )
+        changed = changed or not np.array_equal(out[lo:hi].view(bits), weight[lo:hi].view(bits))
+    return out, max_update, changed
+
+
+def peft_module(key: str) -> tuple[str, str]:
+    """Parse a PEFT adapter key.
+
+    Args:
+        key: e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (an adapter
+            name segment, ``lora_A.default.weight``, is accepted too).
+
+    Returns:
+        ``(module, "A" | "B")``, e.g. ``("model.layers.0.self_attn.q_proj", "A")``; the base tensor is
+        ``module + ".weight"``.
+
+    Raises:
+        MergeError: the key is not a ``lora_A`` / ``lora_B`` weight.
+    """
+    m = _PEFT_KEY.match(key)
+    if not m:
+        raise MergeError(
+            f"adapter key {key!r} is not a lora_A/lora_B weight: only plain LoRA can be merged "
+            "(no DoRA magnitude, LoRA bias, embedding LoRA or modules_to_save); re-export the adapter without it"
+        )
+    return m["module"].removeprefix(PEFT_PREFIX), m["ab"]
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One base tensor to merge, and where its LoRA pair lies."""
+
+    base: str
+    lora_a: str
+    lora_b: str
+    rank: int
+    scale: float
+
+
+def plan_merge(
+    adapter: Mapping[str, TensorInfo], base: Mapping[str, TensorInfo], cfg: LoraConfig
+) -> dict[str, LoraTarget]:
+    """Match adapter tensors to base tensors and check everything that can be checked from headers.
+
+    Args:
+        adapter: the adapter's tensors (name -> :class:`TensorInfo`).
+        base: the base checkpoint's tensors.
+        cfg: the adapter config.
+
+    Returns:
+        ``{base tensor name: LoraTarget}``.
+
+    Raises:
+        MergeError: listing every problem: unparsable keys, a lora_A without its lora_B, keys
+            matching no base tensor, shape or rank disagreements, non-float dtypes, modules outside
+            ``target_modules``.
+    """
+    problems: list[str] = []
+    pairs: dict[str, dict[str, str]] = {}
+    for key in adapter:
+        try:
+            module, ab = peft_module(key)
+        except MergeError as exc:
+            problems.append(str(exc))
+            continue
+        slot = pairs.setdefault(module, {})
+        if ab in slot:
+            problems.append(f"adapter keys {slot[ab]!r} and {key!r} both give lora_{ab} of {module}: keep one adapter")
+        slot[ab] = key
+    targets: dict[str, LoraTarget] = {}
+    for module, slot in pairs.items():
+        if set(slot) != {"A", "B"}:
+            have = next(iter(slot.values()))
+            problems.append(
+                f"adapter key {have!r} has no lora_{'B' if 'A' in slot else 'A'} partner: the export is incomplete"
+            )
+            continue
+        name = module + ".weight"
+        a, b = adapter[slot["A"]], adapter[slot["B"]]
+        if name not in base:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(base), n=1)
+            problems.append(
+                f"adapter key {slot['A']!r} targets base tensor {name!r}, which the base checkpoint does not hold"
+                + (f" (closest: {close[0]!r})" if close else "")
+                + f": the adapter belongs to another model, or its keys need the form {PEFT_PREFIX}<HF module>.lora_A.weight"
+            )
+            continue
+        w = base[name]
+        bad_dtype = [
+            f"{n} is {t.dtype}" for n, t in ((slot["A"], a), (slot["B"], b), (name, w)) if t.dtype not in FLOAT_DTYPES
+        ]
+        if bad_dtype:
+            problems.append(
+                f"{'; '.join(bad_dtype)}: only F16/BF16/F32/F64 tensors can be merged (dequantise the base first)"
+            )
+            continue
+        rank, alpha = cfg.rank_alpha(module)
+        n_out, n_in = (w.shape[::-1] if cfg.fan_in_fan_out else w.shape) if len(w.shape) == 2 else ("out", "in")
+        if len(w.shape) != 2 or a.shape != (rank, n_in) or b.shape != (n_out, rank):
+            problems.append(
+                f"adapter key {slot['A']!r}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit base {name} "
+                f"{list(w.shape)} at rank {rank} (need A [{rank}, {n_in}], B [{n_out}, {rank}]): the adapter was trained on "
+                "another model size, or adapter_config.json's r / rank_pattern is wrong"
+            )
+            continue
+        if not cfg.targets(module):
+            problems.append(
+                f"adapter key {slot['A']!r}: module {module} is not in target_modules {cfg.target_modules!r}: "
+                "the config does not belong to these weights"
+            )
+            continue
+        targets[name] = LoraTarget(name, slot["A"], slot["B"], rank, lora_scale(rank, alpha, cfg.use_rslora))
+    if not pairs and not problems:
+        problems.append("the adapter holds no lora_A/lora_B tensors")
+    if problems:
+        raise MergeError(
+            f"cannot merge this adapter ({len(problems)} problem(s)):\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return targets
+
+
+def check_finite(adapter: Checkpoint) -> None:
+    """Raise :class:`MergeError` naming every adapter tensor that holds NaN or Inf (reads one at a time)."""
+    bad = []
+    for name, array in adapter:
+        values = array.astype(np.float32) if array.dtype.itemsize < 4 else array
+        if not np.isfinite(values).all():
+            bad.append(f"{name} ({int(np.isnan(values).sum())} NaN, {int(np.isinf(values).sum())} Inf)")
+    if bad:
+        raise MergeError(
+            f"the adapter holds non-finite values in {len(bad)} tensor(s): {', '.join(bad[:5])}"
+            + (" ..." if len(bad) > 5 else "")
+            + ": training diverged; use an earlier checkpoint or lower the learning rate"
+        )
+
+
+def find_adapter(adapter_dir: str | Path) -> tuple[Path, Path]:
+    """``(adapter_model.safetensors, adapter_config.json)`` in ``adapter_dir`` or its ``peft/`` subdir."""
+    root = Path(adapter_dir)
+    for d in (root, root / "peft"):
+        if (d / ADAPTER_CONFIG).is_file() and (d / ADAPTER_WEIGHTS).is_file():
+            return d / ADAPTER_WEIGHTS, d / ADAPTER_CONFIG
+    if any(root.rglob("adapter_model.bin")):
+        raise MergeError(f"{root} holds adapter_model.bin: export the adapter as safetensors (safe_serialization=True)")
+    raise MergeError(f"{root} holds no PEFT adapter ({ADAPTER_WEIGHTS} + {ADAPTER_CONFIG}, here or under peft/)")
+
+
+@dataclass
+class MergeReport:
+    """What :func:`merge_checkpoint` did."""
+
+    tensors: int = 0
+    merged: int = 0  # tensors an adapter pair was folded into
+    changed: int = 0  # of those, tensors whose stored values actually differ from the base
+    bytes: int = 0  # tensor bytes written
+    max_delta: float = 0.0  # max |scale · B @ A| over all merged tensors (float32, before rounding)
+    files: list[str] = field(default_factory=list)  # weight files written
+    copied: list[str] = field(default_factory=list)  # other files copied from the base
+    skipped: list[str] = field(default_factory=list)  # non-safetensors weight files not copied
+    unchanged_targets: list[str] = field(default_factory=list)  # merged but rounded back to the base
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tensors": self.tensors,
+            "merged": self.merged,
+            "changed": self.changed,
+            "bytes": self.bytes,
+            "max_delta": self.max_delta,
+            "files": len(self.files),
+        }
+
+
+def _group(name: str) -> str:
+    m = _LAYER.match(name)
+    return m["group"] if m else "other tensors"
+
+
+def copy_side_files(base_dir: Path, out_dir: Path) -> tuple[list[str], list[str]]:
+    """Copy everything but weights (config, tokenizer, generation config...); returns (copied, skipped)."""
+    copied, skipped = [], []
+    for src in sorted(p for p in base_dir.rglob("*") if p.is_file()):
+        rel = src.relative_to(base_dir)
+        if src.suffix in WEIGHT_SUFFIXES or src.name.endswith(".index.json") or src.name == "_MANIFEST.json":
+            top_safetensors = src.parent == base_dir and (src.suffix == ".safetensors" or src.name == INDEX_FILE)
+            if not top_safetensors and src.name != "_MANIFEST.json":
+                skipped.append(str(rel))
+            continue
+        dest = out_dir / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest)
+        copied.append(str(rel))
+    return copied, skipped
+
+
+def merge_checkpoint(
+    base_dir: str | Path,
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    shard_bytes: int = 500 * 1024 * 1024,
+    progress: Callable[[str], None] | None = None,
+) -> MergeReport:
+    """Write ``base + adapter`` as a sharded safetensors HF checkpoint, streaming tensor by tensor.
+
+    Args:
+        base_dir: HF checkpoint directory (config.json, tokenizer, ``model*.safetensors`` [+ index]).
+        adapter_dir: directory with ``adapter_model.safetensors`` + ``adapter_config.json`` (or
+            those under its ``peft/`` subdir).
+        out_dir: where the merged checkpoint goes (created; must hold no weights yet).
+        shard_bytes: maximum tensor bytes per output shard.
+        progress: called with one line per tensor group (transformer layer) and at the end.
+
+    Returns:
+        A :class:`MergeReport`.
+
+    Raises:
+        MergeError: adapter keys that match no base tensor, shape/rank/dtype disagreements,
+            NaN/Inf in the adapter, overflow when merging; checked before any weight is written
+            (overflow excepted).
+    """
+    say = progress or (lambda _msg: None)
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    if out_dir.resolve().is_relative_to(base_dir.resolve()):
+        raise MergeError(f"out_dir {out_dir} lies inside base_dir {base_dir}: write the merged checkpoint elsewhere")
+    if not (base_dir / "config.json").is_file():
+        raise MergeError(f"{base_dir} is not a Hugging Face checkpoint (no config.json)")
+    if not list(base_dir.glob("*.safetensors")):
+        raise MergeError(f"{base_dir} holds no *.safetensors weights: convert the base checkpoint to safetensors first")
+    base = Checkpoint.open(base_dir)
+    weights_file, config_file = find_adapter(adapter_dir)
+    cfg = load_adapter_config(config_file)
+    adapter = Checkpoint.open(weights_file)
+    targets = plan_merge(adapter.tensors, base.tensors, cfg)
+    check_finite(adapter)
+    say(
+        f"{len(targets)} of {len(base)} base tensors get a LoRA update (r={cfg.r}, alpha={cfg.lora_alpha:g}, "
+        f"scale={lora_scale(cfg.r, cfg.lora_alpha, cfg.use_rslora):g}); writing shards of <= {shard_bytes / 2**20:g} MiB"
+    )
+
+    report = MergeReport()
+    group, g_tensors, g_merged, g_delta = None, 0, 0, 0.0
+
+    def flush() -> None:
+        if group is not None:
+            say(f"{group}: {g_tensors} tensor(s), {g_merged} merged, max |update| {g_delta:.3g}")
+
+    with ShardedWriter(out_dir, [t.spec for t in base.tensors.values()], shard_bytes, base.metadata) as writer:
+        with open(weights_file, "rb") as af:
+            for path in base.files:
+                with open(path, "rb") as f:
+                    for info in [t for t in base.tensors.values() if t.file == path]:
+                        if _group(info.name) != group:
+                            flush()
+                            group, g_tensors, g_merged, g_delta = _group(info.name), 0, 0, 0.0
+                        g_tensors += 1
+                        report.tensors += 1
+                        report.bytes += info.nbytes
+                        target = targets.get(info.name)
+                        if target is None:
+                            writer.write_bytes(info.name, base.copy_raw(info.name, f))
+                            continue
+                        weight = base.read(info.name, f)
+                        try:
+                            merged, delta, changed = _merge_blocks(
+                                weight, adapter.read(target.lora_a, af), adapter.read(target.lora_b, af),
+                                target.scale, cfg.fan_in_fan_out, BLOCK_ELEMS,
+                            )  # fmt: skip
+                        except MergeError as exc:
+                            raise MergeError(f"{info.name} (adapter key {target.lora_a!r}): {exc}") from None
+                        del weight
+                        writer.write(info.name, merged)
+                        del merged
+                        report.merged += 1
+                        g_merged += 1
+                        g_delta = max(g_delta, delta)
+                        report.max_delta = max(report.max_delta, delta)
+                        if changed:
+                            report.changed += 1
+                        else:
+                            report.unchanged_targets.append(info.name)
+        flush()
+    assert writer.result is not None
+    report.files = [p.name for p in writer.result.files]
+    report.copied, report.skipped = copy_side_files(base_dir, out_dir)
+    say(
+        f"merged {report.merged} tensor(s), {report.changed} changed, of {report.tensors}; "
+        f"{report.bytes / 2**20:.1f} MiB in {len(report.files)} file(s); copied {len(report.copied)} other file(s)"
+    )
+    if report.unchanged_targets:
+        say(
+            f"WARNING: {len(report.unchanged_targets)} merged tensor(s) equal the base after rounding to their dtype "
+            f"(e.g. {report.unchanged_targets[0]}): is lora_B still all zeros (an untrained adapter)?"
+        )
+    if report.skipped:
+        say(f"not copied (unmerged weights in another format): {report.skipped}")
+    return report

@@ -1,0 +1,80 @@
+"""The merged checkpoint computes what base + LoRA computes (serving env: torch + transformers).
+
+Reference: the tiny base loaded by transformers, with forward hooks adding the LoRA path
+``scale · x Aᵀ Bᵀ`` to every target Linear's output (the definition of LoRA, independent of any
+merge). Candidate: the checkpoint ``loraflow.merge`` wrote, loaded by transformers from its shards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loraflow import tinymodel
+from loraflow.merge import merge_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    corpus = REPO / "pipelines/data/parity/train.jsonl"
+    return tinymodel.create(tmp_path_factory.mktemp("base"), [corpus] if corpus.exists() else [])
+
+
+def load(path: Path) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_merged_logits_equal_base_plus_lora(base: Path, tmp_path: Path, use_rslora: bool) -> None:
+    model = load(base)
+    gen = torch.Generator().manual_seed(0)
+    adapter: dict[str, torch.Tensor] = {}
+    hooks = []
+    scale = ALPHA / (RANK**0.5 if use_rslora else RANK)
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in TARGETS:
+            continue
+        a = torch.randn(RANK, module.in_features, generator=gen) * 0.1
+        b = torch.randn(module.out_features, RANK, generator=gen) * 0.05
+        adapter[f"base_model.model.{name}.lora_A.weight"] = a
+        adapter[f"base_model.model.{name}.lora_B.weight"] = b
+
+        def add_lora(_mod, inputs, output, a=a, b=b):
+            return output + scale * (inputs[0] @ a.T @ b.T)
+
+        hooks.append(module.register_forward_hook(add_lora))
+    assert len(hooks) == 14
+
+    peft = tmp_path / "adapter" / "peft"
+    peft.mkdir(parents=True)
+    save_file(adapter, str(peft / "adapter_model.safetensors"))
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS,
+                    "use_rslora": use_rslora})
+    )  # fmt: skip
+    report = merge_checkpoint(base, tmp_path / "adapter", tmp_path / "merged", shard_bytes=400_000)
+    assert report.merged == report.changed == 14 and len(report.files) > 1  # sharded + index
+
+    ids = torch.randint(6, 512, (2, 24), generator=gen)
+    with torch.no_grad():
+        reference = model(ids).logits
+        for h in hooks:
+            h.remove()
+        base_logits = model(ids).logits
+        merged_logits = load(tmp_path / "merged")(ids).logits
+
+    assert (reference - base_logits).abs().max() > 1e-2, (
+        "the adapter must move the logits for the test to mean anything"
+    )
+    torch.testing.assert_close(merged_logits, reference, atol=1e-5, rtol=1e-5)
