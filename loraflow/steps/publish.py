@@ -1,0 +1,236 @@
+"""Step program for the publish stage: register a promoted model in a registry kept in GCS.
+
+Inputs: ``decision`` (directory with the gate's decision.json) and, optionally, ``model``: the
+merged checkpoint's manifest, best given with ``--ref model=gs://.../merge_adapter/_MANIFEST.json``
+(verified, not downloaded: publishing needs the model's identity, not its bytes). Without it the
+manifest named by ``config["model_manifest"]`` is read and verified instead.
+
+Config::
+
+    registry_uri     gs://BUCKET/.../_registry   (required)
+    pipeline         the pipeline's name          (required)
+    run_id           the run being published      (default: the run of the output prefix)
+    model_manifest   gs://.../merge_adapter/_MANIFEST.json  (required unless the model input is given)
+
+The registry of a pipeline lives under ``{registry_uri}/{pipeline}/``::
+
+    versions/0001.json      one per promoted model, never overwritten
+    aliases/champion.json   points at the current champion version
+
+A version number is taken by creating ``versions/{N:04d}.json`` with the precondition
+``if_generation_match=0`` (create only if absent), so two publishers never take the same number:
+the loser sees 412 and tries the next one. A retried publish of the same run and model finds its
+own version and reuses it. The alias moves with a generation precondition too, and only forward:
+a publisher never points champion back at an older version than the one it holds.
+
+Writes ``registry_entry.json`` either way; when the gate did not promote, registers nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+from loraflow import artifacts, gcs
+from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.steps._harness import StepContext, run_step
+
+STAGE = "publish"
+VERSION_FORMAT = "loraflow.registry.version/1"
+ALIAS_FORMAT = "loraflow.registry.alias/1"
+ALIAS = "champion"
+_VERSION_NAME = re.compile(r"^(\d{4,})\.json$")
+MAX_ATTEMPTS = 50
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def resolve_config(raw: dict[str, Any], has_model_input: bool, output_uri: str | None = None) -> dict[str, Any]:
+    if output_uri and not raw.get("run_id"):
+        # {artifact_root}/{pipeline}/{run_id}/publish: the run is the prefix's parent.
+        raw = {**raw, "run_id": output_uri.rstrip("/").split("/")[-2]}
+    known = {"registry_uri", "pipeline", "run_id", "model_manifest"}
+    problems = [f"unknown key {k!r}" for k in sorted(set(raw) - known)]
+    required = ["registry_uri", "pipeline", "run_id"] + ([] if has_model_input else ["model_manifest"])
+    problems += [f"{k} is required" for k in required if not raw.get(k)]
+    if problems:
+        raise LoraflowError(f"{STAGE}: invalid config: " + "; ".join(problems))
+    gcs.split_uri(raw["registry_uri"])
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", str(raw["pipeline"])):
+        raise LoraflowError(f"{STAGE}: pipeline {raw['pipeline']!r} must be letters, digits, '.', '_' or '-'")
+    return dict(raw)
+
+
+class Registry:
+    """A pipeline's model registry under ``{registry_uri}/{pipeline}/`` (google-cloud-storage)."""
+
+    def __init__(self, registry_uri: str, pipeline: str):
+        self.uri = gcs.join(registry_uri, pipeline)
+        bucket_name, self.base = gcs.split_uri(self.uri)
+        self.bucket = gcs.client().bucket(bucket_name)
+
+    def _object(self, *parts: str) -> str:
+        return "/".join(p for p in (self.base, *parts) if p)
+
+    def version_uri(self, number: int) -> str:
+        return gcs.join(self.uri, "versions", f"{number:04d}.json")
+
+    @property
+    def alias_uri(self) -> str:
+        return gcs.join(self.uri, "aliases", f"{ALIAS}.json")
+
+    def versions(self) -> dict[int, Any]:
+        """Version number -> blob, for every version present."""
+        prefix = self._object("versions") + "/"
+        found = {}
+        for blob in gcs.client().list_blobs(self.bucket, prefix=prefix):
+            match = _VERSION_NAME.match(blob.name[len(prefix) :])
+            if match:
+                found[int(match.group(1))] = blob
+        return found
+
+    def find(self, run_id: str, model_manifest: str) -> tuple[int, dict[str, Any]] | None:
+        """The version this run already registered for this model (a retried publish), if any."""
+        for number, blob in sorted(self.versions().items(), reverse=True):
+            entry = json.loads(blob.download_as_bytes())
+            if entry.get("run_id") == run_id and entry.get("model_manifest") == model_manifest:
+                return number, entry
+        return None
+
+    def register(self, entry: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Create the next free version with ``entry``; never overwrites one."""
+        from google.api_core.exceptions import PreconditionFailed
+
+        number = max(self.versions(), default=0) + 1
+        for _ in range(MAX_ATTEMPTS):
+            data = {**entry, "version": number}
+            blob = self.bucket.blob(self._object("versions", f"{number:04d}.json"))
+            try:
+                blob.upload_from_string(
+                    json.dumps(data, indent=2, sort_keys=True), content_type="application/json", if_generation_match=0
+                )
+                return number, data
+            except PreconditionFailed:
+                # Someone took this number between our listing and our write: take the next one.
+                number = max(max(self.versions(), default=0), number) + 1
+        raise ArtifactError(f"could not take a version number in {self.uri} after {MAX_ATTEMPTS} attempts")
+
+    def move_alias(self, number: int, entry: dict[str, Any]) -> bool:
+        """Point the alias at version ``number`` unless it already points at a newer one."""
+        from google.api_core.exceptions import PreconditionFailed
+
+        name = self._object("aliases", f"{ALIAS}.json")
+        for _ in range(MAX_ATTEMPTS):
+            current = self.bucket.get_blob(name)
+            generation = 0
+            if current is not None:
+                generation = current.generation
+                held = json.loads(current.download_as_bytes()).get("version", 0)
+                if held >= number:
+                    return held == number
+            data = {
+                "format": ALIAS_FORMAT,
+                "alias": ALIAS,
+                "version": number,
+                "version_uri": self.version_uri(number),
+                "model_manifest": entry["model_manifest"],
+                "model_fingerprint": entry["model_fingerprint"],
+                "run_id": entry["run_id"],
+                "updated_at": _now(),
+            }
+            try:
+                self.bucket.blob(name).upload_from_string(
+                    json.dumps(data, indent=2, sort_keys=True),
+                    content_type="application/json",
+                    if_generation_match=generation,
+                )
+                return True
+            except PreconditionFailed:
+                continue  # the alias moved under us: read it again
+        raise ArtifactError(f"could not move {self.alias_uri} after {MAX_ATTEMPTS} attempts")
+
+
+def _model_manifest(ctx: StepContext, cfg: dict[str, Any]) -> artifacts.Manifest:
+    given = ctx.input_manifests.get("model")
+    wanted = cfg.get("model_manifest")
+    if given is not None:
+        if wanted and artifacts.manifest_uri(wanted) != given.uri:
+            raise LoraflowError(
+                f"{STAGE}: the model input is {given.uri} but config model_manifest is {wanted}; give one of them"
+            )
+        return given
+    return artifacts.read_manifest(str(wanted))
+
+
+def run(ctx: StepContext) -> dict[str, Any]:
+    cfg = resolve_config(
+        dict(ctx.config), has_model_input=ctx.input_manifests.get("model") is not None, output_uri=ctx.output_uri
+    )
+    if "decision" not in ctx.inputs:
+        raise LoraflowError(f"{STAGE}: input 'decision' is missing; give --input decision=gs://.../gate/_MANIFEST.json")
+    decision_path = ctx.inputs["decision"] / "decision.json"
+    if not decision_path.exists():
+        raise LoraflowError(f"{STAGE}: {decision_path.name} is missing from the decision input; re-run the gate")
+    decision = json.loads(decision_path.read_text())
+    model_uri = artifacts.manifest_uri(cfg["model_manifest"]) if cfg.get("model_manifest") else None
+    registry = Registry(cfg["registry_uri"], cfg["pipeline"])
+
+    if not decision.get("promote"):
+        record = {
+            "promoted": False,
+            "version": None,
+            "model_manifest": model_uri or getattr(ctx.input_manifests.get("model"), "uri", None),
+            "registry": registry.uri,
+            "reason": decision.get("reason", "the gate did not promote this model"),
+            "run_id": cfg["run_id"],
+        }
+        (ctx.out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+        ctx.progress(f"not promoted, nothing registered: {record['reason']}")
+        return {"promoted": False, "version": None, "model_manifest": record["model_manifest"]}
+
+    manifest = _model_manifest(ctx, cfg)
+    ctx.progress(f"model {manifest.uri} verified (fingerprint {manifest.fingerprint[:12]})")
+    existing = registry.find(cfg["run_id"], manifest.uri)
+    if existing is not None:
+        number, entry = existing
+        ctx.progress(f"this run already registered {registry.version_uri(number)}; reusing it")
+    else:
+        entry = {
+            "format": VERSION_FORMAT,
+            "pipeline": cfg["pipeline"],
+            "model_manifest": manifest.uri,
+            "model_fingerprint": manifest.fingerprint,
+            "decision": decision,
+            "run_id": cfg["run_id"],
+            "created_at": _now(),
+        }
+        number, entry = registry.register(entry)
+        ctx.progress(f"registered version {number} at {registry.version_uri(number)}")
+    moved = registry.move_alias(number, entry)
+    ctx.progress(
+        f"alias {ALIAS} now points at version {number}"
+        if moved
+        else f"alias {ALIAS} already points at a newer version; left as is"
+    )
+    record = {
+        "promoted": True,
+        "version": number,
+        "version_uri": registry.version_uri(number),
+        "alias": ALIAS if moved else None,
+        "alias_uri": registry.alias_uri,
+        "model_manifest": manifest.uri,
+        "model_fingerprint": manifest.fingerprint,
+        "registry": registry.uri,
+        "run_id": cfg["run_id"],
+        "reason": decision.get("reason"),
+    }
+    (ctx.out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+    return {"promoted": True, "version": number, "model_manifest": manifest.uri}
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_step(STAGE, run))

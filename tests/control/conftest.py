@@ -1,0 +1,61 @@
+"""Fixtures for the control environment's tests: step contexts on local directories, a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from loraflow.steps._harness import StepContext
+
+REPO = Path(__file__).resolve().parents[2]
+PARITY = REPO / "pipelines" / "data" / "parity"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tokenizer.json + tokenizer_config.json (with the chat template) as loraflow.tinymodel makes them.
+
+    Built here with the tokenizers library alone: the full tiny checkpoint needs safetensors,
+    which the control environment does not have.
+    """
+    from loraflow import tinymodel
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([PARITY / "train.jsonl"])))
+    tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
+    config = {
+        "bos_token": "<|bos|>",
+        "eos_token": "<|end|>",
+        "pad_token": "<|pad|>",
+        "chat_template": tinymodel.CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture
+def make_ctx(tmp_path: Path) -> Callable[..., StepContext]:
+    """StepContext(stage, inputs={name: local dir}, config) with fresh out/ and work/ dirs."""
+
+    def make(
+        stage: str, inputs: dict[str, Path], config: dict | None = None, manifests: dict | None = None
+    ) -> StepContext:
+        root = tmp_path / f"ctx-{stage}"
+        shutil.rmtree(root, ignore_errors=True)
+        (root / "out").mkdir(parents=True)
+        (root / "work").mkdir()
+        return StepContext(
+            stage,
+            f"gs://test/{stage}",
+            dict(inputs),
+            dict(manifests or {}),
+            root / "out",
+            root / "work",
+            dict(config or {}),
+        )
+
+    return make

@@ -1,0 +1,152 @@
+"""gate_rule.decide on constructed outcomes, and the gate step on evaluate-shaped artifacts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from loraflow.gate_rule import GateError, decide
+from loraflow.steps import gate
+
+
+def outcomes(pattern: str, prefix: str = "e") -> dict[str, bool]:
+    return {f"{prefix}{i:04d}": c == "1" for i, c in enumerate(pattern)}
+
+
+def test_clear_improvement_promotes() -> None:
+    base = outcomes("0" * 150 + "1" * 50)  # 0.25
+    tuned = outcomes("1" * 180 + "0" * 20)  # 0.90
+    d = decide(base, tuned, min_improvement=0.3)
+    assert d.promote
+    assert d.base == pytest.approx(0.25) and d.tuned == pytest.approx(0.9) and d.delta == pytest.approx(0.65)
+    assert 0 < d.ci[0] < d.delta < d.ci[1]
+    assert d.fixed == 150 and d.broken == 20
+    assert "rose by +0.650" in d.reason
+
+
+def test_no_change_does_not_promote() -> None:
+    same = outcomes("01" * 100)
+    d = decide(same, dict(same))
+    assert not d.promote
+    assert d.delta == 0 and d.ci == (0.0, 0.0) and d.fixed == d.broken == 0
+    assert "less than the required" in d.reason
+
+
+def test_gain_below_the_threshold_does_not_promote() -> None:
+    d = decide(outcomes("0" * 100 + "1" * 100), outcomes("0" * 60 + "1" * 140), min_improvement=0.3)
+    assert d.delta == pytest.approx(0.2) and d.ci[0] > 0 and not d.promote
+
+
+def test_big_gain_on_few_examples_is_noise() -> None:
+    # 2 of 5 fixed, 1 broken: delta 0.2 clears a 0.1 threshold, but the interval reaches 0.
+    d = decide(outcomes("00010"), outcomes("11000"), min_improvement=0.1)
+    assert d.delta == pytest.approx(0.2)
+    assert d.ci[0] <= 0 and not d.promote
+    assert "may be noise" in d.reason
+
+
+def test_ci_narrows_with_more_examples_and_is_reproducible() -> None:
+    small = decide(outcomes("0011" * 10), outcomes("0111" * 10), min_improvement=0.0)
+    large = decide(outcomes("0011" * 200), outcomes("0111" * 200), min_improvement=0.0)
+    assert small.delta == pytest.approx(large.delta)
+    assert (large.ci[1] - large.ci[0]) < (small.ci[1] - small.ci[0])
+    again = decide(outcomes("0011" * 10), outcomes("0111" * 10), min_improvement=0.0)
+    assert again.ci == small.ci
+    other_seed = decide(outcomes("0011" * 10), outcomes("0111" * 10), min_improvement=0.0, seed=1)
+    assert other_seed.delta == small.delta
+
+
+def test_higher_confidence_gives_a_wider_interval() -> None:
+    base, tuned = outcomes("0011" * 25), outcomes("0111" * 25)
+    ci90 = decide(base, tuned, confidence=0.90).ci
+    ci99 = decide(base, tuned, confidence=0.99).ci
+    assert ci99[0] <= ci90[0] and ci99[1] >= ci90[1]
+
+
+def test_mismatched_ids_are_refused() -> None:
+    base = outcomes("0101")
+    tuned = outcomes("0101", prefix="x")
+    with pytest.raises(GateError, match="different examples: 4 id\\(s\\) only in base"):
+        decide(base, tuned)
+    with pytest.raises(GateError, match="1 only in tuned"):
+        decide(base, {**base, "extra": True})
+
+
+def test_empty_and_bad_settings_are_refused() -> None:
+    with pytest.raises(GateError, match="no examples"):
+        decide({}, {})
+    with pytest.raises(GateError, match="confidence"):
+        decide(outcomes("01"), outcomes("01"), confidence=1.0)
+
+
+# ------------------------------------------------------------------------------------ the step
+
+
+def write_eval(d: Path, pattern: str, generations: list[str] | None = None) -> Path:
+    import pandas as pd
+
+    d.mkdir(parents=True)
+    ids = [f"eval-{i + 1:06d}" for i in range(len(pattern))]
+    correct = [c == "1" for c in pattern]
+    frame = pd.DataFrame(
+        {
+            "id": ids,
+            "correct": correct,
+            "format_ok": [True] * len(pattern),
+            "answer": ["even" if c else "odd" for c in correct],
+            "reference": ["even"] * len(pattern),
+            "generation": generations or ["even" if c else "odd" for c in correct],
+        }
+    )
+    frame.to_parquet(d / "predictions.parquet")
+    acc = sum(correct) / len(correct)
+    (d / "metrics.json").write_text(json.dumps({"accuracy": acc, "format_rate": 1.0, "n": len(pattern)}))
+    return d
+
+
+def test_step_promotes_and_writes_the_evidence(tmp_path: Path, make_ctx: Callable) -> None:
+    inputs = {
+        "base_eval": write_eval(tmp_path / "b", "0" * 80 + "1" * 20),
+        "tuned_eval": write_eval(tmp_path / "t", "1" * 95 + "0" * 5),
+    }
+    ctx = make_ctx("gate", inputs, {"min_improvement": 0.3})
+    summary = gate.run(ctx)
+    assert summary["promote"] is True
+    assert summary["base"] == pytest.approx(0.2) and summary["tuned"] == pytest.approx(0.95)
+    assert summary["delta"] == pytest.approx(0.75) and summary["ci"][0] > 0
+    decision = json.loads((ctx.out / "decision.json").read_text())
+    assert decision["promote"] is True and decision["fixed"] == 80 and decision["broken"] == 5
+    assert decision["n"] == 100 and decision["base_metrics"]["n"] == 100
+    assert decision["rule"].startswith("promote iff")
+
+
+def test_step_succeeds_without_promoting(tmp_path: Path, make_ctx: Callable) -> None:
+    pattern = "01" * 50
+    inputs = {"base_eval": write_eval(tmp_path / "b", pattern), "tuned_eval": write_eval(tmp_path / "t", pattern)}
+    ctx = make_ctx("gate", inputs, {})
+    summary = gate.run(ctx)
+    assert summary["promote"] is False and summary["delta"] == 0
+    decision = json.loads((ctx.out / "decision.json").read_text())
+    assert decision["identical_generations"] == 100
+    assert any("adapter changed nothing" in n for n in decision["notes"])
+
+
+def test_step_refuses_different_eval_sets(tmp_path: Path, make_ctx: Callable) -> None:
+    inputs = {"base_eval": write_eval(tmp_path / "b", "01" * 50), "tuned_eval": write_eval(tmp_path / "t", "01" * 40)}
+    with pytest.raises(GateError, match="20 id\\(s\\) only in base"):
+        gate.run(make_ctx("gate", inputs, {}))
+
+
+def test_step_reads_predictions_jsonl_when_parquet_is_absent(tmp_path: Path, make_ctx: Callable) -> None:
+    import pandas as pd
+
+    base = write_eval(tmp_path / "b", "0" * 50 + "1" * 50)
+    tuned = write_eval(tmp_path / "t", "1" * 100)
+    for d in (base, tuned):
+        pd.read_parquet(d / "predictions.parquet").to_json(d / "predictions.jsonl", orient="records", lines=True)
+        (d / "predictions.parquet").unlink()
+    summary = gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": tuned}, {"metric": "accuracy"}))
+    assert summary["promote"] is True and summary["delta"] == pytest.approx(0.5)

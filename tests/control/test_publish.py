@@ -1,0 +1,201 @@
+"""publish.run against the GCS emulator (the ``gcs_bucket`` fixture of tests/conftest.py).
+
+gcp-storage-emulator ignores ``ifGenerationMatch`` (it has no precondition support at all), so
+the module enforces GCS's precondition semantics on ``Blob.upload_from_string`` itself: without
+that, the tests of "never take a taken number" would pass or fail by luck rather than by the code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from loraflow import artifacts, gcs
+from loraflow.steps import publish
+
+
+@pytest.fixture(autouse=True)
+def gcs_preconditions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What GCS does and the emulator does not: refuse a write whose if_generation_match is stale."""
+    from google.api_core.exceptions import PreconditionFailed
+    from google.cloud.storage import Blob
+
+    original = Blob.upload_from_string
+
+    def upload_from_string(self, data, *args, if_generation_match=None, **kwargs):  # type: ignore[no-untyped-def]
+        if if_generation_match is not None:
+            current = self.bucket.get_blob(self.name)
+            generation = int(current.generation) if current is not None else 0
+            if generation != int(if_generation_match):
+                raise PreconditionFailed(f"{self.name}: generation {generation} != {if_generation_match}")
+        return original(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Blob, "upload_from_string", upload_from_string)
+
+
+def committed_model(root: str, tmp_path: Path, run: str = "run-1", payload: bytes = b"weights") -> artifacts.Manifest:
+    """A committed merge_adapter artifact (a stand-in for the merged checkpoint)."""
+    local = tmp_path / f"model-{run}"
+    local.mkdir()
+    (local / "model.safetensors").write_bytes(payload)
+    (local / "config.json").write_text("{}")
+    prefix = gcs.join(root, "artifacts", "tiny", run, "merge_adapter")
+    files = artifacts.upload_tree(local, prefix)
+    return artifacts.commit(
+        prefix, files, stage="merge_adapter", inputs={}, config={}, lock_version="t", cache_key="", summary={}
+    )
+
+
+def decision_dir(tmp_path: Path, promote: bool, name: str = "decision") -> Path:
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    reason = (
+        "accuracy rose by +0.650" if promote else "accuracy rose by +0.000, less than the required +0.300; not promoted"
+    )
+    (d / "decision.json").write_text(
+        json.dumps({"promote": promote, "delta": 0.65 if promote else 0.0, "reason": reason})
+    )
+    return d
+
+
+def read(uri: str) -> dict:
+    data = artifacts.read_json(uri)
+    assert data is not None, f"{uri} is missing"
+    return data
+
+
+@pytest.fixture
+def publish_run(gcs_bucket: str, tmp_path: Path, make_ctx: Callable) -> Callable:
+    def run(model: artifacts.Manifest, promote: bool, run_id: str, as_ref: bool = False):  # type: ignore[no-untyped-def]
+        config = {"registry_uri": f"{gcs_bucket}/_registry", "pipeline": "tiny", "run_id": run_id}
+        manifests = {}
+        if as_ref:
+            manifests["model"] = model
+        else:
+            config["model_manifest"] = model.uri
+        ctx = make_ctx("publish", {"decision": decision_dir(tmp_path, promote, f"d-{run_id}")}, config, manifests)
+        return publish.run(ctx), ctx
+
+    return run
+
+
+def test_promoted_model_gets_a_version_and_the_alias(gcs_bucket: str, tmp_path: Path, publish_run: Callable) -> None:
+    model = committed_model(gcs_bucket, tmp_path)
+    summary, ctx = publish_run(model, True, "run-1")
+    assert summary == {"promoted": True, "version": 1, "model_manifest": model.uri}
+
+    version = read(f"{gcs_bucket}/_registry/tiny/versions/0001.json")
+    assert version["model_manifest"] == model.uri
+    assert version["model_fingerprint"] == model.fingerprint
+    assert version["run_id"] == "run-1" and version["decision"]["promote"] is True and version["created_at"]
+    alias = read(f"{gcs_bucket}/_registry/tiny/aliases/champion.json")
+    assert alias["version"] == 1 and alias["model_manifest"] == model.uri
+    entry = json.loads((ctx.out / "registry_entry.json").read_text())
+    assert entry["promoted"] is True and entry["version_uri"].endswith("/tiny/versions/0001.json")
+
+
+def test_next_run_takes_the_next_number_and_moves_the_alias(
+    gcs_bucket: str, tmp_path: Path, publish_run: Callable
+) -> None:
+    first = committed_model(gcs_bucket, tmp_path, "run-1", b"one")
+    second = committed_model(gcs_bucket, tmp_path, "run-2", b"two")
+    publish_run(first, True, "run-1")
+    summary, _ = publish_run(second, True, "run-2", as_ref=True)  # model given as a --ref input
+    assert summary["version"] == 2
+    assert read(f"{gcs_bucket}/_registry/tiny/versions/0001.json")["model_manifest"] == first.uri  # untouched
+    alias = read(f"{gcs_bucket}/_registry/tiny/aliases/champion.json")
+    assert alias["version"] == 2 and alias["model_fingerprint"] == second.fingerprint
+
+
+def test_a_retried_publish_reuses_its_version(gcs_bucket: str, tmp_path: Path, publish_run: Callable) -> None:
+    model = committed_model(gcs_bucket, tmp_path)
+    publish_run(model, True, "run-1")
+    summary, _ = publish_run(model, True, "run-1")
+    assert summary["version"] == 1
+    assert sorted(publish.Registry(f"{gcs_bucket}/_registry", "tiny").versions()) == [1]
+
+
+def test_not_promoted_registers_nothing(gcs_bucket: str, tmp_path: Path, publish_run: Callable) -> None:
+    model = committed_model(gcs_bucket, tmp_path)
+    summary, ctx = publish_run(model, False, "run-1")
+    assert summary == {"promoted": False, "version": None, "model_manifest": model.uri}
+    assert publish.Registry(f"{gcs_bucket}/_registry", "tiny").versions() == {}
+    assert artifacts.read_json(f"{gcs_bucket}/_registry/tiny/aliases/champion.json") is None
+    entry = json.loads((ctx.out / "registry_entry.json").read_text())
+    assert entry["promoted"] is False and "not promoted" in entry["reason"]
+
+
+def test_a_lost_race_takes_the_next_number_and_never_overwrites(
+    gcs_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = publish.Registry(f"{gcs_bucket}/_registry", "race")
+    number, _ = registry.register({"run_id": "other-publisher"})
+    assert number == 1
+    # This publisher listed the versions before the other one wrote 0001: its listing is stale.
+    real = publish.Registry.versions
+    calls = {"n": 0}
+
+    def stale_first(self):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return {} if calls["n"] == 1 else real(self)
+
+    monkeypatch.setattr(publish.Registry, "versions", stale_first)
+    number, data = registry.register({"run_id": "me"})
+    assert number == 2 and data["run_id"] == "me"
+    assert read(registry.version_uri(1))["run_id"] == "other-publisher"
+
+
+def test_the_emulator_really_needs_the_precondition_patch(gcs_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If this starts failing, the emulator learnt preconditions and gcs_preconditions can go."""
+    monkeypatch.undo()
+    bucket_name, base = gcs.split_uri(gcs_bucket)
+    blob = gcs.client().bucket(bucket_name).blob(f"{base}/x")
+    blob.upload_from_string(b"1", if_generation_match=0)
+    blob.upload_from_string(b"2", if_generation_match=0)  # real GCS answers 412 here
+    assert blob.download_as_bytes() == b"2"
+
+
+def test_concurrent_alias_writer_is_detected(gcs_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = publish.Registry(f"{gcs_bucket}/_registry", "alias-race")
+    entry = {"model_manifest": "gs://b/m/_MANIFEST.json", "model_fingerprint": "f", "run_id": "r"}
+    registry.move_alias(1, entry)
+    # Another publisher moves the alias to 5 between our read and our write: we must not clobber it.
+    real_get = type(registry.bucket).get_blob
+    state = {"raced": False}
+
+    def get_blob(self, name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        blob = real_get(self, name, *args, **kwargs)
+        if name.endswith("champion.json") and not state["raced"]:
+            state["raced"] = True
+            other = publish.Registry(f"{gcs_bucket}/_registry", "alias-race")
+            monkeypatch.setattr(type(registry.bucket), "get_blob", real_get)
+            other.move_alias(5, entry)
+            monkeypatch.setattr(type(registry.bucket), "get_blob", get_blob)
+        return blob
+
+    monkeypatch.setattr(type(registry.bucket), "get_blob", get_blob)
+    assert registry.move_alias(3, entry) is False  # re-read after the 412: 5 is newer, left as is
+    assert read(registry.alias_uri)["version"] == 5
+
+
+def test_the_alias_never_moves_back(gcs_bucket: str) -> None:
+    registry = publish.Registry(f"{gcs_bucket}/_registry", "alias")
+    entry = {"model_manifest": "gs://b/m/_MANIFEST.json", "model_fingerprint": "f", "run_id": "r"}
+    assert registry.move_alias(3, entry) is True
+    assert registry.move_alias(2, entry) is False
+    assert read(registry.alias_uri)["version"] == 3
+
+
+def test_config_needs_a_model(tmp_path: Path, make_ctx: Callable) -> None:
+    from loraflow.errors import LoraflowError
+
+    ctx = make_ctx(
+        "publish",
+        {"decision": decision_dir(tmp_path, True)},
+        {"registry_uri": "gs://b/r", "pipeline": "p", "run_id": "r"},
+    )
+    with pytest.raises(LoraflowError, match="model_manifest is required"):
+        publish.run(ctx)

@@ -1,0 +1,273 @@
+"""validate_data.run: the parity data passes and is normalised; each data-quality failure is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from loraflow.errors import DataValidationError
+from loraflow.steps import validate_data
+
+PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+PARITY_TRAIN = read_jsonl(PARITY / "train.jsonl")
+PARITY_EVAL = read_jsonl(PARITY / "eval.jsonl")
+
+
+def dataset_dir(root: Path, name: str, rows: list[dict] | str, fmt: str = "jsonl") -> Path:
+    """A directory holding one dataset file: ``rows`` written as JSONL or Parquet, or a raw text."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    if isinstance(rows, str):
+        (d / f"{name}.jsonl").write_text(rows)
+    elif fmt == "parquet":
+        import pandas as pd
+
+        pd.DataFrame(rows).to_parquet(d / f"{name}.parquet")
+    else:
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture
+def run_step(tmp_path: Path, tokenizer_dir: Path, make_ctx: Callable) -> Callable:
+    """run_step(train_rows, eval_rows, **config) -> (summary or the error, ctx)."""
+
+    def run(train: list[dict], eval_: list[dict], fmt: str = "jsonl", **config):  # type: ignore[no-untyped-def]
+        inputs = {
+            "train": dataset_dir(tmp_path / "in", "train", train, fmt),
+            "eval": dataset_dir(tmp_path / "in", "eval", eval_, fmt),
+            "tokenizer": tokenizer_dir,
+        }
+        ctx = make_ctx("validate_data", inputs, config)
+        try:
+            return validate_data.run(ctx), ctx
+        except DataValidationError as exc:
+            return exc, ctx
+
+    return run
+
+
+def test_parity_data_passes_and_is_normalised(tmp_path: Path, tokenizer_dir: Path, make_ctx: Callable) -> None:
+    inputs = {"train": tmp_path / "train", "eval": tmp_path / "eval", "tokenizer": tokenizer_dir}
+    for split in ("train", "eval"):
+        inputs[split].mkdir()
+        shutil.copy(PARITY / f"{split}.jsonl", inputs[split])
+    ctx = make_ctx("validate_data", inputs, {"min_rows": 1000, "max_tokens": 32})
+    summary = validate_data.run(ctx)
+
+    assert summary["train_rows"] == 2000 and summary["eval_rows"] == 400
+    assert summary["failed"] == 0 and summary["expectations"] >= 20
+    assert 1 <= summary["max_tokens_seen"] <= 32
+    train = read_jsonl(ctx.out / "train.jsonl")
+    assert train[0] == {
+        "id": "train-000001",
+        "messages": [
+            {"role": "user", "content": PARITY_TRAIN[0]["prompt"]},
+            {"role": "assistant", "content": PARITY_TRAIN[0]["completion"]},
+        ],
+    }
+    evals = read_jsonl(ctx.out / "eval.jsonl")
+    assert evals[0] == {
+        "id": "eval-000001",
+        "messages": [{"role": "user", "content": PARITY_EVAL[0]["prompt"]}],
+        "reference": PARITY_EVAL[0]["completion"],
+    }
+    report = json.loads((ctx.out / "data_report.json").read_text())
+    assert report["success"] is True
+    assert report["statistics"]["train"]["rows"] == 2000
+    assert "chat_template" in report["token_length"]
+    types = {e["type"] for e in report["expectations"]}
+    assert {
+        "expect_column_values_to_be_between",
+        "expect_table_row_count_to_be_between",
+        "expect_column_values_to_not_be_in_set",
+        "expect_column_values_to_be_null",
+    } <= types
+
+
+def test_chat_parquet_input(run_step: Callable) -> None:
+    def chat(row: dict) -> dict:
+        return {
+            "messages": [
+                {"role": "system", "content": "One word."},
+                {"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": row["completion"]},
+            ]
+        }
+
+    summary, ctx = run_step(
+        [chat(r) for r in PARITY_TRAIN[:30]],
+        [chat(r) for r in PARITY_EVAL[:5]],
+        fmt="parquet",
+        min_rows=30,
+        required_roles=["system", "user", "assistant"],
+    )
+    assert not isinstance(summary, Exception), summary
+    assert summary["train_rows"] == 30
+    first_eval = read_jsonl(ctx.out / "eval.jsonl")[0]
+    assert [m["role"] for m in first_eval["messages"]] == ["system", "user"]
+    assert first_eval["reference"] == PARITY_EVAL[0]["completion"]
+
+
+def _train(n: int = 20) -> list[dict]:
+    return [dict(r) for r in PARITY_TRAIN[:n]]
+
+
+def _eval(n: int = 5) -> list[dict]:
+    return [dict(r) for r in PARITY_EVAL[:n]]
+
+
+def _with(rows: list[dict], changes: dict[int, dict]) -> list[dict]:
+    for index, change in changes.items():
+        rows[index] = {**rows[index], **change}
+    return rows
+
+
+# name -> (train rows, eval rows, config, fragments the error must hold)
+FAILURES: dict[str, tuple[list[dict], list[dict], dict, list[str]]] = {
+    "null_completion": (
+        _with(_train(), {3: {"completion": None}, 8: {"completion": None}}),
+        _eval(),
+        {"min_rows": 20},
+        ["train: 2 rows have no completion (null)", "lines 4, 9 of train.jsonl"],
+    ),
+    "empty_prompt": (
+        _with(_train(), {5: {"prompt": "   "}}),
+        _eval(),
+        {"min_rows": 20},
+        ["train: 1 row has an empty prompt", "line 6 of train.jsonl"],
+    ),
+    "empty_completion_in_eval": (
+        _train(),
+        _with(_eval(), {1: {"completion": ""}}),
+        {"min_rows": 20},
+        ["eval: 1 row has an empty completion", "line 2 of eval.jsonl"],
+    ),
+    "too_long": (
+        _with(_train(), {4: {"prompt": "Is 1 even or odd? " * 20}, 16: {"prompt": "Is 2 even or odd? " * 30}}),
+        _eval(),
+        {"min_rows": 20, "max_tokens": 32},
+        ["train: 2 rows have more than 32 tokens", "lines 5, 17 of train.jsonl", "raise max_tokens or shorten them"],
+    ),
+    "too_short": (
+        _train(),
+        _eval(),
+        {"min_rows": 20, "min_tokens": 17, "max_tokens": 64},
+        ["train: 20 rows have fewer than 17 tokens", "lower min_tokens"],
+    ),
+    "duplicates": (
+        _with(_train(), {7: PARITY_TRAIN[2], 11: PARITY_TRAIN[2]}),
+        _eval(),
+        {"min_rows": 20},
+        ["train: 2 rows repeat an earlier example exactly (8 = 3, 12 = 3)", "raise max_duplicate_fraction"],
+    ),
+    "too_few_rows": (
+        _train(10),
+        _eval(),
+        {"min_rows": 100},
+        ["train: 10 rows, fewer than the 100 required", "add examples or lower min_rows"],
+    ),
+    "train_eval_overlap": (
+        _train(),
+        _with(_eval(), {0: PARITY_TRAIN[6], 3: {"prompt": PARITY_TRAIN[9]["prompt"].upper()}}),
+        {"min_rows": 20},
+        ["eval: 2 prompts also appear in train", "lines 1, 4 of eval.jsonl", "remove them from eval"],
+    ),
+    "duplicate_ids": (
+        [dict(r, id="x" if i in (2, 5) else f"r{i}") for i, r in enumerate(_train())],
+        _eval(),
+        {"min_rows": 20},
+        ["train: 2 rows share their id", "lines 3, 6 of train.jsonl", "make ids unique"],
+    ),
+    "missing_required_role": (
+        _train(),
+        _eval(),
+        {"min_rows": 20, "required_roles": ["system", "user", "assistant"]},
+        [
+            "train: 20 rows have no system turn",
+            "remove 'system' from required_roles",
+            "eval: 5 rows have no system turn",
+        ],
+    ),
+    "no_final_assistant_turn": (
+        [
+            *[
+                {
+                    "messages": [
+                        {"role": "user", "content": r["prompt"]},
+                        {"role": "assistant", "content": r["completion"]},
+                    ]
+                }
+                for r in _train()
+            ][:-1],
+            {"messages": [{"role": "user", "content": "Is 5 even or odd?"}]},
+        ],
+        [
+            {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+            for r in _eval()
+        ],
+        {"min_rows": 20},
+        [
+            "train: 1 row does not end with an assistant turn",
+            "line 20 of train.jsonl",
+            "train: 1 row has no assistant turn",
+        ],
+    ),
+    "unreadable_eval_file": (
+        _train(),
+        '{"prompt": "x", "completion": "y"}\n{"prompt": \n',
+        {"min_rows": 20},
+        ["the dataset cannot be read", "eval:", "eval.jsonl", "line 2", "invalid JSON"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAILURES))
+def test_failures_name_the_problem_and_rows(run_step: Callable, case: str) -> None:
+    train, eval_, config, fragments = FAILURES[case]
+    result, ctx = run_step(train, eval_, **config)
+    assert isinstance(result, DataValidationError), f"expected a failure, got {result}"
+    message = str(result)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+    # The evidence is written before the error, and nothing else is.
+    report = json.loads((ctx.out / "data_report.json").read_text())
+    assert report["success"] is False
+    assert sorted(p.name for p in ctx.out.iterdir()) == ["data_report.json"]
+
+
+def test_report_lists_every_expectation_with_examples(run_step: Callable) -> None:
+    train = _with(_train(), {4: {"prompt": "Is 1 even or odd? " * 20}})
+    result, ctx = run_step(train, _eval(), min_rows=20, max_tokens=32)
+    assert isinstance(result, DataValidationError)
+    report = json.loads((ctx.out / "data_report.json").read_text())
+    failed = [e for e in report["expectations"] if not e["success"]]
+    assert len(failed) == 1
+    entry = failed[0]
+    assert entry["dataset"] == "train" and entry["column"] == "n_tokens"
+    assert entry["type"] == "expect_column_values_to_be_between"
+    assert entry["unexpected_count"] == 1 and entry["unexpected_examples"][0]["row"] == 5
+    assert report["statistics"]["unsuccessful_expectations"] == 1
+
+
+def test_duplicates_within_the_allowed_fraction_pass(run_step: Callable) -> None:
+    train = _with(_train(), {7: PARITY_TRAIN[2]})
+    summary, _ = run_step(train, _eval(), min_rows=20, max_duplicate_fraction=0.1)
+    assert not isinstance(summary, Exception), summary
+
+
+def test_unknown_config_key_is_refused(run_step: Callable) -> None:
+    from loraflow.errors import LoraflowError
+
+    with pytest.raises(LoraflowError, match="unknown config key"):
+        run_step(_train(), _eval(), max_token=32)
