@@ -28,7 +28,7 @@ def test_lines_are_streamed_as_they_come() -> None:
 
 def test_a_failing_step_raises_with_its_last_error_line() -> None:
     code = "import sys; print('working'); print('ERROR: the dataset is empty', file=sys.stderr); sys.exit(2)"
-    with pytest.raises(StepError, match="exit status 2.*the dataset is empty"):
+    with pytest.raises(StepError, match=r"exit status 2.*the dataset is empty"):
         LocalLauncher().run([sys.executable, "-c", code], lambda line: None)
 
 
