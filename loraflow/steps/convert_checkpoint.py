@@ -1,0 +1,175 @@
+"""convert_checkpoint: a Hugging Face checkpoint -> a MaxText (Orbax, scanned) parameter checkpoint.
+
+Input ``hf_checkpoint``: a directory with config.json, *.safetensors and the tokenizer files.
+Config: ``{"model_name": "llama3.1-8b", "model_overrides": {MaxText key: value}, "scan_layers": true}``.
+
+Uses MaxText's own converter, ``maxtext.checkpoint_conversion.to_maxtext.main``, in-process, with
+its snags handled:
+
+* the model key must be one MaxText knows; its HF config is taken from
+  ``HF_MODEL_CONFIGS[model_name]``, which for ``llama3.1-8b`` is the real 8B config. We register
+  the checkpoint's own config.json under the key, so the parameter mapping and hooks see the
+  dimensions of the weights actually being converted.
+* the eager loader opens safetensors with ``framework="pt"`` (torch is not in the trainer image);
+  the lazy loader uses numpy when torch is absent and reads one tensor at a time (mmap), so we use
+  the lazy loader ...
+* ... whose ``LazyTensor`` leaves Orbax v1 refuses to save ("Could not identify a valid handler").
+  We wrap ``save_weights_to_checkpoint`` to materialise the leaves one by one into numpy arrays
+  just before the save. Peak memory is one copy of the converted weights (the eager path holds
+  the HF state dict and the converted copy at once).
+
+Output: the Orbax checkpoint under ``maxtext/0/items`` and ``loraflow_checkpoint.json`` saying
+what to pass as ``load_parameters_path`` (relative to the artifact), the model name, overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from loraflow.errors import LoraflowError
+from loraflow.steps._harness import StepContext, run_step
+
+CHECKPOINT_JSON = "loraflow_checkpoint.json"
+CKPT_SUBDIR = "maxtext"
+PARAMS_RELPATH = f"{CKPT_SUBDIR}/0/items"
+
+
+def overrides_args(model_name: str, overrides: dict[str, Any]) -> list[str]:
+    """MaxText command-line ``key=value`` args for a model and its overrides."""
+    args = [f"model_name={model_name}"]
+    if overrides:
+        args.append("override_model_config=True")
+    for key, value in overrides.items():
+        if isinstance(value, bool):
+            value = str(value).lower()
+        args.append(f"{key}={value}")
+    return args
+
+
+def hardware_args(config: dict[str, Any]) -> list[str]:
+    """The hardware MaxText runs on: config ``hardware`` or ``LORAFLOW_HARDWARE``; CPU when JAX has only CPUs."""
+    hardware = config.get("hardware") or os.environ.get("LORAFLOW_HARDWARE")
+    if not hardware:
+        import jax
+
+        hardware = "cpu" if jax.default_backend() == "cpu" else "tpu"
+    args = [f"hardware={hardware}"]
+    if hardware == "cpu":
+        args += ["skip_jax_distributed_system=true", "attention=dot_product"]
+    return args
+
+
+def register_hf_config(model_name: str, hf_dir: Path) -> Any:
+    """Make MaxText's conversion tables use this checkpoint's own config under ``model_name``."""
+    import transformers
+    from maxtext.checkpoint_conversion.utils import hf_model_configs
+    from maxtext.utils.globals import HF_IDS
+
+    if model_name not in HF_IDS:
+        raise LoraflowError(f"model_name {model_name!r} is not a MaxText model key (known: {sorted(HF_IDS)[:8]}...)")
+    cfg = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    hf_model_configs.HF_MODEL_CONFIGS[model_name] = cfg
+    return cfg
+
+
+def check_dims(hf_cfg: Any, maxtext_cfg: Any) -> None:
+    """Refuse a MaxText config whose dimensions disagree with the HF checkpoint (clear error, not a reshape failure)."""
+    pairs = [
+        ("hidden_size", "emb_dim"),
+        ("intermediate_size", "mlp_dim"),
+        ("num_hidden_layers", "num_decoder_layers"),
+        ("num_attention_heads", "num_query_heads"),
+        ("num_key_value_heads", "num_kv_heads"),
+        ("head_dim", "head_dim"),
+        ("vocab_size", "vocab_size"),
+    ]
+    bad = []
+    for hf_key, mt_key in pairs:
+        hv, mv = getattr(hf_cfg, hf_key, None), getattr(maxtext_cfg, mt_key, None)
+        if hv is not None and mv is not None and hv != mv:
+            bad.append(f"{hf_key}={hv} vs MaxText {mt_key}={mv}")
+    if bad:
+        raise LoraflowError("HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)")
+
+
+def _materialising_save(original):
+    import numpy as np
+    import jax
+
+    def save(path, weights, *args, **kwargs):
+        # Orbax v1 cannot save to_maxtext's LazyTensor leaves; read them one at a time.
+        weights = jax.tree_util.tree_map(
+            lambda x: x if isinstance(x, (np.ndarray, jax.Array)) else np.asarray(x), weights
+        )
+        return original(path, weights, *args, **kwargs)
+
+    return save
+
+
+def convert(hf_dir: Path, out_dir: Path, model_name: str, overrides: dict[str, Any], scan_layers: bool = True,
+            config: dict[str, Any] | None = None, save_dtype: str = "float32") -> dict[str, Any]:
+    """Convert ``hf_dir`` into ``out_dir/maxtext`` (Orbax); returns facts for the summary."""
+    import jax
+    import numpy as np
+    from maxtext.checkpoint_conversion import to_maxtext
+    from maxtext.configs import pyconfig
+
+    hf_cfg = register_hf_config(model_name, hf_dir)
+    args = ["to_maxtext", *overrides_args(model_name, overrides), *hardware_args(config or {}),
+            f"scan_layers={str(bool(scan_layers)).lower()}", f"base_output_directory={out_dir / CKPT_SUBDIR}",
+            "run_name=convert", "checkpoint_storage_use_ocdbt=true", "checkpoint_storage_use_zarr3=true"]
+    check_dims(hf_cfg, pyconfig.initialize(list(args)))
+
+    captured: dict[str, Any] = {}
+    original = to_maxtext.save_weights_to_checkpoint
+    materialise = _materialising_save(original)
+
+    def save(path, weights, *a, **kw):
+        captured["parameters"] = int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(weights)))
+        return materialise(path, weights, *a, **kw)
+
+    to_maxtext.save_weights_to_checkpoint = save
+    try:
+        to_maxtext.main(args, lazy_load_tensors=True, hf_model_path=str(hf_dir), save_dtype=save_dtype,
+                        simulated_cpu_devices_count=1)
+    finally:
+        to_maxtext.save_weights_to_checkpoint = original
+    if not (out_dir / PARAMS_RELPATH).is_dir():
+        raise LoraflowError(f"MaxText's converter wrote no checkpoint at {PARAMS_RELPATH}")
+    return captured
+
+
+def run(ctx: StepContext) -> dict[str, Any]:
+    hf_dir = ctx.inputs["hf_checkpoint"]
+    cfg = ctx.config
+    model_name = cfg.get("model_name", "llama3.1-8b")
+    overrides = dict(cfg.get("model_overrides") or {})
+    scan_layers = bool(cfg.get("scan_layers", True))
+    save_dtype = cfg.get("save_dtype", "float32")
+    if not (hf_dir / "config.json").is_file() or not list(hf_dir.glob("*.safetensors")):
+        raise LoraflowError(f"{hf_dir} holds no HF checkpoint (config.json + *.safetensors)")
+
+    ctx.progress(f"converting {hf_dir.name} to MaxText {model_name} (scan_layers={scan_layers}, {save_dtype})")
+    started = time.monotonic()
+    facts = convert(hf_dir, ctx.out, model_name, overrides, scan_layers, cfg, save_dtype)
+    seconds = round(time.monotonic() - started, 1)
+    meta = {
+        "format": "loraflow.maxtext_checkpoint/1",
+        "load_parameters_path": PARAMS_RELPATH,
+        "model_name": model_name,
+        "model_overrides": overrides,
+        "scan_layers": scan_layers,
+        "save_dtype": save_dtype,
+        "parameters": facts.get("parameters"),
+    }
+    (ctx.out / CHECKPOINT_JSON).write_text(json.dumps(meta, indent=2))
+    ctx.progress(f"converted {facts.get('parameters')} parameters in {seconds}s -> {PARAMS_RELPATH}")
+    return {"parameters": facts.get("parameters"), "path": PARAMS_RELPATH, "convert_seconds": seconds}
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_step("convert_checkpoint", run))

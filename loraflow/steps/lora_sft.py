@@ -1,0 +1,477 @@
+"""lora_sft: LoRA supervised fine-tuning with MaxText's ``train_sft`` (Tunix PeftTrainer underneath).
+
+Inputs: ``checkpoint`` (the convert_checkpoint output: Orbax params + loraflow_checkpoint.json),
+``dataset`` (``train.jsonl`` of ``{"messages": [...]}`` rows), ``tokenizer`` (the HF checkpoint dir).
+Config: model_name, model_overrides, rank, alpha, target_modules (regexes or null = MaxText's
+default for the model), steps, batch_size (global, packed rows), learning_rate, max_length, seed,
+checkpoint_period, dtype; optional warmup_fraction, hardware, checkpoint_storage ("sync"|"direct").
+
+MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflow adds:
+
+* a training hook that prints ``step N loss L tokens/s T`` lines (flushed: the Airflow log is live)
+  and writes ``loss.csv``;
+* checkpoint persistence: Orbax/Tunix saves every ``checkpoint_period`` steps into a local
+  directory; each finalised step is copied to ``{output}/_checkpoints/<step>`` (outside the
+  committed files, a completion marker last) and the newest complete step is downloaded before
+  the trainer starts, so a restarted run - on a new host - resumes from it (Tunix restores the
+  LoRA params, optimizer state and step; we skip the batches already trained on).
+  ``checkpoint_storage: direct`` instead points MaxText's base_output_directory at the gs:// prefix
+  (for real GCS, where Orbax/tensorstore write it natively);
+* outputs: ``adapter/`` (the final LoRA params, Orbax, + ``loraflow_adapter.json``), ``peft/`` (the
+  PEFT export in HF layout, checked against MaxText's own MaxText->HF weight hooks) and ``loss.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loraflow import checkpoint_sync
+from loraflow.errors import LoraflowError
+from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps.convert_checkpoint import CHECKPOINT_JSON, hardware_args, overrides_args
+
+DEFAULTS: dict[str, Any] = {
+    "model_name": None,
+    "model_overrides": None,
+    "rank": 16,
+    "alpha": 32.0,
+    "target_modules": None,
+    "steps": 200,
+    "batch_size": 8,
+    "learning_rate": 3e-3,
+    "max_length": 64,
+    "seed": 0,
+    "checkpoint_period": 50,
+    "dtype": "float32",
+    "warmup_fraction": 0.05,
+    "checkpoint_storage": "sync",
+}
+ADAPTER_JSON = "loraflow_adapter.json"
+RUN_NAME = "sft"
+
+
+def _resolve_config(ctx: StepContext) -> dict[str, Any]:
+    cfg = {**DEFAULTS, **{k: v for k, v in ctx.config.items() if v is not None or k == "target_modules"}}
+    meta_path = ctx.inputs["checkpoint"] / CHECKPOINT_JSON
+    if not meta_path.is_file():
+        raise LoraflowError(f"input checkpoint has no {CHECKPOINT_JSON}: not a convert_checkpoint artifact")
+    meta = json.loads(meta_path.read_text())
+    cfg["model_name"] = cfg["model_name"] or meta["model_name"]
+    if cfg["model_overrides"] is None:
+        cfg["model_overrides"] = meta.get("model_overrides") or {}
+    if cfg["model_name"] != meta["model_name"] or dict(cfg["model_overrides"]) != dict(meta.get("model_overrides") or {}):
+        raise LoraflowError(
+            f"model {cfg['model_name']} {cfg['model_overrides']} differs from the converted checkpoint's "
+            f"{meta['model_name']} {meta.get('model_overrides')}"
+        )
+    cfg["scan_layers"] = meta.get("scan_layers", True)
+    cfg["load_parameters_path"] = str(ctx.inputs["checkpoint"] / meta["load_parameters_path"])
+    return cfg
+
+
+def _maxtext_argv(cfg: dict[str, Any], train_file: Path, tokenizer_dir: Path, base_output: str, n_rows: int) -> list[str]:
+    import jax
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
+
+    devices = jax.device_count()
+    per_device = cfg["batch_size"] / devices
+    # Packing puts several short examples in one row, and MaxText stops training when the iterator
+    # runs dry: repeat the data enough epochs for `steps` batches of the shortest examples.
+    per_row = max(1.0, cfg["max_length"] / max(1, _shortest_example(train_file, tokenizer_dir)))
+    num_epoch = max(1, math.ceil(cfg["steps"] * cfg["batch_size"] * per_row / max(n_rows, 1)) + 1)
+    target = cfg["target_modules"]
+    if isinstance(target, (list, tuple)):
+        target = "|".join(f"(?:{t})" for t in target)
+    args = [
+        "lora_sft",
+        os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
+        *overrides_args(cfg["model_name"], cfg["model_overrides"]),
+        *hardware_args(cfg),
+        f"scan_layers={str(bool(cfg['scan_layers'])).lower()}",
+        f"load_parameters_path={cfg['load_parameters_path']}",
+        "dataset_type=hf",
+        "hf_path=json",
+        f"hf_train_files={train_file}",
+        "train_split=train",
+        "train_data_columns=['messages']",
+        f"num_epoch={num_epoch}",
+        "grain_worker_count=0",
+        "tokenizer_type=huggingface",
+        f"tokenizer_path={tokenizer_dir}",
+        f"dtype={cfg['dtype']}",
+        f"per_device_batch_size={per_device}",
+        f"max_target_length={cfg['max_length']}",
+        f"steps={cfg['steps']}",
+        f"learning_rate={cfg['learning_rate']}",
+        f"warmup_steps_fraction={cfg['warmup_fraction']}",
+        f"data_shuffle_seed={cfg['seed']}",
+        f"init_weights_seed={cfg['seed']}",
+        "lora.enable_lora=True",
+        f"lora.lora_rank={cfg['rank']}",
+        f"lora.lora_alpha={float(cfg['alpha'])}",
+        f"base_output_directory={base_output}",
+        f"run_name={RUN_NAME}",
+        "enable_checkpointing=true",
+        f"checkpoint_period={cfg['checkpoint_period']}",
+        "eval_interval=-1",
+        "enable_goodput_recording=false",
+        "monitor_goodput=false",
+        "enable_tensorboard=false",
+    ]
+    if target:
+        args.append(f"lora.lora_module_path={target}")
+    return args
+
+
+def _shortest_example(train_file: Path, tokenizer_dir: Path, sample: int = 512) -> int:
+    """Token count of the shortest chat-templated example among the first ``sample`` rows."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    shortest = None
+    with train_file.open() as f:
+        for i, line in enumerate(f):
+            if i >= sample:
+                break
+            if not line.strip():
+                continue
+            text = tok.apply_chat_template(json.loads(line)["messages"], tokenize=False)
+            n = len(tok.encode(text, add_special_tokens=False))
+            shortest = n if shortest is None else min(shortest, n)
+    return shortest or 1
+
+
+def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: list[tuple[int, float, float]]):
+    import jax.numpy as jnp
+
+    t_start = time.monotonic()
+
+    class LoraflowHooks(base_cls):  # type: ignore[misc, valid-type]
+        """MaxText's SFT hooks + live progress lines, loss.csv rows and checkpoint persistence."""
+
+        def on_train_step_start(self, train_ctx):  # noqa: ANN001
+            if syncer is not None:
+                syncer.poll()  # the previous step's checkpoint, once Orbax has finalised it
+            super().on_train_step_start(train_ctx)
+            batch = train_ctx.data_hooks.train_batch
+            self._lf_tokens = int(jnp.sum(batch["inputs_segmentation"] != 0)) if batch is not None else 0
+            self._lf_t0 = time.perf_counter()
+
+        def on_train_step_end(self, train_ctx, train_step, train_loss, step_time=0.0):  # noqa: ANN001
+            super().on_train_step_end(train_ctx, train_step, train_loss, step_time)
+            loss = float(train_loss)
+            seconds = max(time.perf_counter() - self._lf_t0, 1e-9)
+            tps = self._lf_tokens / seconds
+            rows.append((int(train_step), loss, tps))
+            if train_step <= 3 or train_step % max(1, cfg.get("log_every", 10)) == 0 or train_step == cfg["steps"]:
+                ctx.progress(f"step {train_step}/{cfg['steps']} loss {loss:.4f} tokens/s {tps:.0f} "
+                             f"({seconds:.3f}s/step, t+{time.monotonic() - t_start:.0f}s)")
+
+    return LoraflowHooks
+
+
+def _skip_trained_batches(trainer, n: int, ctx: StepContext) -> None:
+    """Tunix restores the step but MaxText's data hooks restart the iterator: skip what was trained."""
+    if n <= 0:
+        return
+    hooks = trainer.data_hooks
+    original = hooks.load_next_train_batch
+    state = {"left": n}
+
+    def load(train_ctx):  # noqa: ANN001
+        while state["left"] > 0:
+            hooks.train_data_loader.load_next_batch()
+            state["left"] -= 1
+        return original(train_ctx)
+
+    hooks.load_next_train_batch = load
+    ctx.progress(f"resuming at step {n}: skipping the {n} batches already trained on")
+
+
+def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
+    from absl import flags
+    from flax import nnx
+
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.post_train.sft import hooks as sft_hooks
+    from maxtext.trainers.post_train.sft import train_sft
+    if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
+        flags.FLAGS.mark_as_parsed()
+
+    train_file = ctx.inputs["dataset"] / "train.jsonl"
+    if not train_file.is_file():
+        raise LoraflowError(f"dataset input has no train.jsonl ({ctx.inputs['dataset']})")
+    n_rows = sum(1 for line in train_file.open() if line.strip())
+    tokenizer_dir = ctx.inputs["tokenizer"]
+
+    remote = ctx.output_uri.rstrip("/") + "/_checkpoints"
+    direct = cfg["checkpoint_storage"] == "direct"
+    base_output = remote if direct else str(ctx.work / "maxtext")
+    local_ckpt = Path(base_output) / RUN_NAME / "checkpoints"
+    syncer = None
+    if not direct:
+        local_ckpt.mkdir(parents=True, exist_ok=True)
+        restored = checkpoint_sync.download_latest(remote, local_ckpt)
+        if restored is not None:
+            ctx.progress(f"found checkpoint step {restored} under {remote}: resuming from it")
+        syncer = checkpoint_sync.Syncer(local_ckpt, remote, ctx.progress)
+
+    argv = _maxtext_argv(cfg, train_file, tokenizer_dir, base_output, n_rows)
+    mt_config = pyconfig.initialize_pydantic(argv)
+    train_sft.validate_config(mt_config)
+
+    rows: list[tuple[int, float, float]] = []
+    hooks_cls = _make_hooks(sft_hooks.SFTTrainingHooks, ctx, cfg, syncer, rows)
+    original_cls = sft_hooks.SFTTrainingHooks
+    sft_hooks.SFTTrainingHooks = hooks_cls  # setup_trainer_state builds hooks.SFTTrainingHooks(...)
+    started = time.monotonic()
+    try:
+        ctx.progress(f"building the MaxText model and data pipeline ({n_rows} rows)")
+        trainer, mesh = train_sft.setup_trainer_state(mt_config)
+    finally:
+        sft_hooks.SFTTrainingHooks = original_cls
+    start_step = int(trainer.train_steps)
+    _skip_trained_batches(trainer, start_step, ctx)
+    ctx.progress(f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {cfg['steps']} (compiling first)")
+    t_train = time.monotonic()
+    train_sft.train_model(mt_config, trainer, mesh)
+    train_seconds = time.monotonic() - t_train
+    if syncer is not None:
+        syncer.poll()
+
+    lora_state = nnx.state(trainer.model, nnx.LoRAParam)
+    lora_tree = _to_numpy_tree(lora_state.to_pure_dict())
+    return {
+        "mt_config": mt_config,
+        "lora_tree": lora_tree,
+        "rows": rows,
+        "start_step": start_step,
+        "final_step": int(trainer.train_steps),
+        "local_ckpt": local_ckpt,
+        "setup_seconds": t_train - started,
+        "train_seconds": train_seconds,
+    }
+
+
+def _to_numpy_tree(tree: Any) -> Any:
+    import numpy as np
+
+    if isinstance(tree, dict):
+        return {str(k): _to_numpy_tree(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _flatten(v, prefix + (k,))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+# ------------------------------------------------------------------------------------ PEFT export
+
+
+def export_peft(lora_tree: dict[str, Any], mt_config: Any, hf_config: Any, rank: int, alpha: float,
+                out_dir: Path, base_model: str = "") -> dict[str, Any]:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT, HF layout).
+
+    Uses MaxText's own parameter mapping and its MaxText->HF hooks (query scaling, RoPE layout,
+    reshape/transpose), applied to the output side of each LoRA factor (lora_B); lora_A needs only
+    a transpose for the hooks this supports. Every (module, layer) is then checked: the PEFT delta
+    (alpha/r) B@A must equal MaxText's hooks applied to the MaxText-space delta (alpha/r) a@b.
+    """
+    import numpy as np
+    from maxtext.checkpoint_conversion.utils.param_mapping import HOOK_FNS, PARAM_MAPPING
+    from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
+    from safetensors.numpy import save_file
+
+    model_key = mt_config.model_name
+    hf_dict = hf_config.to_dict()
+    scan = bool(mt_config.scan_layers)
+    param_map = PARAM_MAPPING[model_key](hf_dict, mt_config, scan)
+    hook_map = HOOK_FNS[model_key](hf_dict, mt_config, scan, saving_to_hf=True)
+    supported = {"scale_query_layer", "adjust_rope", "reshape_kernel"}
+    scale = float(alpha) / float(rank)
+
+    flat = _flatten(lora_tree)
+    modules: dict[tuple[str, ...], dict[str, Any]] = {}
+    for path, arr in flat.items():
+        if path[-1] == "value":
+            path = path[:-1]
+        if path[-1] in ("kernel_lora_a", "kernel_lora_b"):
+            modules.setdefault(path[:-1], {})[path[-1]] = np.asarray(arr, np.float32)
+
+    tensors: dict[str, np.ndarray] = {}
+    target_modules: set[str] = set()
+    max_err = 0.0
+    for mpath, ab in sorted(modules.items()):
+        mt_key = "params-" + "-".join(mpath) + "-kernel"
+        if mt_key not in param_map:
+            raise LoraflowError(f"no MaxText->HF mapping for LoRA module {'/'.join(mpath)} ({mt_key})")
+        hooks = hook_map.get(mt_key)
+        hook_list = hooks if isinstance(hooks, list) else ([hooks] if hooks else [])
+        names = {getattr(h, "__name__", str(h)) for h in hook_list}
+        if not names <= supported:
+            raise LoraflowError(f"{mt_key}: MaxText->HF hooks {names - supported} not supported for adapters")
+        hf_paths = param_map[mt_key]
+        hf_paths = hf_paths if isinstance(hf_paths, list) else [hf_paths]
+        a_all, b_all = ab["kernel_lora_a"], ab["kernel_lora_b"]
+        out_shape = _maxtext_out_shape(mpath, mt_config, b_all.shape[-1])
+        for layer, hf_path in enumerate(hf_paths):
+            if len(hf_paths) > 1 or a_all.ndim == 3:
+                axis = mt_config.param_scan_axis
+                a, b = np.take(a_all, layer, axis=axis), np.take(b_all, layer, axis=axis)
+            else:
+                a, b = a_all, b_all
+            r = a.shape[-1]
+            b_kernel = b.reshape((r, *out_shape))  # as if the "input" axis were the rank axis
+            lora_b = np.asarray(apply_hook_fns(b_kernel, (b.shape[-1], r), hooks), np.float32)  # (out, r)
+            lora_a = np.ascontiguousarray(a.T)  # (r, in)
+            name = hf_path[: -len(".weight")] if hf_path.endswith(".weight") else hf_path
+            tensors[f"base_model.model.{name}.lora_A.weight"] = lora_a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
+            target_modules.add(name.split(".")[-1])
+            # Check against MaxText's own hooks applied to the full MaxText-space delta.
+            delta_mt = (scale * (a @ b)).reshape((a.shape[0], *out_shape))
+            ref = np.asarray(apply_hook_fns(delta_mt, (b.shape[-1], a.shape[0]), hooks), np.float32)
+            mine = scale * (lora_b @ lora_a)
+            err = float(np.max(np.abs(ref - mine))) if ref.size else 0.0
+            tol = 1e-5 * max(1.0, float(np.max(np.abs(ref))))
+            if ref.shape != mine.shape or err > tol:
+                raise LoraflowError(f"PEFT export check failed for {hf_path}: max |diff| {err} (shape {ref.shape} vs {mine.shape})")
+            max_err = max(max_err, err)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "lora_dropout": 0.0,
+        "target_modules": sorted(target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "modules_to_save": None,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return {"tensors": len(tensors), "target_modules": sorted(target_modules), "check_max_abs_diff": max_err}
+
+
+def _maxtext_out_shape(mpath: tuple[str, ...], mt_config: Any, out_flat: int) -> tuple[int, ...]:
+    """The MaxText kernel's output axes for a LoRA module (qwix flattens them row-major into lora_b)."""
+    name = mpath[-1]
+    if name == "query":
+        shape = (mt_config.num_query_heads, mt_config.head_dim)
+    elif name in ("key", "value"):
+        shape = (mt_config.num_kv_heads, mt_config.head_dim)
+    else:
+        shape = (out_flat,)
+    if math.prod(shape) != out_flat:
+        raise LoraflowError(f"LoRA module {'/'.join(mpath)}: lora_b has {out_flat} outputs, expected {shape}")
+    return shape
+
+
+# ------------------------------------------------------------------------------------ the step
+
+
+def run(ctx: StepContext) -> dict[str, Any]:
+    import transformers
+
+    cfg = _resolve_config(ctx)
+    ctx.progress(
+        "LoRA SFT: "
+        + ", ".join(f"{k}={cfg[k]}" for k in ("model_name", "rank", "alpha", "steps", "batch_size", "learning_rate", "max_length", "target_modules"))
+    )
+    started = time.monotonic()
+    res = train(ctx, cfg)
+    rows = res["rows"]
+    if res["final_step"] < cfg["steps"]:
+        raise LoraflowError(f"training stopped at step {res['final_step']} of {cfg['steps']} (data ran out?)")
+
+    # loss.csv: this attempt's steps, plus those of earlier attempts if they left one behind.
+    with (ctx.out / "loss.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss", "tokens_per_s"])
+        for step, loss, tps in rows:
+            w.writerow([step, f"{loss:.6f}", f"{tps:.1f}"])
+
+    # adapter/: the final LoRA params exactly as Tunix checkpointed them (lora.lora_restore_path).
+    adapter_dir = ctx.out / "adapter"
+    final_dir = res["local_ckpt"] / str(res["final_step"]) / "model_params"
+    if final_dir.is_dir():
+        shutil.copytree(final_dir, adapter_dir / "model_params")
+    else:  # direct mode or an unexpected layout: save the params ourselves
+        import orbax.checkpoint as ocp
+
+        ocp.PyTreeCheckpointer().save(str((adapter_dir / "model_params").resolve()), _with_value(res["lora_tree"]))
+    meta = {
+        "format": "loraflow.lora_adapter/1",
+        "lora_restore_path": "model_params",
+        "rank": int(cfg["rank"]),
+        "alpha": float(cfg["alpha"]),
+        "target_modules": cfg["target_modules"],
+        "lora_module_path": _module_path(res["mt_config"]),
+        "model_name": cfg["model_name"],
+        "model_overrides": cfg["model_overrides"],
+        "scan_layers": cfg["scan_layers"],
+        "steps": res["final_step"],
+    }
+    (adapter_dir / ADAPTER_JSON).write_text(json.dumps(meta, indent=2))
+
+    hf_config = transformers.AutoConfig.from_pretrained(str(ctx.inputs["tokenizer"]))
+    peft = export_peft(res["lora_tree"], res["mt_config"], hf_config, cfg["rank"], cfg["alpha"], ctx.out / "peft",
+                       base_model=cfg["model_name"])
+    ctx.progress(f"PEFT export: {peft['tensors']} tensors for {peft['target_modules']}; "
+                 f"matches MaxText's own MaxText->HF mapping (max |diff| {peft['check_max_abs_diff']:.2e})")
+
+    norm = math.sqrt(sum(float((v.astype("float64") ** 2).sum()) for k, v in _flatten(res["lora_tree"]).items()
+                         if "lora_b" in "/".join(k)))
+    if norm == 0.0:
+        raise LoraflowError("the trained adapter is all zeros (lora_b never moved)")
+    trained = [r for r in rows if r[0] > 1]  # step 1 includes compilation
+    summary = {
+        "first_loss": rows[0][1] if rows else None,
+        "final_loss": rows[-1][1] if rows else None,
+        "steps": res["final_step"],
+        "resumed_from_step": res["start_step"] or None,
+        "train_seconds": round(res["train_seconds"], 1),
+        "setup_seconds": round(res["setup_seconds"], 1),
+        "step_seconds": round(res["train_seconds"] / max(1, len(rows)), 3),
+        "tokens_per_s": round(sum(r[2] for r in trained) / len(trained), 1) if trained else None,
+        "lora_b_norm": round(norm, 4),
+        "peft_tensors": peft["tensors"],
+        "total_seconds": round(time.monotonic() - started, 1),
+    }
+    ctx.progress(f"done: loss {summary['first_loss']} -> {summary['final_loss']} in {summary['steps']} steps")
+    return summary
+
+
+def _module_path(mt_config: Any) -> str:
+    from maxtext.utils import lora_utils
+
+    return lora_utils._get_lora_module_path(mt_config)  # pylint: disable=protected-access
+
+
+def _with_value(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _with_value(v) for k, v in tree.items()}
+    return {"value": tree}
+
+
+if __name__ == "__main__":
+    sys.exit(run_step("lora_sft", run))
