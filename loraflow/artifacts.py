@@ -106,7 +106,9 @@ class Manifest:
 # --------------------------------------------------------------------------------------- writing
 
 
-def upload_tree(local_dir: Path, prefix: str, progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+def upload_tree(
+    local_dir: Path, prefix: str, progress: Callable[[str], None] | None = None
+) -> dict[str, dict[str, Any]]:
     """Upload every file under ``local_dir`` to ``prefix``; return the manifest's file table."""
     bucket_name, base = gcs.split_uri(prefix)
     bucket = gcs.client().bucket(bucket_name)
@@ -284,8 +286,7 @@ def cache_lookup(artifact_root: str, stage: str, key: str) -> Manifest | None:
 def _files_present(manifest: Manifest) -> bool:
     bucket_name, base = gcs.split_uri(manifest.prefix)
     listed = {
-        b.name[len(base) + 1 :]: (b.size, b.crc32c)
-        for b in gcs.client().list_blobs(bucket_name, prefix=base + "/")
+        b.name[len(base) + 1 :]: (b.size, b.crc32c) for b in gcs.client().list_blobs(bucket_name, prefix=base + "/")
     }
     return all(listed.get(n) == (m["size"], m["crc32c"]) for n, m in manifest.files.items())
 

@@ -42,7 +42,7 @@ def remote_steps(remote: str) -> list[int]:
         bucket_name, base = gcs.split_uri(remote)
         prefix = base.rstrip("/") + "/" if base else ""
         for blob in gcs.client().list_blobs(bucket_name, prefix=prefix):
-            rest = blob.name[len(prefix):]
+            rest = blob.name[len(prefix) :]
             step, _, name = rest.partition("/")
             if name == MARKER and step.isdigit():
                 steps.add(int(step))
@@ -84,6 +84,8 @@ def download_latest(remote: str, local: Path) -> int | None:
         bucket_name, base = gcs.split_uri(gcs.join(remote, str(step)))
         bucket = gcs.client().bucket(bucket_name)
         marker = artifacts.read_json(gcs.join(remote, str(step), MARKER))
+        if marker is None:
+            raise ArtifactError(f"checkpoint {step} under {remote} lost its {MARKER} while being restored")
         for name, meta in marker["files"].items():
             target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -251,7 +251,9 @@ class LocalAirflow:
 
 
 @contextmanager
-def local_stack(home: Path = DEMO_HOME, in_memory: bool = False, pipelines_dir: Path | None = None) -> Iterator[LocalAirflow]:
+def local_stack(
+    home: Path = DEMO_HOME, in_memory: bool = False, pipelines_dir: Path | None = None
+) -> Iterator[LocalAirflow]:
     """The GCS emulator + Airflow, started and (always) stopped again."""
     home.mkdir(parents=True, exist_ok=True)
     emulator = local_gcs.start("loraflow-demo", None if in_memory else home / "gcs", log=home / "gcs-emulator.log")

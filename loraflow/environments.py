@@ -36,7 +36,9 @@ class Environment:
         base = Path(os.environ.get("LORAFLOW_ENVS_DIR", REPO_ROOT / ".venvs"))
         python = base / self.name / "bin" / "python"
         if not python.exists():
-            raise LoraflowError(f"the {self.name} environment is not installed at {python.parent.parent}; run `make envs`")
+            raise LoraflowError(
+                f"the {self.name} environment is not installed at {python.parent.parent}; run `make envs`"
+            )
         return python
 
 

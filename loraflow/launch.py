@@ -73,7 +73,7 @@ class LocalLauncher:
         for line in proc.stdout:
             line = line.rstrip("\n")
             sink(line)
-            tail = (tail + [line])[-20:]
+            tail = ([*tail, line])[-20:]
         rc = proc.wait()
         if rc != 0:
             reason = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"

@@ -145,7 +145,11 @@ def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
             for name, ref in sp.inputs.items()
         }
         compute = spec.compute_for(sp.stage)
-        python = "python" if compute.launcher != "local" else str(sp.env.lock_file.parent.parent / ".venvs" / sp.env.name / "bin" / "python")
+        python = (
+            "python"
+            if compute.launcher != "local"
+            else str(sp.env.lock_file.parent.parent / ".venvs" / sp.env.name / "bin" / "python")
+        )
         stages.append(
             {
                 "stage": sp.stage,

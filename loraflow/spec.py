@@ -174,9 +174,7 @@ class PipelineSpec(_Model):
     evaluation: EvaluationSpec = EvaluationSpec()
     gate: GateSpec = GateSpec()
     publish: PublishSpec = PublishSpec()
-    compute: dict[str, ComputeSpec] = Field(
-        default_factory=dict, description="per stage (or 'default') where it runs"
-    )
+    compute: dict[str, ComputeSpec] = Field(default_factory=dict, description="per stage (or 'default') where it runs")
     params: list[ParamSpec] = Field(default_factory=list, description="settings overridable at trigger time")
     tags: list[str] = Field(default_factory=list, description="extra Airflow DAG tags (loraflow is always one)")
 

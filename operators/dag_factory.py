@@ -49,7 +49,7 @@ def build_dag(spec: PipelineSpec, source: Path) -> DAG:
         description=(spec.description.splitlines() or [""])[0][:200],
         doc_md=doc,
         schedule=_schedule(spec),
-        start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+        start_date=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         catchup=False,
         max_active_runs=4,
         params=trigger_params(spec),

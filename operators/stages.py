@@ -96,7 +96,9 @@ class PublishOperator(LoraflowStageOperator):
         decision = context["ti"].xcom_pull(task_ids="gate") or {}
         summary = decision.get("summary", {})
         if not summary.get("promote"):
-            raise AirflowSkipException(f"not published: the gate did not promote ({summary.get('reason', 'no decision')})")
+            raise AirflowSkipException(
+                f"not published: the gate did not promote ({summary.get('reason', 'no decision')})"
+            )
         return super().execute(context)
 
 

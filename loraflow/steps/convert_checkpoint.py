@@ -93,12 +93,14 @@ def check_dims(hf_cfg: Any, maxtext_cfg: Any) -> None:
         if hv is not None and mv is not None and hv != mv:
             bad.append(f"{hf_key}={hv} vs MaxText {mt_key}={mv}")
     if bad:
-        raise LoraflowError("HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)")
+        raise LoraflowError(
+            "HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)"
+        )
 
 
 def _materialising_save(original):
-    import numpy as np
     import jax
+    import numpy as np
 
     def save(path, weights, *args, **kwargs):
         # Orbax v1 cannot save to_maxtext's LazyTensor leaves; read them one at a time.
@@ -110,8 +112,15 @@ def _materialising_save(original):
     return save
 
 
-def convert(hf_dir: Path, out_dir: Path, model_name: str, overrides: dict[str, Any], scan_layers: bool = True,
-            config: dict[str, Any] | None = None, save_dtype: str = "float32") -> dict[str, Any]:
+def convert(
+    hf_dir: Path,
+    out_dir: Path,
+    model_name: str,
+    overrides: dict[str, Any],
+    scan_layers: bool = True,
+    config: dict[str, Any] | None = None,
+    save_dtype: str = "float32",
+) -> dict[str, Any]:
     """Convert ``hf_dir`` into ``out_dir/maxtext`` (Orbax); returns facts for the summary."""
     import jax
     import numpy as np
@@ -119,9 +128,16 @@ def convert(hf_dir: Path, out_dir: Path, model_name: str, overrides: dict[str, A
     from maxtext.configs import pyconfig
 
     hf_cfg = register_hf_config(model_name, hf_dir)
-    args = ["to_maxtext", *overrides_args(model_name, overrides), *hardware_args(config or {}),
-            f"scan_layers={str(bool(scan_layers)).lower()}", f"base_output_directory={out_dir / CKPT_SUBDIR}",
-            "run_name=convert", "checkpoint_storage_use_ocdbt=true", "checkpoint_storage_use_zarr3=true"]
+    args = [
+        "to_maxtext",
+        *overrides_args(model_name, overrides),
+        *hardware_args(config or {}),
+        f"scan_layers={str(bool(scan_layers)).lower()}",
+        f"base_output_directory={out_dir / CKPT_SUBDIR}",
+        "run_name=convert",
+        "checkpoint_storage_use_ocdbt=true",
+        "checkpoint_storage_use_zarr3=true",
+    ]
     check_dims(hf_cfg, pyconfig.initialize(list(args)))
 
     captured: dict[str, Any] = {}
@@ -134,8 +150,13 @@ def convert(hf_dir: Path, out_dir: Path, model_name: str, overrides: dict[str, A
 
     to_maxtext.save_weights_to_checkpoint = save
     try:
-        to_maxtext.main(args, lazy_load_tensors=True, hf_model_path=str(hf_dir), save_dtype=save_dtype,
-                        simulated_cpu_devices_count=1)
+        to_maxtext.main(
+            args,
+            lazy_load_tensors=True,
+            hf_model_path=str(hf_dir),
+            save_dtype=save_dtype,
+            simulated_cpu_devices_count=1,
+        )
     finally:
         to_maxtext.save_weights_to_checkpoint = original
     if not (out_dir / PARAMS_RELPATH).is_dir():

@@ -67,7 +67,9 @@ def _resolve_config(ctx: StepContext) -> dict[str, Any]:
     cfg["model_name"] = cfg["model_name"] or meta["model_name"]
     if cfg["model_overrides"] is None:
         cfg["model_overrides"] = meta.get("model_overrides") or {}
-    if cfg["model_name"] != meta["model_name"] or dict(cfg["model_overrides"]) != dict(meta.get("model_overrides") or {}):
+    if cfg["model_name"] != meta["model_name"] or dict(cfg["model_overrides"]) != dict(
+        meta.get("model_overrides") or {}
+    ):
         raise LoraflowError(
             f"model {cfg['model_name']} {cfg['model_overrides']} differs from the converted checkpoint's "
             f"{meta['model_name']} {meta.get('model_overrides')}"
@@ -77,7 +79,9 @@ def _resolve_config(ctx: StepContext) -> dict[str, Any]:
     return cfg
 
 
-def _maxtext_argv(cfg: dict[str, Any], train_file: Path, tokenizer_dir: Path, base_output: str, n_rows: int) -> list[str]:
+def _maxtext_argv(
+    cfg: dict[str, Any], train_file: Path, tokenizer_dir: Path, base_output: str, n_rows: int
+) -> list[str]:
     import jax
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
 
@@ -157,7 +161,7 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
     class LoraflowHooks(base_cls):  # type: ignore[misc, valid-type]
         """MaxText's SFT hooks + live progress lines, loss.csv rows and checkpoint persistence."""
 
-        def on_train_step_start(self, train_ctx):  # noqa: ANN001
+        def on_train_step_start(self, train_ctx):
             if syncer is not None:
                 syncer.poll()  # the previous step's checkpoint, once Orbax has finalised it
             super().on_train_step_start(train_ctx)
@@ -165,15 +169,17 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
             self._lf_tokens = int(jnp.sum(batch["inputs_segmentation"] != 0)) if batch is not None else 0
             self._lf_t0 = time.perf_counter()
 
-        def on_train_step_end(self, train_ctx, train_step, train_loss, step_time=0.0):  # noqa: ANN001
+        def on_train_step_end(self, train_ctx, train_step, train_loss, step_time=0.0):
             super().on_train_step_end(train_ctx, train_step, train_loss, step_time)
             loss = float(train_loss)
             seconds = max(time.perf_counter() - self._lf_t0, 1e-9)
             tps = self._lf_tokens / seconds
             rows.append((int(train_step), loss, tps))
             if train_step <= 3 or train_step % max(1, cfg.get("log_every", 10)) == 0 or train_step == cfg["steps"]:
-                ctx.progress(f"step {train_step}/{cfg['steps']} loss {loss:.4f} tokens/s {tps:.0f} "
-                             f"({seconds:.3f}s/step, t+{time.monotonic() - t_start:.0f}s)")
+                ctx.progress(
+                    f"step {train_step}/{cfg['steps']} loss {loss:.4f} tokens/s {tps:.0f} "
+                    f"({seconds:.3f}s/step, t+{time.monotonic() - t_start:.0f}s)"
+                )
 
     return LoraflowHooks
 
@@ -186,7 +192,7 @@ def _skip_trained_batches(trainer, n: int, ctx: StepContext) -> None:
     original = hooks.load_next_train_batch
     state = {"left": n}
 
-    def load(train_ctx):  # noqa: ANN001
+    def load(train_ctx):
         while state["left"] > 0:
             hooks.train_data_loader.load_next_batch()
             state["left"] -= 1
@@ -199,10 +205,10 @@ def _skip_trained_batches(trainer, n: int, ctx: StepContext) -> None:
 def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
     from absl import flags
     from flax import nnx
-
     from maxtext.configs import pyconfig
     from maxtext.trainers.post_train.sft import hooks as sft_hooks
     from maxtext.trainers.post_train.sft import train_sft
+
     if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
         flags.FLAGS.mark_as_parsed()
 
@@ -240,7 +246,9 @@ def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
         sft_hooks.SFTTrainingHooks = original_cls
     start_step = int(trainer.train_steps)
     _skip_trained_batches(trainer, start_step, ctx)
-    ctx.progress(f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {cfg['steps']} (compiling first)")
+    ctx.progress(
+        f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {cfg['steps']} (compiling first)"
+    )
     t_train = time.monotonic()
     train_sft.train_model(mt_config, trainer, mesh)
     train_seconds = time.monotonic() - t_train
@@ -273,17 +281,24 @@ def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
     out: dict[tuple[str, ...], Any] = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out |= _flatten(v, prefix + (k,))
+            out |= _flatten(v, (*prefix, k))
         else:
-            out[prefix + (k,)] = v
+            out[(*prefix, k)] = v
     return out
 
 
 # ------------------------------------------------------------------------------------ PEFT export
 
 
-def export_peft(lora_tree: dict[str, Any], mt_config: Any, hf_config: Any, rank: int, alpha: float,
-                out_dir: Path, base_model: str = "") -> dict[str, Any]:
+def export_peft(
+    lora_tree: dict[str, Any],
+    mt_config: Any,
+    hf_config: Any,
+    rank: int,
+    alpha: float,
+    out_dir: Path,
+    base_model: str = "",
+) -> dict[str, Any]:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT, HF layout).
 
     Uses MaxText's own parameter mapping and its MaxText->HF hooks (query scaling, RoPE layout,
@@ -349,7 +364,9 @@ def export_peft(lora_tree: dict[str, Any], mt_config: Any, hf_config: Any, rank:
             err = float(np.max(np.abs(ref - mine))) if ref.size else 0.0
             tol = 1e-5 * max(1.0, float(np.max(np.abs(ref))))
             if ref.shape != mine.shape or err > tol:
-                raise LoraflowError(f"PEFT export check failed for {hf_path}: max |diff| {err} (shape {ref.shape} vs {mine.shape})")
+                raise LoraflowError(
+                    f"PEFT export check failed for {hf_path}: max |diff| {err} (shape {ref.shape} vs {mine.shape})"
+                )
             max_err = max(max_err, err)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,7 +412,19 @@ def run(ctx: StepContext) -> dict[str, Any]:
     cfg = _resolve_config(ctx)
     ctx.progress(
         "LoRA SFT: "
-        + ", ".join(f"{k}={cfg[k]}" for k in ("model_name", "rank", "alpha", "steps", "batch_size", "learning_rate", "max_length", "target_modules"))
+        + ", ".join(
+            f"{k}={cfg[k]}"
+            for k in (
+                "model_name",
+                "rank",
+                "alpha",
+                "steps",
+                "batch_size",
+                "learning_rate",
+                "max_length",
+                "target_modules",
+            )
+        )
     )
     started = time.monotonic()
     res = train(ctx, cfg)
@@ -434,13 +463,27 @@ def run(ctx: StepContext) -> dict[str, Any]:
     (adapter_dir / ADAPTER_JSON).write_text(json.dumps(meta, indent=2))
 
     hf_config = transformers.AutoConfig.from_pretrained(str(ctx.inputs["tokenizer"]))
-    peft = export_peft(res["lora_tree"], res["mt_config"], hf_config, cfg["rank"], cfg["alpha"], ctx.out / "peft",
-                       base_model=cfg["model_name"])
-    ctx.progress(f"PEFT export: {peft['tensors']} tensors for {peft['target_modules']}; "
-                 f"matches MaxText's own MaxText->HF mapping (max |diff| {peft['check_max_abs_diff']:.2e})")
+    peft = export_peft(
+        res["lora_tree"],
+        res["mt_config"],
+        hf_config,
+        cfg["rank"],
+        cfg["alpha"],
+        ctx.out / "peft",
+        base_model=cfg["model_name"],
+    )
+    ctx.progress(
+        f"PEFT export: {peft['tensors']} tensors for {peft['target_modules']}; "
+        f"matches MaxText's own MaxText->HF mapping (max |diff| {peft['check_max_abs_diff']:.2e})"
+    )
 
-    norm = math.sqrt(sum(float((v.astype("float64") ** 2).sum()) for k, v in _flatten(res["lora_tree"]).items()
-                         if "lora_b" in "/".join(k)))
+    norm = math.sqrt(
+        sum(
+            float((v.astype("float64") ** 2).sum())
+            for k, v in _flatten(res["lora_tree"]).items()
+            if "lora_b" in "/".join(k)
+        )
+    )
     if norm == 0.0:
         raise LoraflowError("the trained adapter is all zeros (lora_b never moved)")
     trained = [r for r in rows if r[0] > 1]  # step 1 includes compilation

@@ -39,7 +39,7 @@ def test_commit_then_fetch_round_trip(gcs_bucket: str, tmp_path: Path) -> None:
 
 def test_a_prefix_without_manifest_is_not_an_artifact(gcs_bucket: str, tmp_path: Path) -> None:
     blob(f"{gcs_bucket}/p/run-1/s/a.bin").upload_from_string(b"partial")
-    with pytest.raises(ArtifactError, match="_MANIFEST.json is missing"):
+    with pytest.raises(ArtifactError, match=r"_MANIFEST\.json is missing"):
         artifacts.read_manifest(f"{gcs_bucket}/p/run-1/s")
 
 
@@ -110,7 +110,16 @@ def _rejecting_step(ctx: StepContext) -> dict:
 def test_harness_fetches_runs_and_commits(gcs_bucket: str) -> None:
     blob(f"{gcs_bucket}/src/in.txt").upload_from_string(b"abc")
     out = f"{gcs_bucket}/p/r/echo"
-    argv = ["--output", out, "--input", f"data={gcs_bucket}/src/in.txt", "--cache-key", "K1", "--config-json", '{"x": 1}']
+    argv = [
+        "--output",
+        out,
+        "--input",
+        f"data={gcs_bucket}/src/in.txt",
+        "--cache-key",
+        "K1",
+        "--config-json",
+        '{"x": 1}',
+    ]
     assert run_step("echo", _echo_step, argv) == 0
     m = artifacts.read_manifest(out)
     assert m.summary["chars"] == 3 and m.data["config"] == {"x": 1} and m.data["cache_key"] == "K1"

@@ -55,7 +55,16 @@ def test_one_dag_per_shipped_spec(shipped: dict) -> None:
     assert shipped["errors"] == {}
     assert shipped["dags"] == ["llama31-8b-lora", "tiny-llama-lora"]
     assert shipped["tasks"]["tiny-llama-lora"] == sorted(
-        ["validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned", "gate", "publish"]
+        [
+            "validate_data",
+            "convert_checkpoint",
+            "evaluate_base",
+            "lora_sft",
+            "merge_adapter",
+            "evaluate_tuned",
+            "gate",
+            "publish",
+        ]
     )
 
 

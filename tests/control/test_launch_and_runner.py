@@ -94,9 +94,13 @@ def test_second_run_of_a_stage_is_a_cache_hit(gcs_bucket: str, tmp_path: Path) -
     client_bucket.blob(f"{base}/model/tokenizer.json").upload_from_filename(str(tmp_path / "tokenizer.json"))
 
     spec = load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml")
-    data_spec = spec.data.model_copy(update={"train": f"{gcs_bucket}/data/train.jsonl", "eval": f"{gcs_bucket}/data/eval.jsonl"})
+    data_spec = spec.data.model_copy(
+        update={"train": f"{gcs_bucket}/data/train.jsonl", "eval": f"{gcs_bucket}/data/eval.jsonl"}
+    )
     model_spec = spec.base_model.model_copy(update={"tokenizer": f"{gcs_bucket}/model"})
-    spec = spec.model_copy(update={"artifact_root": f"{gcs_bucket}/artifacts", "data": data_spec, "base_model": model_spec})
+    spec = spec.model_copy(
+        update={"artifact_root": f"{gcs_bucket}/artifacts", "data": data_spec, "base_model": model_spec}
+    )
     spec = with_overrides(spec, {})
 
     first_log: list[str] = []

@@ -40,7 +40,10 @@ def test_plan_prints_every_stage_with_argv(capsys: pytest.CaptureFixture[str]) -
     assert sft["launcher"]["tpu_topology"] == "4x4" and sft["launcher"]["hosts"] == 4
     assert sft["output"] == "gs://acme-llm-artifacts/loraflow/llama31-8b-lora/r1/lora_sft"
     assert sft["argv"][:3] == ["python", "-m", "loraflow.steps.lora_sft"]
-    assert "checkpoint=gs://acme-llm-artifacts/loraflow/llama31-8b-lora/r1/convert_checkpoint/_MANIFEST.json" in sft["argv"]
+    assert (
+        "checkpoint=gs://acme-llm-artifacts/loraflow/llama31-8b-lora/r1/convert_checkpoint/_MANIFEST.json"
+        in sft["argv"]
+    )
 
 
 def test_stage_order_and_dependencies() -> None:

@@ -51,7 +51,11 @@ def test_every_problem_is_reported_at_once() -> None:
         (lambda d: d.update(schedule={"asset": "s3://x/y"}), "schedule", "gs://"),
         (lambda d: d.update(artifact_root="gs://bucket/../other"), "artifact_root", "'..'"),
         (lambda d: d["data"].update(min_rows=0), "data.min_rows", "greater than or equal to 1"),
-        (lambda d: d["evaluation"].update(answer_pattern="(unclosed"), "evaluation.answer_pattern", "regular expression"),
+        (
+            lambda d: d["evaluation"].update(answer_pattern="(unclosed"),
+            "evaluation.answer_pattern",
+            "regular expression",
+        ),
         (lambda d: d["evaluation"].update(answer_pattern="no group"), "evaluation.answer_pattern", "capturing group"),
         (lambda d: d["compute"].update(lora_sfft={"launcher": "local"}), "compute", "unknown stage"),
         (lambda d: d["compute"].update(lora_sft={"launcher": "vertex"}), "compute.lora_sft", "needs image"),

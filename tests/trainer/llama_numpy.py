@@ -34,7 +34,7 @@ def merge_peft(weights: dict[str, np.ndarray], peft_dir: Path) -> dict[str, np.n
         if ".lora_A." not in key:
             continue
         b = lora[key.replace(".lora_A.", ".lora_B.")]
-        target = key[len("base_model.model."):].replace(".lora_A.weight", ".weight")
+        target = key[len("base_model.model.") :].replace(".lora_A.weight", ".weight")
         out[target] = out[target] + scale * (b.astype(np.float32) @ a.astype(np.float32))
     return out
 
@@ -44,7 +44,12 @@ def _rope_inv_freq(cfg: dict) -> np.ndarray:
     inv = 1.0 / (cfg["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     rs = cfg.get("rope_scaling") or {}
     if rs.get("rope_type") == "llama3":
-        factor, lo, hi, old = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"], rs["original_max_position_embeddings"]
+        factor, lo, hi, old = (
+            rs["factor"],
+            rs["low_freq_factor"],
+            rs["high_freq_factor"],
+            rs["original_max_position_embeddings"],
+        )
         lo_wl, hi_wl = old / lo, old / hi
         wl = 2 * math.pi / inv
         scaled = np.where(wl > lo_wl, inv / factor, inv)
@@ -115,7 +120,9 @@ def parity_accuracy(hf_dir: Path, eval_file: Path, peft_dir: Path | None = None,
     rows = [json.loads(line) for line in Path(eval_file).read_text().splitlines() if line.strip()][:n]
     good = 0
     for row in rows:
-        text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
         ids = tok.encode(text, add_special_tokens=False)
         text = tok.decode(greedy(cfg, w, ids, tok.eos_token_id), skip_special_tokens=True).strip()
         good += text == row["completion"]

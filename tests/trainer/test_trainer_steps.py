@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("maxtext")
 
-from loraflow import tinymodel  # noqa: E402
-from loraflow.steps._harness import StepContext  # noqa: E402
+from loraflow import tinymodel
+from loraflow.steps._harness import StepContext
 
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ROOT / "pipelines" / "data" / "parity"
@@ -73,8 +73,13 @@ def base(tmp_path_factory):
 
     from loraflow.steps import convert_checkpoint
 
-    ctx = _ctx(root / "convert", "convert_checkpoint", {"hf_checkpoint": hf},
-               {"model_name": "llama3.1-8b", "model_overrides": OVERRIDES, "scan_layers": True}, "gs://b/p/r/convert_checkpoint")
+    ctx = _ctx(
+        root / "convert",
+        "convert_checkpoint",
+        {"hf_checkpoint": hf},
+        {"model_name": "llama3.1-8b", "model_overrides": OVERRIDES, "scan_layers": True},
+        "gs://b/p/r/convert_checkpoint",
+    )
     summary = convert_checkpoint.run(ctx)
     return {"root": root, "hf": hf, "dataset": ds, "ckpt": ctx.out, "convert_summary": summary}
 
