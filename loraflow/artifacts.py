@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraflow import gcs
+from loraflow import faults, gcs
 from loraflow.errors import ArtifactError
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ def upload_tree(
         if blob.crc32c and blob.crc32c != crc:
             raise ArtifactError(f"upload of {rel} to {prefix} was corrupted: crc32c {blob.crc32c} != {crc}")
         files[rel] = {"size": path.stat().st_size, "crc32c": crc}
+        faults.point("mid_upload")
         if progress:
             progress(f"uploaded {rel} ({files[rel]['size']} bytes)")
     return files

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loraflow import artifacts, gcs
+from loraflow import artifacts, faults, gcs
 from loraflow.errors import ArtifactError
 
 MARKER = "_LORAFLOW_COMPLETE.json"
@@ -58,6 +58,7 @@ def upload_step(local: Path, remote: str, step: int) -> dict[str, Any]:
     files: dict[str, dict[str, Any]] = {}
     if _is_gcs(remote):
         files = artifacts.upload_tree(src, gcs.join(remote, str(step)))
+        faults.point("checkpoint_upload")
         artifacts.write_json(gcs.join(remote, str(step), MARKER), {"step": step, "files": files})
     else:
         dest = Path(remote) / str(step)
@@ -137,6 +138,7 @@ class Syncer:
             self.done.add(step)
             if self.progress:
                 self.progress(f"checkpoint step {step} persisted to {self.remote}/{step} ({len(files)} files)")
+            faults.point("mid_training")
         if new:
             prune(self.remote, self.keep)
         return new

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from loraflow import faults
 from loraflow.errors import LoraflowError
 from loraflow.safetensors_io import INDEX_FILE, Checkpoint, ShardedWriter, TensorInfo
 
@@ -482,6 +483,7 @@ def merge_checkpoint(
                             raise MergeError(f"{info.name} (adapter key {target.lora_a!r}): {exc}") from None
                         del weight
                         writer.write(info.name, merged)
+                        faults.point("mid_merge")
                         del merged
                         report.merged += 1
                         g_merged += 1

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraflow import artifacts, gcs
+from loraflow import artifacts, faults, gcs
 from loraflow.errors import DataValidationError, LoraflowError
 
 log = logging.getLogger("loraflow.step")
@@ -146,6 +146,7 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
             raise
         summary = {**ctx.summary, **summary, "seconds": round(time.monotonic() - started, 2)}
         files = artifacts.upload_tree(ctx.out, output)
+        faults.point("before_manifest")
         manifest = artifacts.commit(
             output,
             files,
