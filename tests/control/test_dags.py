@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = [
@@ -82,9 +83,11 @@ def test_invalid_spec_is_an_import_error_and_the_others_still_load(tmp_path: Pat
     folder = tmp_path / "pipelines"
     folder.mkdir()
     shutil.copy(REPO / "pipelines" / "tiny-llama-lora.yaml", folder)
-    broken = (REPO / "pipelines" / "tiny-llama-lora.yaml").read_text()
-    broken = broken.replace("name: tiny-llama-lora", "name: broken-one").replace("rank: 16", "rank: zero")
-    (folder / "broken-one.yaml").write_text(broken.replace("steps: 150", "steps: -1"))
+    broken = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
+    broken["name"] = "broken-one"
+    broken["lora"]["rank"] = "zero"
+    broken["training"]["steps"] = -1
+    (folder / "broken-one.yaml").write_text(yaml.safe_dump(broken))
     result = parse(folder, tmp_path)
     assert result["dags"] == ["tiny-llama-lora"]
     [message] = result["errors"].values()
