@@ -142,3 +142,9 @@ def test_harness_refuses_a_non_gcs_input(gcs_bucket: str, capsys: pytest.Capture
     rc = run_step("echo", _echo_step, ["--output", f"{gcs_bucket}/p/r/e", "--input", "data=/etc/passwd"])
     assert rc == 2
     assert "not a gs:// URI" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("uri", ["gs://b/run/../other-run/x", "gs://b/./x", "/etc/passwd", "s3://b/x", "gs:///x"])
+def test_uris_that_could_escape_their_prefix_are_refused(uri: str) -> None:
+    with pytest.raises(ArtifactError):
+        gcs.split_uri(uri)
