@@ -27,6 +27,7 @@ from typing import Any
 from loraflow import artifacts, gcs, local_gcs
 from loraflow.environments import ENVIRONMENTS, REPO_ROOT
 from loraflow.errors import LoraflowError
+from loraflow.report import browser_url
 from loraflow.spec import PipelineSpec, load_spec
 
 DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
@@ -277,6 +278,7 @@ def verdict(spec: PipelineSpec, airflow: LocalAirflow, run_id: str) -> dict[str,
     results = {task: airflow.xcom(spec.name, run_id, task) for task in airflow.task_states(spec.name, run_id)}
     gate = results.get("gate") or {}
     decision = artifacts.read_manifest(gate["manifest"]).summary if gate else {}
+    report = ((results.get("report") or {}).get("summary") or {}).get("report")
     return {
         "run_id": run_id,
         "base": (results.get("evaluate_base") or {}).get("summary", {}),
@@ -285,7 +287,23 @@ def verdict(spec: PipelineSpec, airflow: LocalAirflow, run_id: str) -> dict[str,
         "published": (results.get("publish") or {}).get("summary"),
         "cached": sorted(t for t, r in results.items() if r and r.get("cached")),
         "artifacts": gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id)),
+        "report": report,
+        "report_url": browser_url(report, os.environ.get("STORAGE_EMULATOR_HOST")) if report else None,
     }
+
+
+def save_report(v: dict[str, Any], folder: Path) -> Path | None:
+    """A local copy of the run's report.html (verified against its manifest): ``folder/RUN.html``."""
+    if not v.get("report"):
+        return None
+    prefix = v["report"].rsplit("/", 1)[0]
+    manifest = artifacts.read_manifest(prefix)
+    scratch = folder / ".download"
+    artifacts.fetch(manifest, scratch, only=["report.html"])
+    dest = folder / f"{artifacts.safe_run_id(v['run_id'])}.html"
+    (scratch / "report.html").replace(dest)
+    scratch.rmdir()
+    return dest
 
 
 def print_verdict(v: dict[str, Any]) -> None:
@@ -299,6 +317,9 @@ def print_verdict(v: dict[str, Any]) -> None:
     if v["cached"]:
         say(f"reused from the cache: {', '.join(v['cached'])}")
     say(f"artifacts: {v['artifacts']}/ (GCS emulator data in {DEMO_HOME / 'gcs'})")
+    if v.get("report"):
+        say(f"run report: {v['report']}")
+        say(f"            {v['report_url']} (served while this stack runs)")
 
 
 def prepare(spec_path: Path = TINY_SPEC, home: Path = DEMO_HOME, data_dir: Path = TINY_DATA) -> PipelineSpec:
@@ -318,7 +339,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_id = airflow.trigger(spec.name, conf)
         say(f"triggered {spec.name} run {run_id} with {conf or 'the spec defaults'}")
         state = airflow.wait_for_run(spec.name, run_id)
-        print_verdict(verdict(spec, airflow, run_id))
+        v = verdict(spec, airflow, run_id)
+        print_verdict(v)
+        local = save_report(v, DEMO_HOME / "reports")
+        say(f"run report saved to {local}" if local else "no run report (the run stopped before it)")
         say(f"run {state}; Airflow logs under {airflow.home / 'logs'}")
         return 0 if state == "success" else 1
 

@@ -31,6 +31,17 @@ class Upstream:
 
 Input = Source | Upstream
 
+# The stages the run report reads (by reference: it fetches only the few small files it shows).
+REPORTED = (
+    "validate_data",
+    "convert_checkpoint",
+    "evaluate_base",
+    "lora_sft",
+    "merge_adapter",
+    "evaluate_tuned",
+    "gate",
+)
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -111,7 +122,10 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
             ctl,
             "loraflow.steps.gate",
             {"base_eval": Upstream("evaluate_base"), "tuned_eval": Upstream("evaluate_tuned")},
-            spec.gate.model_dump(mode="json"),
+            spec.gate.model_dump(mode="json") | {"registry_uri": spec.registry_uri, "pipeline": spec.name},
+            # It also compares with the registry's current champion, which moves between runs
+            # without any input changing: a cached decision could promote a model the champion beats.
+            cacheable=False,
         ),
         StagePlan(
             "publish",
@@ -121,6 +135,14 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
             {"registry_uri": spec.registry_uri, "pipeline": spec.name},
             cacheable=False,
         ),
+        StagePlan(
+            "report",
+            ctl,
+            "loraflow.steps.report",
+            {stage: Upstream(stage, fetch=False) for stage in REPORTED},
+            {"pipeline": spec.name, "stages": [*REPORTED, "publish"]},
+            cacheable=False,  # it reports this run: its cache hits, its publish outcome
+        ),
     ]
     out: dict[str, StagePlan] = {}
     for p in plans:
@@ -128,6 +150,10 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
         # Nothing is converted or trained before the data contract holds.
         if p.stage == "convert_checkpoint":
             ups = ("validate_data",)
+        # The report follows publish (and reads its outcome from the run's prefix) without
+        # needing it: publish is skipped when the gate does not promote.
+        if p.stage == "report":
+            ups = (*ups, "publish")
         out[p.stage] = StagePlan(p.stage, p.env, p.module, p.inputs, p.config, p.cacheable, ups)
     return out
 

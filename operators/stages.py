@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from airflow.sdk import BaseOperator, Context
+from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
-from loraflow import runner
+from loraflow import gcs, runner
 from loraflow.launch import LocalLauncher
 from loraflow.plan import stage_plans
+from loraflow.report import browser_url
 from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
+
+if TYPE_CHECKING:
+    from airflow.sdk.types import TaskInstanceKey
 
 
 def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
@@ -102,6 +107,42 @@ class PublishOperator(LoraflowStageOperator):
         return super().execute(context)
 
 
+class ReportLink(BaseOperatorLink):
+    """'Run report' on the report task: opens the run's report.html in the browser.
+
+    The URL is decided when the report is committed (the GCS emulator's download URL locally,
+    the Cloud console's in GCP) and kept in XCom; Airflow shows it from there.
+    """
+
+    name = "Run report"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        from airflow.sdk.bases.xcom import BaseXCom
+
+        url = BaseXCom.get_value(ti_key=ti_key, key=self.xcom_key)  # type: ignore[arg-type]
+        return url if isinstance(url, str) else ""
+
+
+class ReportOperator(LoraflowStageOperator):
+    """Writes the run report after publish, also for a run the gate did not promote (publish skipped)."""
+
+    stage = "report"
+    ui_color = "#e6f4ea"
+    operator_extra_links = (ReportLink(),)
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", "none_failed_min_one_success")
+        super().__init__(**kwargs)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        result = super().execute(context)
+        uri = result["summary"].get("report") or gcs.join(result["manifest"].rsplit("/", 1)[0], "report.html")
+        url = browser_url(uri, os.environ.get("STORAGE_EMULATOR_HOST"))
+        context["ti"].xcom_push(key=ReportLink().xcom_key, value=url)
+        self.log.info("run report: %s (%s)", url, uri)
+        return result
+
+
 OPERATORS: dict[str, type[LoraflowStageOperator]] = {
     op.stage: op
     for op in (
@@ -113,5 +154,6 @@ OPERATORS: dict[str, type[LoraflowStageOperator]] = {
         EvaluateTunedOperator,
         GateOperator,
         PublishOperator,
+        ReportOperator,
     )
 }

@@ -12,21 +12,31 @@ Config (every key optional)::
     confidence: 0.95            level of the paired bootstrap interval of the gain
     bootstrap_samples: 2000
     seed: 0
+    registry_uri: gs://.../_registry   with pipeline: where this pipeline's champion is registered
+    pipeline: NAME                     (both or neither; publish registers promoted models there)
 
 The rule itself lives in loraflow.gate_rule.decide (promote iff the gain >= min_improvement and
-the interval's lower bound > 0). Writes ``decision.json`` with the evidence. Not promoting is a
-result, not a failure: the step succeeds either way; only evaluations that cannot be compared
-(different ids, missing files) fail it.
+the interval's lower bound > 0). When the registry holds a ``champion`` for this pipeline, the
+tuned model must also beat the champion's recorded eval metric (and not be the champion itself);
+the champion compared against is recorded in the decision. Because the champion moves between runs
+with no input changing, the gate is not cached (its plan says ``cacheable=False``).
+
+Writes ``decision.json`` with the evidence. Not promoting is a result, not a failure: the step
+succeeds either way. It fails on evaluations that cannot be compared (different ids, missing
+files), and, loudly, when the tuned model generated exactly what the base model did on every eval
+example: an adapter that did nothing is a broken training run, never a quiet "not promoted".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
+from loraflow import registry
 from loraflow.errors import LoraflowError
-from loraflow.gate_rule import GateError, decide
+from loraflow.gate_rule import Decision, GateError, decide
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "gate"
@@ -36,6 +46,8 @@ DEFAULTS: dict[str, Any] = {
     "confidence": 0.95,
     "bootstrap_samples": 2000,
     "seed": 0,
+    "registry_uri": None,
+    "pipeline": None,
 }
 METRIC_COLUMNS = {"accuracy": "correct", "format_rate": "format_ok"}
 
@@ -47,7 +59,71 @@ def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULTS, **raw}
     if cfg["metric"] not in METRIC_COLUMNS:
         raise LoraflowError(f"{STAGE}: metric {cfg['metric']!r} is not one of {', '.join(METRIC_COLUMNS)}")
+    if bool(cfg["registry_uri"]) != bool(cfg["pipeline"]):
+        raise LoraflowError(
+            f"{STAGE}: give registry_uri and pipeline together (to compare with the champion), or neither"
+        )
     return cfg
+
+
+class NoOpAdapterError(LoraflowError):
+    """The tuned model behaves exactly like the base model: the adapter did nothing."""
+
+
+def _input_fingerprint(ctx: StepContext, stage_input: str, name: str) -> str | None:
+    """The fingerprint of input ``name`` of the evaluation given as ``stage_input`` (from its manifest)."""
+    manifest = ctx.input_manifests.get(stage_input)
+    if manifest is None:
+        return None
+    value = manifest.data.get("inputs", {}).get(name, {}).get("fingerprint")
+    return str(value) if value else None
+
+
+def against_champion(
+    decision: Decision, champion: dict[str, Any] | None, model_fingerprint: str | None, eval_fingerprint: str | None
+) -> tuple[Decision, dict[str, Any] | None, list[str]]:
+    """The decision once the registry's current champion is taken into account.
+
+    Returns (decision, what was compared - recorded in decision.json -, notes). Promotion needs the
+    tuned model to beat the champion's recorded metric strictly; the champion itself (same model
+    fingerprint) is never promoted again; a champion without a recorded metric blocks promotion.
+    """
+    if champion is None:
+        return decision, None, []
+    metric = decision.metric
+    value = registry.recorded_metric(champion, metric)
+    record: dict[str, Any] = {
+        "version": champion.get("version"),
+        "version_uri": champion.get("version_uri"),
+        "run_id": champion.get("run_id"),
+        "model_fingerprint": champion.get("model_fingerprint"),
+        "metric": metric,
+        "value": value,
+    }
+    notes = []
+    champ_eval = champion.get("eval_set_fingerprint")
+    if champ_eval and eval_fingerprint and champ_eval != eval_fingerprint:
+        notes.append(
+            f"the champion (version {record['version']}) was evaluated on another eval set; its {metric} is "
+            "compared as recorded"
+        )
+    who = f"the champion (version {record['version']}, run {record['run_id']})"
+    if model_fingerprint and model_fingerprint == champion.get("model_fingerprint"):
+        verdict, beats = f"the tuned model is {who} itself", False
+    elif value is None:
+        verdict, beats = f"{who} records no {metric}, so it cannot be compared", False
+    elif decision.tuned > value:
+        verdict, beats = f"{metric} {decision.tuned:.3f} beats {who}: {value:.3f}", True
+    else:
+        verdict, beats = f"{metric} {decision.tuned:.3f} does not beat {who}: {value:.3f}", False
+    record["verdict"] = verdict
+    record["beaten"] = beats
+    if not decision.promote:
+        return dataclasses.replace(decision, reason=f"{decision.reason} ({verdict})"), record, notes
+    if beats:
+        return dataclasses.replace(decision, reason=f"{decision.reason}; {verdict}"), record, notes
+    reason = f"{decision.reason}; but {verdict}: not promoted"
+    return dataclasses.replace(decision, promote=False, reason=reason), record, notes
 
 
 def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool], dict[str, Any], Any]:
@@ -118,10 +194,25 @@ def run(ctx: StepContext) -> dict[str, Any]:
             .merge(tuned_frame[["id", "generation"]].astype({"id": str}), on="id", suffixes=("_base", "_tuned"))
         )
         identical = int((joined["generation_base"] == joined["generation_tuned"]).sum())
-        if identical == len(joined):
-            notes.append(
-                "the tuned model generated exactly what the base model did on every example: the adapter changed nothing"
+        if len(joined) and identical == len(joined):
+            raise NoOpAdapterError(
+                f"the adapter did nothing: the tuned model generated exactly what the base model did on all "
+                f"{identical} eval examples, so it is not promoted and this run fails rather than passing quietly. "
+                "Check lora_sft: its loss curve (loss.csv) and lora_b_norm, the learning rate "
+                "(training.learning_rate), the number of steps (training.steps), the LoRA targets "
+                "(lora.target_modules) and rank/alpha; and merge_adapter's summary (how many tensors changed)"
             )
+
+    champion = None
+    if cfg["registry_uri"]:
+        champion = registry.champion(str(cfg["registry_uri"]), str(cfg["pipeline"]))
+    model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
+    eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")
+    decision, compared, champion_notes = against_champion(decision, champion, model_fp, eval_fp)
+    notes += champion_notes
+    ctx.progress(
+        f"champion: {compared['verdict']}" if compared else "champion: none registered yet; compared with the base only"
+    )
     for note in notes:
         ctx.progress(f"note: {note}")
 
@@ -130,8 +221,14 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "base_metrics": base_metrics,
         "tuned_metrics": tuned_metrics,
         "identical_generations": identical,
+        "champion": compared,
+        "tuned_model_fingerprint": model_fp,
+        "eval_set_fingerprint": eval_fp,
         "notes": notes,
-        "rule": "promote iff delta >= min_improvement and the lower bound of the paired bootstrap interval > 0",
+        "rule": (
+            "promote iff delta >= min_improvement and the lower bound of the paired bootstrap interval > 0, "
+            "and, when a champion is registered, the tuned metric beats the champion's"
+        ),
     }
     (ctx.out / "decision.json").write_text(json.dumps(evidence, indent=2, sort_keys=True))
     ctx.progress(("PROMOTE: " if decision.promote else "do not promote: ") + decision.reason)
@@ -142,6 +239,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "delta": round(decision.delta, 6),
         "ci": [round(x, 6) for x in decision.ci],
         "reason": decision.reason,
+        "champion_version": compared["version"] if compared else None,
     }
 
 

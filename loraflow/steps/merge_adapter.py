@@ -8,6 +8,7 @@ Output: a checkpoint transformers and vLLM load as is: ``model.safetensors`` or
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``, plus every non-weight file
 of the base. The merge streams one tensor at a time (``loraflow.merge``): memory stays around the
 largest adapted tensor, whatever the model size. Needs numpy (+ ml_dtypes for bf16 weights) only.
+Fails (NoOpMergeError) when no stored weight changed: an adapter that did nothing is never passed on.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import time
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.merge import find_adapter, merge_checkpoint
+from loraflow.merge import MergeReport, find_adapter, merge_checkpoint
 from loraflow.steps._harness import StepContext, run_step
+
+
+class NoOpMergeError(LoraflowError):
+    """The merged checkpoint equals the base: the adapter changed no stored weight."""
 
 
 def run(ctx: StepContext) -> dict[str, Any]:
@@ -31,7 +36,25 @@ def run(ctx: StepContext) -> dict[str, Any]:
     ctx.progress(f"merging {weights.relative_to(adapter)} into {base.name} (shards <= {shard_mb} MiB)")
     started = time.monotonic()
     report = merge_checkpoint(base, adapter, ctx.out, int(shard_mb * 1024 * 1024), ctx.progress)
+    check_changed(report)
     return {**report.summary(), "merge_seconds": round(time.monotonic() - started, 2)}
+
+
+def check_changed(report: MergeReport) -> None:
+    """Refuse a merge whose weights equal the base bit for bit: the adapter did nothing.
+
+    Promoting such a model would publish the base model under a new name; evaluating it would
+    spend serving time to learn what is already known. Fail here, with what to look at.
+    """
+    if report.changed == 0:
+        example = f" (e.g. {report.unchanged_targets[0]})" if report.unchanged_targets else ""
+        raise NoOpMergeError(
+            f"merge_adapter: the merged weights equal the base weights bit for bit: {report.merged} tensor(s) got a "
+            f"LoRA update{example} and none changed (largest update {report.max_delta:.3g}). The adapter did "
+            "nothing, so this run stops here. Check lora_sft: the learning rate (training.learning_rate), the "
+            "number of steps (training.steps), that lora.target_modules names modules of this model, and the "
+            "LoRA rank/alpha (an update below the weights' dtype resolution rounds away)"
+        )
 
 
 if __name__ == "__main__":

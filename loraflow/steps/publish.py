@@ -14,7 +14,8 @@ Config::
 
 The registry of a pipeline lives under ``{registry_uri}/{pipeline}/``::
 
-    versions/0001.json      one per promoted model, never overwritten
+    versions/0001.json      one per promoted model, never overwritten; records the tuned model's
+                            eval ``metrics`` (the next gates compare with the champion's)
     aliases/champion.json   points at the current champion version
 
 A version number is taken by creating ``versions/{N:04d}.json`` with the precondition
@@ -154,6 +155,15 @@ class Registry:
         raise ArtifactError(f"could not move {self.alias_uri} after {MAX_ATTEMPTS} attempts")
 
 
+def eval_metrics(decision: dict[str, Any]) -> dict[str, Any]:
+    """The tuned model's eval metrics, as the next runs' gates compare with them (scalars only)."""
+    tuned = decision.get("tuned_metrics") or {}
+    out = {k: v for k, v in tuned.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    if decision.get("metric") and decision.get("tuned") is not None:
+        out[str(decision["metric"])] = decision["tuned"]  # what the gate measured from the predictions
+    return out
+
+
 def _model_manifest(ctx: StepContext, cfg: dict[str, Any]) -> artifacts.Manifest:
     given = ctx.input_manifests.get("model")
     wanted = cfg.get("model_manifest")
@@ -204,6 +214,8 @@ def run(ctx: StepContext) -> dict[str, Any]:
             "pipeline": cfg["pipeline"],
             "model_manifest": manifest.uri,
             "model_fingerprint": manifest.fingerprint,
+            "metrics": eval_metrics(decision),
+            "eval_set_fingerprint": decision.get("eval_set_fingerprint"),
             "decision": decision,
             "run_id": cfg["run_id"],
             "created_at": _now(),

@@ -65,6 +65,7 @@ def test_one_dag_per_shipped_spec(shipped: dict) -> None:
             "evaluate_tuned",
             "gate",
             "publish",
+            "report",
         ]
     )
 

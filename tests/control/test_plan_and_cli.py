@@ -34,7 +34,7 @@ def test_plan_prints_every_stage_with_argv(capsys: pytest.CaptureFixture[str]) -
     stages = {s["stage"]: s for s in plan["stages"]}
     assert list(stages) == [
         "validate_data", "convert_checkpoint", "evaluate_base", "lora_sft",
-        "merge_adapter", "evaluate_tuned", "gate", "publish",
+        "merge_adapter", "evaluate_tuned", "gate", "publish", "report",
     ]  # fmt: skip
     sft = stages["lora_sft"]
     assert sft["launcher"]["tpu_topology"] == "4x4" and sft["launcher"]["hosts"] == 4
@@ -52,6 +52,12 @@ def test_stage_order_and_dependencies() -> None:
     assert plans["evaluate_base"].upstream == ("validate_data",)  # runs beside convert/train
     assert set(plans["gate"].upstream) == {"evaluate_base", "evaluate_tuned"}
     assert plans["publish"].cacheable is False
+    assert plans["gate"].cacheable is False  # it reads the registry's champion, which moves between runs
+    assert plans["gate"].config["registry_uri"] == plans["publish"].config["registry_uri"]
+    # the report follows publish (skipped when not promoted) and reads the other stages by reference
+    assert plans["report"].upstream[-1] == "publish" and plans["report"].cacheable is False
+    assert "publish" not in plans["report"].inputs
+    assert all(not ref.fetch for ref in plans["report"].inputs.values())  # type: ignore[union-attr]
     assert {p.env.name for p in plans.values()} == {"control", "trainer", "serving"}
 
 

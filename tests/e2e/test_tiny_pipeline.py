@@ -95,11 +95,31 @@ def test_training_progress_is_in_the_task_log(runs: Runs) -> None:
     assert "loss" in log and "step" in log
 
 
+def test_first_run_writes_its_report(runs: Runs) -> None:
+    v = runs.results["first_verdict"]
+    assert v["report"] and v["report"].endswith("/report/report.html")
+    page = artifacts.read_manifest(v["report"].rsplit("/", 1)[0])
+    assert "report.html" in page.files and "loss.svg" in page.files
+    bucket, path = gcs.split_uri(v["report"])
+    html = gcs.client().bucket(bucket).blob(path).download_as_bytes().decode()
+    assert "PROMOTED" in html and "<polyline" in html and "Sample outputs" in html
+    assert v["report_url"].startswith("http://") and "alt=media" in v["report_url"]
+    link = runs.airflow.call("GET", f"/dags/tiny-llama-lora/dagRuns/{runs.results['first']}/taskInstances/report/links")
+    assert link[0] == 200 and v["report_url"] in json.dumps(link[1]), link
+
+
 def test_rerun_of_unchanged_pipeline_recomputes_nothing_heavy(runs: Runs) -> None:
     assert runs.results["second_state"] == "success"
     v = runs.results["second_verdict"]
-    assert HEAVY_STAGES | {"gate"} <= set(v["cached"])
+    assert HEAVY_STAGES <= set(v["cached"])
     assert v["tuned"] == runs.results["first_verdict"]["tuned"]
+    # The gate is never cached (the champion moves): the same model is now the champion itself,
+    # so it is not promoted again; publish is skipped and the report still says why.
+    assert "gate" not in v["cached"] and v["decision"]["promote"] is False
+    assert "champion" in v["decision"]["reason"] and v["decision"]["champion_version"] == 1
+    states = runs.airflow.task_states("tiny-llama-lora", runs.results["second"])
+    assert states["publish"] == "skipped" and states["report"] == "success"
+    assert v["report"]
 
 
 def test_bad_trigger_parameter_is_refused_before_any_task_runs(runs: Runs) -> None:

@@ -1,0 +1,165 @@
+"""Step program for the report stage: one self-contained HTML page about the run.
+
+Inputs, all given with ``--ref NAME=gs://.../STAGE/_MANIFEST.json`` (verified, not downloaded:
+only the few small files the report needs are fetched, never a checkpoint): ``validate_data``
+(``data_report.json``), ``convert_checkpoint``, ``evaluate_base`` and ``evaluate_tuned``
+(``metrics.json``, ``predictions.jsonl``), ``lora_sft`` (``loss.csv``), ``merge_adapter`` and
+``gate`` (``decision.json``). Any of them may be absent. The publish outcome is read from this
+run's own ``publish/`` prefix beside the output (publish is never cached, so its manifest lies in
+the run when it ran; absent when the gate did not promote).
+
+Durations and cache hits come from the manifests themselves: each records the seconds its step
+program took, and a stage whose manifest lies under another run's prefix was a cache hit in this
+run (it is reported as reused from that run). Nothing from Airflow is needed.
+
+Config::
+
+    pipeline    the pipeline's name (for the title)
+    stages      the stages in pipeline order (the table's rows)
+
+Writes ``report.html`` (inline CSS, inline SVG plots: opens offline) and ``loss.svg``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from loraflow import artifacts, gcs, report
+from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.steps._harness import StepContext, run_step
+
+STAGE = "report"
+WANTED = {
+    "validate_data": ["data_report.json"],
+    "evaluate_base": ["metrics.json", "predictions.jsonl"],
+    "evaluate_tuned": ["metrics.json", "predictions.jsonl"],
+    "lora_sft": ["loss.csv"],
+    "gate": ["decision.json"],
+}
+_BULKY_METRICS = {"ids", "correct", "format_ok", "config"}  # per-example lists: the predictions show those
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _read_loss(path: Path) -> list[tuple[float, float, float | None]]:
+    if not path.exists():
+        return []
+    rows = []
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            try:
+                tps = r.get("tokens_per_s")
+                rows.append((float(r["step"]), float(r["loss"]), float(tps) if tps else None))
+            except (KeyError, ValueError):
+                continue
+    return rows
+
+
+def _small(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (metrics or {}).items() if k not in _BULKY_METRICS}
+
+
+def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
+    """Everything the page shows, as plain data (fetched from the input manifests)."""
+    run_prefix = ctx.output_uri.rstrip("/").rsplit("/", 1)[0]
+    run_id = run_prefix.rsplit("/", 1)[-1]
+    local: dict[str, Path] = {}
+    for stage, names in WANTED.items():
+        manifest = ctx.input_manifests.get(stage)
+        if manifest is None:
+            continue
+        dest = ctx.work / stage
+        artifacts.fetch(manifest, dest, only=[n for n in names if n in manifest.files])
+        local[stage] = dest
+
+    table: list[dict[str, Any]] = []
+    for stage in stages:
+        if stage == STAGE:
+            continue
+        manifest = ctx.input_manifests.get(stage)
+        if manifest is None and stage == "publish":
+            manifest = _publish_manifest(run_prefix)
+        if manifest is None:
+            table.append({"stage": stage, "status": "not run"})
+            continue
+        own = manifest.prefix == gcs.join(run_prefix, stage)
+        table.append(
+            {
+                "stage": stage,
+                "status": "ran" if own else "reused",
+                "from_run": None if own else manifest.prefix.rsplit("/", 2)[-2],
+                "seconds": manifest.summary.get("seconds"),
+                "manifest": manifest.uri,
+            }
+        )
+
+    publish = None
+    published = _publish_manifest(run_prefix)
+    if published is not None:
+        artifacts.fetch(published, ctx.work / "publish", only=["registry_entry.json"])
+        publish = _read_json(ctx.work / "publish" / "registry_entry.json")
+
+    base_pred = _read_jsonl(local["evaluate_base"] / "predictions.jsonl") if "evaluate_base" in local else []
+    tuned_pred = _read_jsonl(local["evaluate_tuned"] / "predictions.jsonl") if "evaluate_tuned" in local else []
+    decision = _read_json(local["gate"] / "decision.json") if "gate" in local else None
+    if decision:
+        decision = {k: v for k, v in decision.items() if k not in ("base_metrics", "tuned_metrics")}
+    lora = ctx.input_manifests.get("lora_sft")
+    return {
+        "pipeline": ctx.config.get("pipeline", ""),
+        "run_id": run_id,
+        "run_prefix": run_prefix,
+        "generated_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "stages": table,
+        "loss": _read_loss(local["lora_sft"] / "loss.csv") if "lora_sft" in local else [],
+        "training_summary": lora.summary if lora is not None else {},
+        "base_metrics": _small(_read_json(local["evaluate_base"] / "metrics.json")) if "evaluate_base" in local else {},
+        "tuned_metrics": (
+            _small(_read_json(local["evaluate_tuned"] / "metrics.json")) if "evaluate_tuned" in local else {}
+        ),
+        "decision": decision,
+        "data_report": _read_json(local["validate_data"] / "data_report.json") if "validate_data" in local else None,
+        "samples": report.sample_outputs(base_pred, tuned_pred),
+        "publish": publish,
+    }
+
+
+def _publish_manifest(run_prefix: str) -> artifacts.Manifest | None:
+    prefix = gcs.join(run_prefix, "publish")
+    if artifacts.read_json(artifacts.manifest_uri(prefix)) is None:
+        return None
+    try:
+        return artifacts.read_manifest(prefix)
+    except ArtifactError as exc:
+        raise LoraflowError(f"{STAGE}: the publish artifact of this run is damaged: {exc}") from None
+
+
+def run(ctx: StepContext) -> dict[str, Any]:
+    stages = list(ctx.config.get("stages") or [*WANTED, "convert_checkpoint", "merge_adapter", "publish"])
+    data = collect(ctx, stages)
+    (ctx.out / "report.html").write_text(report.render(data), encoding="utf-8")
+    (ctx.out / "loss.svg").write_text(report.loss_svg(data["loss"]), encoding="utf-8")
+    hits = [s["stage"] for s in data["stages"] if s["status"] == "reused"]
+    ctx.progress(f"report.html written ({len(data['stages'])} stages, {len(hits)} cache hit(s))")
+    decision = data["decision"] or {}
+    return {
+        "report": gcs.join(ctx.output_uri, "report.html"),
+        "promote": decision.get("promote"),
+        "cache_hits": hits,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_step(STAGE, run))

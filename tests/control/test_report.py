@@ -1,0 +1,253 @@
+"""The run report: rendering from constructed data, and the report step on committed artifacts."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow import artifacts, gcs, report
+from loraflow.plan import REPORTED
+from loraflow.steps import report as report_step
+
+SECTIONS = ["verdict", "metrics", "gate", "training", "data", "samples", "stages"]
+
+
+class Page(HTMLParser):
+    """Collects section ids and every src/href of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.refs: list[str] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        for name, value in attrs:
+            if name == "id" and value:
+                self.ids.append(value)
+            if name in ("src", "href") and value is not None:
+                self.refs.append(value)
+
+
+def parse(page: str) -> Page:
+    p = Page()
+    p.feed(page)
+    return p
+
+
+def prediction(i: int, correct: bool, generation: str) -> dict[str, Any]:
+    return {
+        "id": f"eval-{i:06d}",
+        "prompt": f"<|user|>Is {i} even or odd? <script>alert(1)</script>",
+        "reference": "even" if i % 2 == 0 else "odd",
+        "generation": generation,
+        "correct": correct,
+    }
+
+
+BASE = [prediction(i, i < 2, "even" if i < 2 else "banana") for i in range(10)]
+TUNED = [prediction(i, i != 1, "even" if i != 1 else "odd") for i in range(10)]
+DECISION = {
+    "promote": True,
+    "metric": "accuracy",
+    "n": 10,
+    "base": 0.2,
+    "tuned": 0.9,
+    "delta": 0.7,
+    "ci": [0.4, 0.9],
+    "confidence": 0.95,
+    "min_improvement": 0.3,
+    "fixed": 8,
+    "broken": 1,
+    "bootstrap_samples": 2000,
+    "seed": 0,
+    "reason": "accuracy rose by +0.700 (0.200 -> 0.900) >= +0.300",
+    "rule": "promote iff ...",
+    "identical_generations": 1,
+    "champion": {"version": 1, "run_id": "run-0", "metric": "accuracy", "value": 0.5, "verdict": "beats it"},
+    "notes": ["a note"],
+}
+DATA_REPORT = {
+    "success": True,
+    "failures": [],
+    "expectations": [
+        {"dataset": "train", "check": "no empty completion", "type": "expect_x", "success": True},
+        {"dataset": "eval", "check": "no leakage", "type": "expect_y", "success": True, "unexpected_count": 0},
+    ],
+    "statistics": {
+        "evaluated_expectations": 2,
+        "successful_expectations": 2,
+        "train": {"rows": 2000, "format": "prompt_completion", "file": "train.jsonl", "tokens_min": 16},
+        "eval": {"rows": 10, "format": "prompt_completion", "file": "eval.jsonl", "tokens_min": 16},
+    },
+}
+LOSS = "step,loss,tokens_per_s\n" + "".join(f"{s},{6 / s:.4f},1000\n" for s in range(1, 51))
+
+
+def constructed() -> dict[str, Any]:
+    return {
+        "pipeline": "tiny",
+        "run_id": "run-2",
+        "run_prefix": "gs://b/arts/tiny/run-2",
+        "generated_at": "now",
+        "stages": [
+            {"stage": "validate_data", "status": "ran", "seconds": 12.5, "manifest": "gs://b/x/_MANIFEST.json"},
+            {"stage": "lora_sft", "status": "reused", "from_run": "run-1", "seconds": 80.0, "manifest": "gs://b/y"},
+            {"stage": "publish", "status": "not run"},
+        ],
+        "loss": [(float(s), 6 / s, 1000.0) for s in range(1, 51)],
+        "training_summary": {"steps": 50, "final_loss": 0.12},
+        "base_metrics": {"accuracy": 0.2, "format_rate": 0.5, "n": 10},
+        "tuned_metrics": {"accuracy": 0.9, "format_rate": 1.0, "n": 10},
+        "decision": DECISION,
+        "data_report": DATA_REPORT,
+        "samples": report.sample_outputs(BASE, TUNED),
+        "publish": {"promoted": True, "version": 2, "alias": "champion", "version_uri": "gs://b/_registry/v2"},
+    }
+
+
+def test_report_has_every_section_and_is_self_contained() -> None:
+    page = report.render(constructed())
+    parsed = parse(page)
+    assert set(SECTIONS) <= set(parsed.ids)
+    assert not [r for r in parsed.refs if re.match(r"\s*(https?:)?//", r)], parsed.refs  # nothing fetched
+    assert "<link" not in page and "<script" not in page  # styles inline; user text escaped
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert page.count("<svg") == 2 and "<polyline" in page  # loss curve + interval, inline
+    assert "PROMOTED" in page and "version 2" in page and "accuracy rose by +0.700" in page
+    assert "[+0.400, +0.900]" in page and "8 examples fixed, 1 broken" in page
+    assert "cache hit" in page and "run-1" in page and "1 cache hit(s)" in page
+    assert "no leakage" in page and "2</b> of 2 passed" in page
+    assert "fixed (wrong before, right after)" in page and "broken (right before, wrong after)" in page
+    assert "beats it" in page  # the champion compared against
+
+
+def test_report_of_a_run_the_gate_did_not_promote() -> None:
+    data = constructed() | {
+        "decision": DECISION | {"promote": False, "reason": "less than the required +0.300; not promoted"},
+        "publish": None,
+    }
+    page = report.render(data)
+    assert "NOT PROMOTED" in page and "less than the required" in page and "Not published" in page
+
+
+def test_report_renders_with_nothing_but_the_run() -> None:
+    page = report.render({"pipeline": "tiny", "run_id": "r"})
+    assert set(SECTIONS) <= set(parse(page).ids)
+    assert "the gate did not run" in page and "no loss curve" in page
+
+
+def test_sample_outputs_sorts_examples_by_what_changed() -> None:
+    samples = report.sample_outputs(BASE, TUNED, per_kind=3)
+    assert [s["id"] for s in samples["fixed"]] == ["eval-000002", "eval-000003", "eval-000004"]
+    assert [s["id"] for s in samples["broken"]] == ["eval-000001"]
+    assert [s["id"] for s in samples["unchanged"]] == ["eval-000000"]
+    assert samples["fixed"][0]["base"] == "banana" and samples["fixed"][0]["tuned"] == "even"
+
+
+def test_loss_svg_is_a_standalone_svg() -> None:
+    svg = report.loss_svg([(1, 6.0), (2, 5.0), (3, float("nan")), (4, 2.0)])
+    assert svg.startswith("<svg") and svg.endswith("</svg>") and svg.count(",") >= 3
+    assert "no loss recorded" in report.loss_svg([])
+
+
+def test_browser_urls() -> None:
+    uri = "gs://bucket/arts/tiny/manual__2026-01-01T00:00:00+00:00/report/report.html"
+    local = report.browser_url(uri, "http://127.0.0.1:9023")
+    assert local == (
+        "http://127.0.0.1:9023/download/storage/v1/b/bucket/o/"
+        "arts%2Ftiny%2Fmanual__2026-01-01T00%3A00%3A00%2B00%3A00%2Freport%2Freport.html?alt=media"
+    )
+    assert report.browser_url(uri, "127.0.0.1:9023").startswith("http://127.0.0.1:9023/download/")
+    assert report.browser_url(uri) == (
+        "https://storage.cloud.google.com/bucket/arts/tiny/manual__2026-01-01T00%3A00%3A00%2B00%3A00/report/report.html"
+    )
+
+
+# --------------------------------------------------------------------------------- the step
+
+
+def commit(prefix: str, tmp_path: Path, files: dict[str, str], summary: dict[str, Any]) -> artifacts.Manifest:
+    local = tmp_path / prefix.replace("/", "_").replace(":", "")
+    local.mkdir(parents=True)
+    for name, text in files.items():
+        (local / name).write_text(text)
+    table = artifacts.upload_tree(local, prefix)
+    stage = prefix.rsplit("/", 1)[-1]
+    return artifacts.commit(
+        prefix, table, stage=stage, inputs={}, config={}, lock_version="t", cache_key="k", summary=summary
+    )
+
+
+def jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.fixture
+def committed_run(gcs_bucket: str, tmp_path: Path) -> Callable[[bool], dict[str, artifacts.Manifest]]:
+    """A run's committed artifacts: lora_sft (and convert_checkpoint) reused from an earlier run."""
+
+    def make(published: bool) -> dict[str, artifacts.Manifest]:
+        run2, run1 = f"{gcs_bucket}/arts/tiny/run-2", f"{gcs_bucket}/arts/tiny/run-1"
+        files: dict[str, tuple[str, dict[str, str]]] = {
+            "validate_data": (run2, {"data_report.json": json.dumps(DATA_REPORT), "train.jsonl": "{}\n"}),
+            "convert_checkpoint": (run1, {"checkpoint.bin": "x" * 100}),
+            "evaluate_base": (run2, {"metrics.json": json.dumps({"accuracy": 0.2, "n": 10, "correct": [0] * 10}),
+                                     "predictions.jsonl": jsonl(BASE)}),
+            "lora_sft": (run1, {"loss.csv": LOSS, "adapter.bin": "a"}),
+            "merge_adapter": (run2, {"model.safetensors": "m"}),
+            "evaluate_tuned": (run2, {"metrics.json": json.dumps({"accuracy": 0.9, "n": 10}),
+                                      "predictions.jsonl": jsonl(TUNED)}),
+            "gate": (run2, {"decision.json": json.dumps(DECISION | {"promote": published})}),
+        }  # fmt: skip
+        manifests = {
+            stage: commit(gcs.join(run, stage), tmp_path, content, {"seconds": 1.5 + i})
+            for i, (stage, (run, content)) in enumerate(files.items())
+        }
+        if published:
+            entry = {"promoted": True, "version": 4, "alias": "champion", "version_uri": "gs://b/_registry/v4"}
+            commit(gcs.join(run2, "publish"), tmp_path, {"registry_entry.json": json.dumps(entry)}, {"seconds": 0.2})
+        return manifests
+
+    return make
+
+
+def report_ctx(make_ctx: Callable, manifests: dict[str, artifacts.Manifest], run_prefix: str) -> Any:
+    ctx = make_ctx("report", {}, {"pipeline": "tiny", "stages": [*REPORTED, "publish"]}, manifests)
+    ctx.output_uri = gcs.join(run_prefix, "report")
+    return ctx
+
+
+def test_report_step_on_a_promoted_run(committed_run: Callable, make_ctx: Callable, gcs_bucket: str) -> None:
+    manifests = committed_run(True)
+    ctx = report_ctx(make_ctx, manifests, f"{gcs_bucket}/arts/tiny/run-2")
+    summary = report_step.run(ctx)
+    assert summary["report"] == f"{gcs_bucket}/arts/tiny/run-2/report/report.html"
+    assert summary["cache_hits"] == ["convert_checkpoint", "lora_sft"] and summary["promote"] is True
+    page = (ctx.out / "report.html").read_text()
+    assert set(SECTIONS) <= set(parse(page).ids)
+    assert "version 4" in page and "PROMOTED" in page
+    assert "took 4.5 in run run-1" in page  # lora_sft: reused, with what it cost where it ran
+    assert "<polyline" in page and "eval-000002" in page
+    assert (ctx.out / "loss.svg").read_text().startswith("<svg")
+    # only the small files were fetched, never a checkpoint
+    fetched = {p.name for p in ctx.work.rglob("*") if p.is_file()}
+    assert fetched <= {"data_report.json", "metrics.json", "predictions.jsonl", "loss.csv", "decision.json",
+                       "registry_entry.json"}  # fmt: skip
+
+
+def test_report_step_on_a_run_that_was_not_published(
+    committed_run: Callable, make_ctx: Callable, gcs_bucket: str
+) -> None:
+    manifests = committed_run(False)
+    ctx = report_ctx(make_ctx, manifests, f"{gcs_bucket}/arts/tiny/run-2")
+    report_step.run(ctx)
+    page = (ctx.out / "report.html").read_text()
+    assert "NOT PROMOTED" in page and "not run" in page  # publish was skipped
