@@ -25,7 +25,9 @@ def split_uri(uri: str) -> tuple[str, str]:
     if not bucket:
         raise ArtifactError(f"{uri!r} names no bucket; write gs://BUCKET/PATH")
     if any(part in {"..", "."} for part in path.split("/")):
-        raise ArtifactError(f"{uri!r} contains '.' or '..' segments; write the full path (nothing may escape its prefix)")
+        raise ArtifactError(
+            f"{uri!r} contains '.' or '..' segments; write the full path (nothing may escape its prefix)"
+        )
     return bucket, path
 
 
