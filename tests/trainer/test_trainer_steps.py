@@ -157,3 +157,56 @@ def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
     # resumed, not restarted: the loss continues from the trained level, not from ~6
     assert float(rows[0]["loss"]) < trained["summary"]["first_loss"] - 1.0
     assert checkpoint_sync.remote_steps(remote)[-1] == SFT["steps"] + 10
+
+
+def _upload(local: Path, prefix: str) -> None:
+    from loraflow import artifacts
+
+    artifacts.upload_tree(local, prefix)
+
+
+def test_lora_sft_killed_mid_training_resumes_through_gcs_to_the_same_adapter(base, trained, gcs_bucket, tmp_path):
+    """The real step program, checkpoints in the GCS emulator: SIGKILL after the first persisted
+    checkpoint, then the retry resumes from it and ends with the uninterrupted run's adapter."""
+    import subprocess
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from loraflow import artifacts, checkpoint_sync
+    from loraflow.launch import step_environment
+
+    ckpt = f"{gcs_bucket}/src/convert_checkpoint"
+    files = artifacts.upload_tree(base["ckpt"], ckpt)
+    manifest = artifacts.commit(
+        ckpt, files, stage="convert_checkpoint", inputs={}, config={}, lock_version="L", cache_key="C", summary={}
+    )
+    _upload(base["dataset"], f"{gcs_bucket}/src/dataset")
+    _upload(base["hf"], f"{gcs_bucket}/src/hf")
+    output = f"{gcs_bucket}/p/run-1/lora_sft"
+    argv = [
+        sys.executable, "-m", "loraflow.steps.lora_sft", "--output", output,
+        "--input", f"checkpoint={manifest.uri}", "--input", f"dataset={gcs_bucket}/src/dataset",
+        "--input", f"tokenizer={gcs_bucket}/src/hf", "--config-json", json.dumps(SFT), "--cache-key", "K",
+    ]  # fmt: skip
+    # Killed right after the second persisted checkpoint (Tunix saves step 1, then every period).
+    fault = {"LORAFLOW_FAULT": "mid_training@2", "LORAFLOW_FAULT_STATE": str(tmp_path)}
+    env = {**os.environ, **step_environment(fault)}
+
+    first = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert first.returncode == -9, first.stdout[-2000:] + first.stderr[-2000:]
+    assert checkpoint_sync.remote_steps(output + "/_checkpoints")[-1] == SFT["checkpoint_period"]
+    with pytest.raises(Exception, match="missing"):
+        artifacts.read_manifest(output)
+
+    retry = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
+    done = artifacts.read_manifest(output)
+    assert done.summary["resumed_from_step"] == SFT["checkpoint_period"]
+    artifacts.fetch(done, tmp_path / "resumed", only=["peft/adapter_model.safetensors"])
+    resumed = load_file(str(tmp_path / "resumed" / "peft" / "adapter_model.safetensors"))
+    reference = load_file(str(trained["ctx"].out / "peft" / "adapter_model.safetensors"))
+    assert resumed.keys() == reference.keys()
+    worst = max(float(np.max(np.abs(resumed[k] - reference[k]))) for k in reference)
+    scale = max(float(np.max(np.abs(reference[k]))) for k in reference)
+    assert worst <= 1e-3 * scale, (worst, scale)
