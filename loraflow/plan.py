@@ -11,7 +11,7 @@ from typing import Any
 
 from loraflow import artifacts
 from loraflow.environments import ENVIRONMENTS, Environment
-from loraflow.spec import PipelineSpec
+from loraflow.spec import STAGES, PipelineSpec
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,7 @@ class Upstream:
 Input = Source | Upstream
 
 # The stages the run report reads (by reference: it fetches only the few small files it shows).
-REPORTED = (
-    "validate_data",
-    "convert_checkpoint",
-    "evaluate_base",
-    "lora_sft",
-    "merge_adapter",
-    "evaluate_tuned",
-    "gate",
-)
+REPORTED = tuple(s for s in STAGES if s not in ("publish", "report"))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ STAGES = (
     "evaluate_tuned",
     "gate",
     "publish",
+    "report",
 )
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _CRON_FIELD = re.compile(r"^[\d*/,\-A-Za-z?LW#]+$")
