@@ -33,12 +33,14 @@ _PASSTHROUGH = (
     "XLA_FLAGS",
     "LORAFLOW_FAULT",
     "LORAFLOW_FAULT_STATE",
+    "LORAFLOW_LOG_LEVEL",
 )
 
 
 def step_environment(extra: Mapping[str, str] = {}) -> dict[str, str]:
     env = {k: os.environ[k] for k in _PASSTHROUGH if k in os.environ}
     env.setdefault("JAX_PLATFORMS", os.environ.get("LORAFLOW_JAX_PLATFORMS", "cpu"))
+    env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("LORAFLOW_LOG_LEVEL", "WARNING").upper())
     env |= {
         "PYTHONPATH": str(REPO_ROOT),
         "PYTHONUNBUFFERED": "1",

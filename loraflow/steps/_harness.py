@@ -83,7 +83,13 @@ def _parse_inputs(pairs: list[str]) -> dict[str, str]:
 
 
 def run_step(stage: str, fn: StepFn, argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The task log shows loraflow's progress and the libraries' warnings; their INFO chatter (Orbax,
+    # absl, vLLM) only with LORAFLOW_LOG_LEVEL=INFO (or DEBUG).
+    level = os.environ.get("LORAFLOW_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("absl", "jax", "orbax", "vllm"):
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger("loraflow").setLevel(logging.INFO)
     args = parser(stage).parse_args(argv)
     try:
         return _run(stage, fn, args)
