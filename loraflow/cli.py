@@ -57,6 +57,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\n{s['stage']}  (after: {after}; env: {s['environment']}; launcher: {s['launcher']})")
         print(f"  output: {s['output']}/")
         print("  argv:   " + " ".join(_quote(a) for a in s["argv"]))
+        if "vertex_create_request" in s:
+            request = json.dumps(s["vertex_create_request"], indent=2).replace("\n", "\n  ")
+            print("  Vertex AI CustomJob create request (not sent; CACHE_KEY and LOCK are filled in at run time):")
+            print("  " + request)
     return 0
 
 

@@ -1,7 +1,7 @@
 """How a step program is started. Here: the local launcher (a subprocess in the stage's venv).
 
-Vertex AI and GKE launchers start the stage's image with the same argv; the local launcher is what
-runs the tiny pipeline on one machine, and what a Vertex/GKE host does inside its container.
+Vertex AI and GKE launchers start the stage's image with the same argv (Vertex AI:
+``loraflow.launch_vertex``); the local launcher is what runs the tiny pipeline on one machine.
 """
 
 from __future__ import annotations
@@ -11,11 +11,17 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from loraflow.environments import REPO_ROOT
 from loraflow.errors import StepError
 
 LineSink = Callable[[str], None]
+
+
+class Killable(Protocol):
+    def kill(self) -> None: ...
+
 
 # Variables a step program may need from the launching process; nothing else leaks through.
 _PASSTHROUGH = (
@@ -57,6 +63,12 @@ class LocalLauncher:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
+        self._attached: Killable | None = None
+
+    def attach(self, other: Killable) -> None:
+        """Forward kill() to a launcher started on this one's behalf (the runner's remote launcher for a
+        vertex stage), so whoever holds this launcher (the operator's on_kill) cancels the remote job."""
+        self._attached = other
 
     def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
         with self._lock:
@@ -86,6 +98,8 @@ class LocalLauncher:
 
     def kill(self) -> None:
         """Terminate the step program and everything it started (Airflow's on_kill)."""
+        if self._attached is not None:
+            self._attached.kill()
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return

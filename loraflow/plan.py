@@ -168,15 +168,22 @@ def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
             if compute.launcher != "local"
             else str(sp.env.lock_file.parent.parent / ".venvs" / sp.env.name / "bin" / "python")
         )
-        stages.append(
-            {
-                "stage": sp.stage,
-                "after": list(sp.upstream),
-                "environment": sp.env.name,
-                "launcher": compute.model_dump(mode="json", exclude_defaults=True) or {"launcher": "local"},
-                "output": output_prefix(spec, run_id, sp.stage),
-                "cached": sp.cacheable,
-                "argv": sp.argv(python, output_prefix(spec, run_id, sp.stage), inputs, "LOCK", "CACHE_KEY"),
-            }
-        )
+        argv = sp.argv(python, output_prefix(spec, run_id, sp.stage), inputs, "LOCK", "CACHE_KEY")
+        entry = {
+            "stage": sp.stage,
+            "after": list(sp.upstream),
+            "environment": sp.env.name,
+            "launcher": compute.model_dump(mode="json", exclude_defaults=True) or {"launcher": "local"},
+            "output": output_prefix(spec, run_id, sp.stage),
+            "cached": sp.cacheable,
+            "argv": argv,
+        }
+        if compute.launcher == "vertex":
+            from loraflow import vertex
+
+            identity = vertex.JobIdentity(spec.name, run_id, sp.stage, "CACHE_KEY")
+            entry["vertex_create_request"] = vertex.create_request(
+                compute, identity, argv, output_prefix(spec, run_id, sp.stage), compute.env
+            )
+        stages.append(entry)
     return {"pipeline": spec.name, "run_id": run_id, "artifact_root": spec.artifact_root, "stages": stages}

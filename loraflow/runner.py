@@ -59,13 +59,17 @@ def run_stage(
     upstream: dict[str, str],
     sink: LineSink,
     launcher: LocalLauncher | None = None,
+    dag_id: str | None = None,
 ) -> StageResult:
+    """Run ``stage`` unless the cache holds it. A vertex stage runs as a Vertex AI CustomJob named after
+    ``dag_id`` (default: the spec's name, as the DAG factory names DAGs), ``run_id``, stage and cache key;
+    ``launcher.kill()`` then cancels that job."""
     plan = stage_plans(spec)[stage]
     compute = spec.compute_for(stage)
-    if compute.launcher != "local":
+    if compute.launcher not in ("local", "vertex"):
         raise LoraflowError(
             f"stage {stage} asks for the {compute.launcher!r} launcher, which this loraflow version cannot "
-            "start yet; set compute.{stage}.launcher: local to run it on this machine"
+            f"start yet; set compute.{stage}.launcher to local or vertex"
         )
     inputs = resolve_inputs(plan, upstream)
     lock = plan.env.lock_version()
@@ -77,9 +81,20 @@ def run_stage(
             return StageResult(stage, hit.uri, True, hit.summary)
         sink(f"cache miss for {stage} (key {key}): running it")
     prefix = output_prefix(spec, run_id, stage)
-    argv = plan.argv(str(plan.env.local_python()), prefix, inputs, lock, key)
-    sink(f"launching {plan.module} in the {plan.env.name} environment, output {prefix}")
-    (launcher or LocalLauncher()).run(argv, sink, compute.env)
+    if compute.launcher == "vertex":
+        from loraflow.launch_vertex import VertexLauncher
+        from loraflow.vertex import JobIdentity
+
+        remote = VertexLauncher(compute, JobIdentity(dag_id or spec.name, run_id, stage, key), prefix)
+        if launcher is not None:
+            launcher.attach(remote)  # the operator kills its launcher: that cancels the job
+        argv = plan.argv("python", prefix, inputs, lock, key)
+        sink(f"launching {plan.module} on Vertex AI ({compute.machine_type} x {compute.hosts}), output {prefix}")
+        remote.run(argv, sink, compute.env)
+    else:
+        argv = plan.argv(str(plan.env.local_python()), prefix, inputs, lock, key)
+        sink(f"launching {plan.module} in the {plan.env.name} environment, output {prefix}")
+        (launcher or LocalLauncher()).run(argv, sink, compute.env)
     manifest = artifacts.read_manifest(prefix)
     if plan.cacheable:
         artifacts.cache_store(spec.artifact_root, stage, key, manifest)
