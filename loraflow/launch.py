@@ -23,6 +23,25 @@ class Killable(Protocol):
     def kill(self) -> None: ...
 
 
+class KillSwitch:
+    """What an operator's ``on_kill`` pulls: stops whichever launcher the runner started for the task
+    (a local process group, or a remote job that is then cancelled)."""
+
+    def __init__(self) -> None:
+        self._targets: list[Killable] = []
+        self._lock = threading.Lock()
+
+    def arm(self, target: Killable) -> None:
+        with self._lock:
+            self._targets.append(target)
+
+    def kill(self) -> None:
+        with self._lock:
+            targets = list(self._targets)
+        for target in targets:
+            target.kill()
+
+
 # Variables a step program may need from the launching process; nothing else leaks through.
 _PASSTHROUGH = (
     "PATH",
@@ -63,12 +82,6 @@ class LocalLauncher:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
-        self._attached: Killable | None = None
-
-    def attach(self, other: Killable) -> None:
-        """Forward kill() to a launcher started on this one's behalf (the runner's remote launcher for a
-        vertex stage), so whoever holds this launcher (the operator's on_kill) cancels the remote job."""
-        self._attached = other
 
     def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
         with self._lock:
@@ -98,8 +111,6 @@ class LocalLauncher:
 
     def kill(self) -> None:
         """Terminate the step program and everything it started (Airflow's on_kill)."""
-        if self._attached is not None:
-            self._attached.kill()
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return

@@ -11,7 +11,7 @@ from typing import Any
 
 from loraflow import artifacts
 from loraflow.errors import LoraflowError
-from loraflow.launch import LineSink, LocalLauncher
+from loraflow.launch import KillSwitch, LineSink, LocalLauncher
 from loraflow.plan import Source, StagePlan, output_prefix, stage_plans
 from loraflow.spec import PipelineSpec
 
@@ -58,12 +58,12 @@ def run_stage(
     run_id: str,
     upstream: dict[str, str],
     sink: LineSink,
-    launcher: LocalLauncher | None = None,
+    kill_switch: KillSwitch | None = None,
     dag_id: str | None = None,
 ) -> StageResult:
     """Run ``stage`` unless the cache holds it. A vertex stage runs as a Vertex AI CustomJob named after
     ``dag_id`` (default: the spec's name, as the DAG factory names DAGs), ``run_id``, stage and cache key;
-    ``launcher.kill()`` then cancels that job."""
+    ``kill_switch.kill()`` stops the step program (or cancels that job)."""
     plan = stage_plans(spec)[stage]
     compute = spec.compute_for(stage)
     if compute.launcher not in ("local", "vertex"):
@@ -86,15 +86,18 @@ def run_stage(
         from loraflow.vertex import JobIdentity
 
         remote = VertexLauncher(compute, JobIdentity(dag_id or spec.name, run_id, stage, key), prefix)
-        if launcher is not None:
-            launcher.attach(remote)  # the operator kills its launcher: that cancels the job
+        if kill_switch is not None:
+            kill_switch.arm(remote)
         argv = plan.argv("python", prefix, inputs, lock, key)
         sink(f"launching {plan.module} on Vertex AI ({compute.machine_type} x {compute.hosts}), output {prefix}")
         remote.run(argv, sink, compute.env)
     else:
         argv = plan.argv(str(plan.env.local_python()), prefix, inputs, lock, key)
         sink(f"launching {plan.module} in the {plan.env.name} environment, output {prefix}")
-        (launcher or LocalLauncher()).run(argv, sink, compute.env)
+        local = LocalLauncher()
+        if kill_switch is not None:
+            kill_switch.arm(local)
+        local.run(argv, sink, compute.env)
     manifest = artifacts.read_manifest(prefix)
     if plan.cacheable:
         artifacts.cache_store(spec.artifact_root, stage, key, manifest)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from loraflow import gcs, runner
-from loraflow.launch import LocalLauncher
+from loraflow.launch import KillSwitch
 from loraflow.plan import stage_plans
 from loraflow.report import browser_url
 from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
@@ -34,7 +34,7 @@ class LoraflowStageOperator(BaseOperator):
         kwargs.setdefault("task_id", self.stage)
         super().__init__(**kwargs)
         self.spec = spec
-        self._launcher: LocalLauncher | None = None
+        self._kill_switch: KillSwitch | None = None  # made in execute(): operators get deep-copied
 
     def upstream_manifests(self, context: Context, spec: PipelineSpec) -> dict[str, str]:
         ti = context["ti"]
@@ -47,9 +47,14 @@ class LoraflowStageOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         spec = resolve_spec(self.spec, dict(context["params"]))
-        self._launcher = LocalLauncher()
+        self._kill_switch = KillSwitch()
         result = runner.run_stage(
-            spec, self.stage, context["run_id"], self.upstream_manifests(context, spec), self.log.info, self._launcher
+            spec,
+            self.stage,
+            context["run_id"],
+            self.upstream_manifests(context, spec),
+            self.log.info,
+            self._kill_switch,
         )
         self.log.info("%s %s: %s", self.stage, "reused" if result.cached else "committed", result.manifest)
         for key, value in result.summary.items():
@@ -57,8 +62,8 @@ class LoraflowStageOperator(BaseOperator):
         return result.to_xcom()
 
     def on_kill(self) -> None:
-        if self._launcher is not None:
-            self._launcher.kill()
+        if self._kill_switch is not None:
+            self._kill_switch.kill()
 
 
 class ValidateDataOperator(LoraflowStageOperator):

@@ -18,7 +18,7 @@ import pytest
 
 from loraflow import local_gcs
 from loraflow.errors import StepError
-from loraflow.launch import LocalLauncher
+from loraflow.launch import KillSwitch
 from loraflow.launch_vertex import VertexLauncher
 from loraflow.spec import ComputeSpec, load_spec
 from loraflow.vertex import JobIdentity
@@ -167,10 +167,10 @@ def test_kill_cancels_the_running_job_and_its_replicas(standin: VertexStandIn, t
     log: list[str] = []
     thread, errors = in_thread(lambda: running.run(toy(code), log.append))
     wait_for(lambda: len(list(pids.iterdir())) == 2, "both replicas to start")
-    # The operator holds a LocalLauncher; the runner attaches the remote one: its kill() must reach the job.
-    operator_launcher = LocalLauncher()
-    operator_launcher.attach(running)
-    operator_launcher.kill()
+    # The operator holds a KillSwitch; the runner arms it with the remote launcher: kill() reaches the job.
+    switch = KillSwitch()
+    switch.arm(running)
+    switch.kill()
     thread.join(60)
     assert errors and isinstance(errors[0], StepError) and "was cancelled" in str(errors[0])
     (job_id,) = standin.states
@@ -228,7 +228,7 @@ def test_validate_data_runs_on_vertex_end_to_end(standin: VertexStandIn, gcs_buc
     assert spec.compute_for("validate_data").launcher == "vertex"
 
     log: list[str] = []
-    result = runner.run_stage(spec, "validate_data", "run-v", {}, log.append, LocalLauncher())
+    result = runner.run_stage(spec, "validate_data", "run-v", {}, log.append, KillSwitch())
     assert not result.cached and result.summary["train_rows"] == 2000
     assert artifacts.read_manifest(result.manifest).prefix.endswith("/run-v/validate_data")
     assert any("launching loraflow.steps.validate_data on Vertex AI" in line for line in log)
