@@ -79,3 +79,7 @@ test: lint typecheck test-control test-trainer test-serving test-e2e  ## set up 
 
 clean:  ## remove the demo's state (Airflow DB, emulator data); keeps the environments
 	rm -rf .demo
+
+.PHONY: bench
+bench: envs  ## benchmarks side by side -> docs/benchmarks.md, bench/results/ (~30 min; BENCH_QUICK=1 for a smoke run)
+	$(CONTROL) bench/run_all.py
