@@ -28,6 +28,8 @@ STAGES = (
 )
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _CRON_FIELD = re.compile(r"^[\d*/,\-A-Za-z?LW#]+$")
+# libyaml's safe loader where present (about 8x faster: DAG parsing reads every spec), else Python's.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CRON_PRESETS = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
 
 
@@ -314,7 +316,7 @@ def validate_spec(data: Any, source: str) -> PipelineSpec:
 def load_spec(path: str | Path) -> PipelineSpec:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
     except FileNotFoundError:
         raise SpecError(str(path), [("(file)", "does not exist")]) from None
     except yaml.YAMLError as exc:
