@@ -59,3 +59,24 @@ def make_ctx(tmp_path: Path) -> Callable[..., StepContext]:
         )
 
     return make
+
+
+@pytest.fixture
+def parity_spec(gcs_bucket: str, tokenizer_dir: Path):
+    """The tiny spec pointed at a fresh GCS prefix holding the parity data and a tokenizer."""
+    from loraflow import gcs
+    from loraflow.spec import load_spec, with_overrides
+
+    bucket_name, base = gcs.split_uri(gcs_bucket)
+    bucket = gcs.client().bucket(bucket_name)
+    for name in ("train.jsonl", "eval.jsonl"):
+        bucket.blob(f"{base}/data/{name}").upload_from_filename(str(PARITY / name))
+    for path in tokenizer_dir.iterdir():
+        bucket.blob(f"{base}/model/{path.name}").upload_from_filename(str(path))
+    spec = load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml")
+    data = spec.data.model_copy(
+        update={"train": f"{gcs_bucket}/data/train.jsonl", "eval": f"{gcs_bucket}/data/eval.jsonl"}
+    )
+    model = spec.base_model.model_copy(update={"tokenizer": f"{gcs_bucket}/model"})
+    spec = spec.model_copy(update={"artifact_root": f"{gcs_bucket}/artifacts", "data": data, "base_model": model})
+    return with_overrides(spec, {})

@@ -13,7 +13,6 @@ import pytest
 from loraflow import artifacts
 from loraflow.errors import StepError
 from loraflow.launch import LocalLauncher, step_environment
-from loraflow.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,30 +77,11 @@ def test_secrets_of_the_worker_do_not_leak_into_steps(monkeypatch: pytest.Monkey
     assert env["PYTHONPATH"] == str(REPO)
 
 
-def test_second_run_of_a_stage_is_a_cache_hit(gcs_bucket: str, tmp_path: Path) -> None:
+def test_second_run_of_a_stage_is_a_cache_hit(parity_spec) -> None:
     """validate_data through the runner twice: the second time nothing is launched."""
-    from loraflow import gcs, runner
-    from loraflow.spec import with_overrides
-    from loraflow.tinymodel import _corpus_lines, _tokenizer
+    from loraflow import runner
 
-    data = REPO / "pipelines" / "data" / "parity"
-    bucket, base = gcs.split_uri(gcs_bucket)
-    client_bucket = gcs.client().bucket(bucket)
-    for name in ("train.jsonl", "eval.jsonl"):
-        client_bucket.blob(f"{base}/data/{name}").upload_from_filename(str(data / name))
-    tok = _tokenizer(list(_corpus_lines([data / "train.jsonl"])))
-    tok.save(str(tmp_path / "tokenizer.json"))  # type: ignore[attr-defined]
-    client_bucket.blob(f"{base}/model/tokenizer.json").upload_from_filename(str(tmp_path / "tokenizer.json"))
-
-    spec = load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml")
-    data_spec = spec.data.model_copy(
-        update={"train": f"{gcs_bucket}/data/train.jsonl", "eval": f"{gcs_bucket}/data/eval.jsonl"}
-    )
-    model_spec = spec.base_model.model_copy(update={"tokenizer": f"{gcs_bucket}/model"})
-    spec = spec.model_copy(
-        update={"artifact_root": f"{gcs_bucket}/artifacts", "data": data_spec, "base_model": model_spec}
-    )
-    spec = with_overrides(spec, {})
+    spec = parity_spec
 
     first_log: list[str] = []
     first = runner.run_stage(spec, "validate_data", "run-a", {}, first_log.append)

@@ -20,7 +20,7 @@ from loraflow import local_gcs
 from loraflow.errors import StepError
 from loraflow.launch import KillSwitch
 from loraflow.launch_vertex import VertexLauncher
-from loraflow.spec import ComputeSpec, load_spec
+from loraflow.spec import ComputeSpec
 from loraflow.vertex import JobIdentity
 from tests.vertex_standin import VertexStandIn
 
@@ -198,33 +198,14 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def test_validate_data_runs_on_vertex_end_to_end(standin: VertexStandIn, gcs_bucket: str, tmp_path: Path) -> None:
+def test_validate_data_runs_on_vertex_end_to_end(standin: VertexStandIn, parity_spec) -> None:
     """The runner sends validate_data to the stand-in; its replica runs the real step against the GCS emulator."""
-    from loraflow import artifacts, gcs, runner
+    from loraflow import artifacts, runner
     from loraflow.spec import with_overrides
-    from loraflow.tinymodel import _corpus_lines, _tokenizer
 
-    data = REPO / "pipelines" / "data" / "parity"
-    bucket, base = gcs.split_uri(gcs_bucket)
-    client_bucket = gcs.client().bucket(bucket)
-    for name in ("train.jsonl", "eval.jsonl"):
-        client_bucket.blob(f"{base}/data/{name}").upload_from_filename(str(data / name))
-    tok = _tokenizer(list(_corpus_lines([data / "train.jsonl"])))
-    tok.save(str(tmp_path / "tokenizer.json"))  # type: ignore[attr-defined]
-    client_bucket.blob(f"{base}/model/tokenizer.json").upload_from_filename(str(tmp_path / "tokenizer.json"))
-
-    spec = load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml")
-    spec = spec.model_copy(
-        update={
-            "artifact_root": f"{gcs_bucket}/artifacts",
-            "data": spec.data.model_copy(
-                update={"train": f"{gcs_bucket}/data/train.jsonl", "eval": f"{gcs_bucket}/data/eval.jsonl"}
-            ),
-            "base_model": spec.base_model.model_copy(update={"tokenizer": f"{gcs_bucket}/model"}),
-            "compute": {**spec.compute, "validate_data": compute()},
-        }
+    spec = with_overrides(
+        parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute()}}), {}
     )
-    spec = with_overrides(spec, {})
     assert spec.compute_for("validate_data").launcher == "vertex"
 
     log: list[str] = []
