@@ -24,6 +24,7 @@ QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
 # A quick smoke run never overwrites the real results or docs/benchmarks.md.
 RESULTS = BENCH / "results" / "quick" if QUICK else BENCH / "results"
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/loraflow-bench"))
+LOAD_AT_IMPORT = os.getloadavg()  # a comparison's driver imports this first: its load average at start
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -111,7 +112,9 @@ def machine() -> dict[str, Any]:
 def save(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     data.setdefault("quick", QUICK)
+    data.setdefault("loadavg_start", LOAD_AT_IMPORT)
     data.setdefault("loadavg_end", os.getloadavg())
+    data.setdefault("saved_at", time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(f"[bench] wrote {path.relative_to(REPO)}", flush=True)

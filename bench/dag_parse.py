@@ -97,6 +97,7 @@ def main() -> None:
                 f"dag_parse rep {rep + 1}/{reps} {name}: {r['parse_s']:.3f}s, {r['dags']} DAG(s), errors {list(r['import_errors'])}"
             )
     med = {k: median([r["parse_s"] for r in v]) for k, v in raw.items()}
+    cpu = {k: median([r["cpu_s"] for r in v if "cpu_s" in r]) for k, v in raw.items()}
     base = med["empty DAG file"]
     # The exact heavy-module check, in one more child that reports full module names.
     check = run(
@@ -124,6 +125,8 @@ def main() -> None:
             "reps": reps,
             "median_parse_s": med,
             "overhead_s": {k: v - base for k, v in med.items()},
+            "median_cpu_s": cpu,
+            "cpu_overhead_s": {k: v - cpu["empty DAG file"] for k, v in cpu.items()},
             "overhead_per_spec_ms": (med["loraflow, 52 specs"] - med["loraflow, 2 shipped specs"]) / 50 * 1000,
             "target_overhead_s_for_50_specs": 0.3,
             "heavy_modules_imported": check.get("heavy", check),

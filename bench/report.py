@@ -70,9 +70,10 @@ def sec_dag(d: dict) -> list[str]:
         f"one empty DAG. Median of {d['reps']} interleaved runs; `import airflow` itself took "
         f"{d['import_airflow_s_median']:.1f} s per interpreter and is not counted.",
         "",
-        "| DAG file | DAGs | median parse (s) | overhead vs empty (s) | verdict |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| DAG file | DAGs | median parse (s) | overhead vs empty (s) | median CPU (s) | CPU overhead vs empty (s) | verdict |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    cpu, cpu_o = d.get("median_cpu_s") or {}, d.get("cpu_overhead_s") or {}
     for k in m:
         v = (
             "baseline"
@@ -83,11 +84,19 @@ def sec_dag(d: dict) -> list[str]:
                 else ""
             )
         )
-        out.append(f"| {k} | {d['dags'][k]} | {f(m[k], 3)} | {f(o[k], 3)} | {v} |")
+        out.append(
+            f"| {k} | {d['dags'][k]} | {f(m[k], 3)} | {f(o[k], 3)} | {f(cpu.get(k), 3)} | {f(cpu_o.get(k), 3)} | {v} |"
+        )
     out += [
         "",
         f"Per extra spec: **{d['overhead_per_spec_ms']:.1f} ms**. Target for 50 specs: 0.3 s of overhead; "
-        f"measured {over52:.2f} s.",
+        f"measured {over52:.2f} s"
+        + (
+            f" of wall time, {cpu_o['loraflow, 52 specs']:.2f} s of CPU time (CPU time is what the parse itself costs; "
+            "wall time adds waiting for a core on a shared machine)."
+            if "loraflow, 52 specs" in cpu_o
+            else "."
+        ),
         "",
         f"Heavy modules imported by the parse: **{heavy.get('imported_by_loraflow_parse') or 'none'}** "
         f"(checked: {', '.join(sorted(set(['jax', 'torch', 'vllm', 'transformers', 'maxtext', 'numpy', 'pandas', 'great_expectations', 'gcsfs', 'google.cloud.aiplatform', 'google.cloud.storage'])))}); "
@@ -101,8 +110,8 @@ def sec_dag(d: dict) -> list[str]:
             "| piece | seconds |",
             "| --- | ---: |",
             f"| import loraflow.spec + operators (pydantic schema, operators) | {f(bd.get('import_loraflow_modules_s'), 3)} |",
-            f"| `yaml.safe_load` x{bd.get('specs')} (pure-Python loader, what loraflow uses) | {f(bd.get('yaml_safe_load_pure_python_s'), 3)} |",
-            f"| the same with `yaml.CSafeLoader` (libyaml, installed) | {f(bd.get('yaml_CSafeLoader_s'), 3)} |",
+            f"| `yaml.safe_load` x{bd.get('specs')} (pure-Python loader) | {f(bd.get('yaml_safe_load_pure_python_s'), 3)} |",
+            f"| the same with `yaml.CSafeLoader` (libyaml: what loraflow uses) | {f(bd.get('yaml_CSafeLoader_s'), 3)} |",
             f"| pydantic validation x{bd.get('specs')} | {f(bd.get('pydantic_validate_s'), 3)} |",
             f"| `build_dag` x{bd.get('specs')} ({bd.get('tasks')} operators) | {f(bd.get('build_dag_s'), 3)} |",
             "",
@@ -238,9 +247,10 @@ def sec_transfer(d: dict) -> list[str]:
         f"Checksum cost: crc32c over all {d['bytes'] / 2**20:.0f} MiB ({d['crc32c_implementation']} implementation of "
         f"google-crc32c) takes {d['crc32c_all_files_s']:.2f} s ({d['crc32c_mib_s']:.0f} MiB/s), i.e. "
         f"{100 * d['crc32c_all_files_s'] / lf['upload_s']:.0f} % of loraflow's upload and "
-        f"{100 * d['crc32c_all_files_s'] / lf['download_s']:.0f} % of its download. loraflow reads each file once more "
-        'for it on each side (upload: crc32c_file before `upload_from_filename(checksum="crc32c")`, which computes it '
-        "again while sending; download: `crc32c_file` of the written file after `download_to_filename(checksum=None)`).",
+        f"{100 * d['crc32c_all_files_s'] / lf['download_s']:.0f} % of its download. loraflow computes it once per "
+        "file on each side: on upload before sending (the value travels with the upload, GCS refuses bytes that do "
+        "not match it, and the client does not compute it again); on download while the bytes are written "
+        "(`download_with_crc32c`), compared with the manifest, without reading the file back.",
         "",
     ]
     labels = list(s)
@@ -335,6 +345,60 @@ def sec_convert(d: dict) -> list[str]:
     return [*out, ""]
 
 
+def sec_train(d: dict) -> list[str]:
+    s = d["summary"]
+    out = [
+        "## 7. Training",
+        "",
+        f"The tiny model ({d['steps']} steps of the tiny spec's training config: batch 8, max length 64, rank 16, "
+        "float32) through the lora_sft stage function (`loraflow.steps.lora_sft.run`: its progress/loss hooks, "
+        "checkpoint sync to a local remote, PEFT export, loss.csv) and through MaxText's own SFT entry points "
+        "(`train_sft.setup_trainer_state` + `train_model`, what `train_sft.train` calls) with the same MaxText "
+        "arguments. Fresh trainer-env process each, interleaved A B A B, median of "
+        f"{d['reps']}. *tokens/s* = steps x batch x max length / seconds of `train_model` (first-step compile "
+        "included, the same for both); *set-up* = config, model and data pipeline; *process* = the whole child.",
+        "",
+        "| method | tokens/s | train_model (s) | set-up (s) | process wall (s) | peak RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for k, v in s.items():
+        out.append(
+            f"| {k} | {f(v['median_tokens_per_s'], 0)} | {f(v['median_train_s'], 1)} | {f(v['median_setup_s'], 1)} | "
+            f"{f(v['median_wall_s'], 1)} | {f(v['median_peak_rss_mib'], 0)} |"
+        )
+    lf, di = s.get("loraflow lora_sft stage"), s.get("MaxText train_sft direct")
+    if lf and di:
+        r = lf["median_tokens_per_s"] / di["median_tokens_per_s"]
+        out += [
+            "",
+            f"loraflow / direct: tokens/s {r:.2f}x, process wall {lf['median_wall_s'] / di['median_wall_s']:.2f}x. "
+            + (
+                f"**loraflow {100 * (1 - r):.0f} % fewer tokens/s.**"
+                if r < 0.97
+                else "Within 3 %: the wrapper costs nothing measurable on training throughput."
+            ),
+            "",
+            bar(
+                "train",
+                list(s),
+                [v["median_tokens_per_s"] for v in s.values()],
+                "median tokens/s",
+                "LoRA SFT throughput, tiny model",
+            ),
+        ]
+    return [*out, ""]
+
+
+def measured(d: dict) -> str:
+    load = d.get("loadavg_start"), d.get("loadavg_end")
+    when = d.get("saved_at") or "in an earlier run (2026-12-02, before results recorded their time)"
+    text = f"*Measured {when}"
+    loads = [f"{x[0]:.1f} at {w}" for x, w in zip(load, ("start", "end"), strict=True) if x]
+    if loads:
+        text += "; load average " + ", ".join(loads)
+    return text + " (2 cores shared with other work).*"
+
+
 def sec_orch(d: dict) -> list[str]:
     a, b = d["first"], d["cached_rerun"]
     out = [
@@ -397,7 +461,7 @@ def main() -> None:
         "asserts on time.",
         "",
     ]
-    if any((load(n) or {}).get("quick") for n in ("dag_parse", "merge", "transfer", "eval", "convert")):
+    if any((load(n) or {}).get("quick") for n in ("dag_parse", "merge", "transfer", "eval", "convert", "train")):
         parts += ["> **These numbers come from a BENCH_QUICK smoke run (small sizes, one repetition).**", ""]
     if m:
         v = m.get("versions", {})
@@ -420,13 +484,16 @@ def main() -> None:
         ("eval", sec_eval),
         ("convert", sec_convert),
         ("orchestration", sec_orch),
+        ("train", sec_train),
     ):
         d = load(name)
         if d is None:
             parts += [f"## {name}", "", "Not run (no result file).", ""]
             continue
         try:
-            parts += fn(d)
+            sec = fn(d)
+            sec[2:2] = [measured(d), ""]
+            parts += sec
         except Exception as exc:  # a partial result must not lose the whole report
             parts += [
                 f"## {name}",

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from loraflow import faults, gcs
 from loraflow.errors import ArtifactError
@@ -110,6 +110,8 @@ def upload_tree(
     local_dir: Path, prefix: str, progress: Callable[[str], None] | None = None
 ) -> dict[str, dict[str, Any]]:
     """Upload every file under ``local_dir`` to ``prefix``; return the manifest's file table."""
+    from google.api_core.exceptions import BadRequest, Conflict
+
     bucket_name, base = gcs.split_uri(prefix)
     bucket = gcs.client().bucket(bucket_name)
     files: dict[str, dict[str, Any]] = {}
@@ -119,7 +121,13 @@ def upload_tree(
             raise ArtifactError(f"a step may not write {MANIFEST} itself ({path})")
         crc = crc32c_file(path)
         blob = bucket.blob(f"{base}/{rel}" if base else rel)
-        blob.upload_from_filename(str(path), checksum="crc32c")
+        # The checksum travels with the upload and GCS refuses bytes that do not match it; the
+        # client need not compute it a second time while sending (checksum=None).
+        blob.crc32c = crc
+        try:
+            blob.upload_from_filename(str(path), checksum=None)
+        except (BadRequest, Conflict) as exc:
+            raise ArtifactError(f"upload of {rel} to {prefix} was refused as corrupted ({exc})") from None
         if blob.crc32c and blob.crc32c != crc:
             raise ArtifactError(f"upload of {rel} to {prefix} was corrupted: crc32c {blob.crc32c} != {crc}")
         files[rel] = {"size": path.stat().st_size, "crc32c": crc}
@@ -203,18 +211,61 @@ def read_manifest(uri: str) -> Manifest:
     return manifest
 
 
+class _Crc32cSink:
+    """A file being written that checksums what goes through it (the download is read only once)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        import google_crc32c
+
+        self._new = google_crc32c.Checksum
+        self._fh = fh
+        self.checksum = self._new()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.checksum.update(data)
+        self.size += len(data)
+        return self._fh.write(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:  # the client restarts a transcoded download at 0
+        if (offset, whence) != (0, 0):
+            raise OSError("a checksummed download can only restart from the beginning")
+        self.checksum, self.size = self._new(), 0
+        self._fh.truncate(0)
+        return self._fh.seek(0)
+
+    def tell(self) -> int:
+        return self._fh.tell()
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
+def download_with_crc32c(blob: Any, dest: Path) -> tuple[int, str]:
+    """Download ``blob`` to ``dest``, checksumming while writing: ``(size, crc32c)`` of what was written.
+
+    The caller compares them with what it expects (a manifest); a partial file is removed on error.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(dest, "wb") as fh:
+            sink = _Crc32cSink(fh)
+            blob.download_to_file(sink, checksum=None)
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+    return sink.size, base64.b64encode(sink.checksum.digest()).decode()
+
+
 def _download_verified(bucket: Any, object_name: str, dest: Path, name: str, size: int, crc: str, where: str) -> None:
     from google.api_core.exceptions import NotFound
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        bucket.blob(object_name).download_to_filename(str(dest), checksum=None)
+        actual_size, actual = download_with_crc32c(bucket.blob(object_name), dest)
     except NotFound:
         raise ArtifactError(f"{where}: file {name!r} is listed in the manifest but missing from GCS") from None
-    actual_size = dest.stat().st_size
     if actual_size != size:
         raise ArtifactError(f"{where}: file {name!r} has {actual_size} bytes, the manifest says {size}")
-    actual = crc32c_file(dest)
     if actual != crc:
         raise ArtifactError(f"{where}: file {name!r} fails its checksum (crc32c {actual}, manifest {crc})")
 

@@ -88,10 +88,9 @@ def download_latest(remote: str, local: Path) -> int | None:
         if marker is None:
             raise ArtifactError(f"checkpoint {step} under {remote} lost its {MARKER} while being restored")
         for name, meta in marker["files"].items():
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            bucket.blob(f"{base}/{name}").download_to_filename(str(target), checksum=None)
-            _verify(target, meta, name, remote)
+            size, crc = artifacts.download_with_crc32c(bucket.blob(f"{base}/{name}"), dest / name)
+            if (size, crc) != (meta["size"], meta["crc32c"]):
+                raise ArtifactError(f"checkpoint file {name} under {remote} fails its size/checksum check")
     else:
         src = Path(remote) / str(step)
         marker = json.loads((src / MARKER).read_text())
