@@ -45,6 +45,8 @@ class StepContext:
     work: Path
     config: dict[str, Any]
     summary: dict[str, Any] = field(default_factory=dict)
+    # False in the processes of a multi-host job other than process 0: they upload and commit nothing.
+    commits: bool = True
 
     def progress(self, message: str) -> None:
         print(f"[{self.stage}] {message}", flush=True)
@@ -150,6 +152,9 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
             artifacts.upload_tree(ctx.out, rejected)
             ctx.progress(f"evidence of the rejection uploaded to {rejected}/ (not an artifact)")
             raise
+        if not ctx.commits:
+            ctx.progress("not the committing process of this multi-host job: nothing uploaded")
+            return 0
         summary = {**ctx.summary, **summary, "seconds": round(time.monotonic() - started, 2)}
         files = artifacts.upload_tree(ctx.out, output)
         faults.point("before_manifest")

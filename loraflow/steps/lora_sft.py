@@ -19,6 +19,20 @@ MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflo
   (for real GCS, where Orbax/tensorstore write it natively);
 * outputs: ``adapter/`` (the final LoRA params, Orbax, + ``loraflow_adapter.json``), ``peft/`` (the
   PEFT export in HF layout, checked against MaxText's own MaxText->HF weight hooks) and ``loss.csv``.
+
+Multi-host: when ``loraflow.multihost`` finds a job of several processes (a Vertex AI worker pool, a
+GKE JobSet, or N local processes on loopback), every process calls ``jax.distributed.initialize``
+with its wiring before JAX starts; MaxText's mesh then spans every process's devices (parameters
+sharded across hosts, each host loading its share of every batch). Checkpoints go to one directory
+all processes share (Orbax writes each host's shards; process 0 finalises): with ``sync`` storage a
+local directory that must be on a disk every process sees (loopback; otherwise use ``direct``).
+Only process 0 downloads/uploads checkpoints and writes the outputs; it does so after every process
+has finished training, and the harness commits the manifest from process 0 only. The other
+processes write nothing and, through JAX's shutdown barrier, exit when process 0 does.
+Optional configs ``packing`` (default true: several examples per row; false: one padded example
+per row) and ``shuffle`` (default true: MaxText shuffles each epoch). MaxText's loader gives each
+host its own shards of a shuffled multi-epoch stream and packs per host; with both false every
+host count trains on the same examples in every step (the multi-host equivalence test uses that).
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraflow import checkpoint_sync
+from loraflow import checkpoint_sync, multihost
 from loraflow.errors import LoraflowError
 from loraflow.steps._harness import StepContext, run_step
 from loraflow.steps.convert_checkpoint import CHECKPOINT_JSON, hardware_args, overrides_args
@@ -53,6 +67,8 @@ DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "warmup_fraction": 0.05,
     "checkpoint_storage": "sync",
+    "packing": True,
+    "shuffle": True,
 }
 ADAPTER_JSON = "loraflow_adapter.json"
 RUN_NAME = "sft"
@@ -89,7 +105,9 @@ def _maxtext_argv(
     per_device = cfg["batch_size"] / devices
     # Packing puts several short examples in one row, and MaxText stops training when the iterator
     # runs dry: repeat the data enough epochs for `steps` batches of the shortest examples.
-    per_row = max(1.0, cfg["max_length"] / max(1, _shortest_example(train_file, tokenizer_dir)))
+    per_row = (
+        max(1.0, cfg["max_length"] / max(1, _shortest_example(train_file, tokenizer_dir))) if cfg["packing"] else 1.0
+    )
     num_epoch = max(1, math.ceil(cfg["steps"] * cfg["batch_size"] * per_row / max(n_rows, 1)) + 1)
     target = cfg["target_modules"]
     if isinstance(target, (list, tuple)):
@@ -113,6 +131,8 @@ def _maxtext_argv(
         f"dtype={cfg['dtype']}",
         f"per_device_batch_size={per_device}",
         f"max_target_length={cfg['max_length']}",
+        f"packing={str(bool(cfg['packing'])).lower()}",
+        f"enable_data_shuffling={str(bool(cfg['shuffle'])).lower()}",
         f"steps={cfg['steps']}",
         f"learning_rate={cfg['learning_rate']}",
         f"warmup_steps_fraction={cfg['warmup_fraction']}",
@@ -202,7 +222,89 @@ def _skip_trained_batches(trainer, n: int, ctx: StepContext) -> None:
     ctx.progress(f"resuming at step {n}: skipping the {n} batches already trained on")
 
 
-def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------ multi-host
+
+
+def start_distributed(ctx: StepContext) -> multihost.DistributedConfig | None:
+    """Join the job's other processes (``jax.distributed``) before JAX starts; ``None`` when alone.
+
+    Must run before anything asks JAX for its devices. On CPU hosts the processes exchange
+    collectives over TCP (gloo); with a loopback coordinator they also talk over loopback only.
+    """
+    dist = multihost.distributed_config()
+    if dist is None:
+        return None
+    import jax
+
+    host = dist.coordinator.rpartition(":")[0]
+    loopback = host in ("127.0.0.1", "localhost")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # TPUs ignore it (they use ICI/DCN)
+    ctx.progress(f"process {dist.process_id} of {dist.num_processes} ({dist.source}): joining {dist.coordinator}")
+    jax.distributed.initialize(
+        **dist.jax_kwargs(),
+        initialization_timeout=int(os.environ.get("LORAFLOW_JOIN_TIMEOUT", "300")),
+        coordinator_bind_address=dist.coordinator if loopback else None,
+    )
+    if loopback:
+        _gloo_on_loopback()
+    ctx.progress(
+        f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local of "
+        f"{jax.device_count()} {jax.default_backend()} devices"
+    )
+    ctx.commits = dist.is_coordinator
+    return dist
+
+
+def _gloo_on_loopback() -> None:
+    """Make the CPU client's gloo collectives listen on 127.0.0.1 (default: the host name's address)."""
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def factory() -> Any:
+        gloo = _jax.make_gloo_tcp_collectives(distributed.global_state.client, hostname="127.0.0.1")
+        return xla_bridge.make_cpu_client(collectives=gloo)
+
+    xla_bridge.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+
+
+def _barrier(name: str) -> None:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(f"loraflow lora_sft {name}")
+
+
+def _shared_checkpoint_dir(ctx: StepContext, dist: multihost.DistributedConfig) -> Path:
+    """The one local directory every process's Orbax writes into, checked to be the same disk.
+
+    Process 0 empties it and leaves a random token in it; every other process must read the same
+    token there, or the processes do not share a disk (separate hosts): then checkpoints have to go
+    straight to GCS.
+    """
+    import hashlib
+    import secrets
+    import tempfile
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    tag = hashlib.sha256(ctx.output_uri.encode()).hexdigest()[:16]
+    shared = Path(os.environ.get("LORAFLOW_SCRATCH") or tempfile.gettempdir()) / f"loraflow-lora_sft-{tag}"
+    token = secrets.randbits(31)  # JAX arrays are 32-bit unless x64 is on
+    if dist.is_coordinator:
+        shutil.rmtree(shared, ignore_errors=True)
+        shared.mkdir(parents=True)
+        (shared / "_token").write_text(str(token))
+    agreed = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
+    seen = (shared / "_token").read_text() if (shared / "_token").is_file() else None
+    if seen != str(agreed):
+        raise LoraflowError(
+            f"process {dist.process_id} does not see process 0's checkpoint directory {shared}: the hosts do not "
+            "share a disk; set training.checkpoint_storage: direct (checkpoints written straight to the gs:// output)"
+        )
+    return shared
+
+
+def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConfig | None = None) -> dict[str, Any]:
     from absl import flags
     from flax import nnx
     from maxtext.configs import pyconfig
@@ -220,15 +322,22 @@ def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
 
     remote = ctx.output_uri.rstrip("/") + "/_checkpoints"
     direct = cfg["checkpoint_storage"] == "direct"
-    base_output = remote if direct else str(ctx.work / "maxtext")
+    if direct:
+        base_output = remote
+    elif dist is not None:
+        base_output = str(_shared_checkpoint_dir(ctx, dist) / "maxtext")
+    else:
+        base_output = str(ctx.work / "maxtext")
     local_ckpt = Path(base_output) / RUN_NAME / "checkpoints"
     syncer = None
-    if not direct:
+    if not direct and ctx.commits:  # process 0 fetches and persists checkpoints for every process
         local_ckpt.mkdir(parents=True, exist_ok=True)
         restored = checkpoint_sync.download_latest(remote, local_ckpt)
         if restored is not None:
             ctx.progress(f"found checkpoint step {restored} under {remote}: resuming from it")
         syncer = checkpoint_sync.Syncer(local_ckpt, remote, ctx.progress)
+    if dist is not None:
+        _barrier("checkpoint directory ready")
 
     argv = _maxtext_argv(cfg, train_file, tokenizer_dir, base_output, n_rows)
     mt_config = pyconfig.initialize_pydantic(argv)
@@ -245,6 +354,8 @@ def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
     finally:
         sft_hooks.SFTTrainingHooks = original_cls
     start_step = int(trainer.train_steps)
+    if dist is not None:
+        ctx.progress(_sharding_note(trainer.model, mesh))
     _skip_trained_batches(trainer, start_step, ctx)
     ctx.progress(
         f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {cfg['steps']} (compiling first)"
@@ -256,7 +367,15 @@ def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
         syncer.poll()
 
     lora_state = nnx.state(trainer.model, nnx.LoRAParam)
-    lora_tree = _to_numpy_tree(lora_state.to_pure_dict())
+    lora_dict = lora_state.to_pure_dict()
+    if dist is not None:
+        # Sharded across processes: every process gathers the whole adapter (a collective), and
+        # nobody goes on before every process's checkpoint writes are done.
+        from jax.experimental import multihost_utils
+
+        lora_dict = multihost_utils.process_allgather(lora_dict, tiled=True)
+        _barrier("training done")
+    lora_tree = _to_numpy_tree(lora_dict)
     return {
         "mt_config": mt_config,
         "lora_tree": lora_tree,
@@ -264,9 +383,23 @@ def train(ctx: StepContext, cfg: dict[str, Any]) -> dict[str, Any]:
         "start_step": start_step,
         "final_step": int(trainer.train_steps),
         "local_ckpt": local_ckpt,
+        "shared_dir": Path(base_output).parent if dist is not None and not direct else None,
         "setup_seconds": t_train - started,
         "train_seconds": train_seconds,
     }
+
+
+def _sharding_note(model: Any, mesh: Any) -> str:
+    """How the model's arrays lie across the processes (what a multi-host run logs once)."""
+    import jax
+    from flax import nnx
+
+    leaves = [x for x in jax.tree_util.tree_leaves(nnx.state(model)) if isinstance(x, jax.Array)]
+    split = sum(1 for x in leaves if not x.is_fully_addressable)
+    return (
+        f"mesh {dict(mesh.shape)} over {jax.process_count()} processes: {split} of {len(leaves)} model arrays "
+        "sharded across processes"
+    )
 
 
 def _to_numpy_tree(tree: Any) -> Any:
@@ -427,7 +560,11 @@ def run(ctx: StepContext) -> dict[str, Any]:
         )
     )
     started = time.monotonic()
-    res = train(ctx, cfg)
+    dist = start_distributed(ctx)
+    res = train(ctx, cfg, dist)
+    if not ctx.commits:
+        ctx.progress("training done; process 0 writes the outputs and commits them")
+        return {}
     rows = res["rows"]
     if res["final_step"] < cfg["steps"]:
         raise LoraflowError(f"training stopped at step {res['final_step']} of {cfg['steps']} (data ran out?)")
@@ -447,7 +584,11 @@ def run(ctx: StepContext) -> dict[str, Any]:
     else:  # direct mode or an unexpected layout: save the params ourselves
         import orbax.checkpoint as ocp
 
-        ocp.PyTreeCheckpointer().save(str((adapter_dir / "model_params").resolve()), _with_value(res["lora_tree"]))
+        # Only this process writes (the others are done): Orbax must not wait for them at its barriers.
+        alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}) if dist is not None else None
+        handler = ocp.PyTreeCheckpointHandler(**({"multiprocessing_options": alone} if alone else {}))
+        checkpointer = ocp.Checkpointer(handler, **({"multiprocessing_options": alone} if alone else {}))
+        checkpointer.save(str((adapter_dir / "model_params").resolve()), _with_value(res["lora_tree"]))
     meta = {
         "format": "loraflow.lora_adapter/1",
         "lora_restore_path": "model_params",
@@ -461,6 +602,8 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "steps": res["final_step"],
     }
     (adapter_dir / ADAPTER_JSON).write_text(json.dumps(meta, indent=2))
+    if res["shared_dir"] is not None:
+        shutil.rmtree(res["shared_dir"], ignore_errors=True)  # every process is past training: nobody writes it
 
     hf_config = transformers.AutoConfig.from_pretrained(str(ctx.inputs["tokenizer"]))
     peft = export_peft(
@@ -499,6 +642,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "lora_b_norm": round(norm, 4),
         "peft_tensors": peft["tensors"],
         "total_seconds": round(time.monotonic() - started, 1),
+        "processes": dist.num_processes if dist is not None else 1,
     }
     ctx.progress(f"done: loss {summary['first_loss']} -> {summary['final_loss']} in {summary['steps']} steps")
     return summary
