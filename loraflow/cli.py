@@ -61,6 +61,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             request = json.dumps(s["vertex_create_request"], indent=2).replace("\n", "\n  ")
             print("  Vertex AI CustomJob create request (not sent; CACHE_KEY and LOCK are filled in at run time):")
             print("  " + request)
+        if "gke_jobset" in s:
+            jobset = json.dumps(s["gke_jobset"], indent=2).replace("\n", "\n  ")
+            print("  GKE JobSet (not sent; CACHE_KEY and LOCK are filled in at run time):")
+            print("  " + jobset)
     return 0
 
 

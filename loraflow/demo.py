@@ -4,7 +4,7 @@
     python -m loraflow.demo ui      # `make ui`: start everything and keep it up for the web UI
 
 The GCS emulator keeps its data under .demo/gcs, Airflow its database and logs under .demo/airflow.
-Airflow runs as its real components (API server, scheduler with the LocalExecutor, DAG processor)
+Airflow runs as its real components (API server, scheduler with the LocalExecutor, DAG processor, triggerer)
 with a password generated at first start. Nothing here is imported by the DAGs or the steps.
 """
 
@@ -81,9 +81,27 @@ def seed_sources(spec_path: Path, model_dir: Path, data_dir: Path = TINY_DATA) -
 
 
 class LocalAirflow:
-    """Airflow's API server, scheduler (LocalExecutor) and DAG processor on 127.0.0.1."""
+    """Airflow's API server, scheduler (LocalExecutor), DAG processor and triggerer on 127.0.0.1."""
 
-    def __init__(self, home: Path, env: dict[str, str], port: int | None = None, pipelines_dir: Path | None = None):
+    # The triggerer runs deferred tasks' triggers (a Vertex AI stage waiting for its job).
+    COMPONENTS = (
+        ["api-server"],
+        ["scheduler", "--skip-serve-logs"],
+        ["dag-processor"],
+        ["triggerer", "--skip-serve-logs"],
+    )
+
+    def __init__(
+        self,
+        home: Path,
+        env: dict[str, str],
+        port: int | None = None,
+        pipelines_dir: Path | None = None,
+        database_url: str | None = None,
+        parallelism: int = 4,
+    ):
+        """``database_url``: the metadata DB as an SQLAlchemy URL (e.g. PostgreSQL); default SQLite in ``home``.
+        ``parallelism``: how many tasks the LocalExecutor runs at once."""
         self.home = home
         self.port = port or local_gcs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -100,8 +118,8 @@ class LocalAirflow:
             "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-            "AIRFLOW__CORE__PARALLELISM": "4",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database_url or f"sqlite:///{home / 'airflow.db'}",
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__API__BASE_URL": self.url,
@@ -113,6 +131,7 @@ class LocalAirflow:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(local_gcs.free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(local_gcs.free_port()),
         }
         if pipelines_dir is not None:
             self.env["LORAFLOW_PIPELINES_DIR"] = str(pipelines_dir)
@@ -130,15 +149,12 @@ class LocalAirflow:
         (self.home / "passwords.json").write_text(json.dumps({"admin": password}))
         return password
 
-    def start(self, timeout: float = 180) -> None:
+    def start(self, timeout: float = 420) -> None:  # generous: a loaded machine starts it slowly
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         subprocess.run([self.airflow, "db", "migrate"], env=self.env, check=True, stdout=subprocess.DEVNULL)
-        for component in (["api-server"], ["scheduler", "--skip-serve-logs"], ["dag-processor"]):
-            out = open(logs / f"{component[0]}.log", "ab")
-            self.procs.append(
-                subprocess.Popen([self.airflow, *component], env=self.env, stdout=out, stderr=subprocess.STDOUT)
-            )
+        for component in self.COMPONENTS:
+            self.procs.append(self._start_component(component))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for proc in self.procs:
@@ -150,6 +166,22 @@ class LocalAirflow:
             except (OSError, LoraflowError):
                 time.sleep(2)
         raise LoraflowError(f"Airflow did not come up on {self.url} within {timeout:.0f} s; see {logs}")
+
+    def _start_component(self, component: list[str]) -> subprocess.Popen[bytes]:
+        out = open(self.home / "logs" / f"{component[0]}.log", "ab")
+        return subprocess.Popen([self.airflow, *component], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+
+    def restart(self, name: str) -> None:
+        """Stop one component (e.g. ``triggerer``) as a deploy would, and start it again."""
+        (i,) = [i for i, c in enumerate(self.COMPONENTS) if c[0] == name]
+        proc = self.procs[i]
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self.procs[i] = self._start_component(self.COMPONENTS[i])
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -178,15 +210,23 @@ class LocalAirflow:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"}
         req = urllib.request.Request(f"{self.url}/api/v2{path}", data, headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return resp.status, json.load(resp)
-        except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")
+        # On a loaded machine the API server can answer late: a read (GET) is asked again, a few times.
+        attempts = 4 if method == "GET" else 1
+        for attempt in range(attempts):
             try:
-                return exc.code, json.loads(text)
-            except ValueError:
-                return exc.code, text
+                with urllib.request.urlopen(req, timeout=30 if attempts > 1 else 120) as resp:
+                    return resp.status, json.load(resp)
+            except urllib.error.HTTPError as exc:
+                text = exc.read().decode(errors="replace")
+                try:
+                    return exc.code, json.loads(text)
+                except ValueError:
+                    return exc.code, text
+            except (TimeoutError, urllib.error.URLError):
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(5)
+        raise AssertionError("unreachable")
 
     def wait_for_dag(self, dag_id: str, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
@@ -253,14 +293,25 @@ class LocalAirflow:
 
 @contextmanager
 def local_stack(
-    home: Path = DEMO_HOME, in_memory: bool = False, pipelines_dir: Path | None = None
+    home: Path = DEMO_HOME,
+    in_memory: bool = False,
+    pipelines_dir: Path | None = None,
+    database_url: str | None = None,
+    parallelism: int = 4,
 ) -> Iterator[LocalAirflow]:
-    """The GCS emulator + Airflow, started and (always) stopped again."""
+    """The GCS emulator + Airflow, started and (always) stopped again (``database_url``, ``parallelism``:
+    see ``LocalAirflow``)."""
     home.mkdir(parents=True, exist_ok=True)
     emulator = local_gcs.start("loraflow-demo", None if in_memory else home / "gcs", log=home / "gcs-emulator.log")
     os.environ.update(emulator.env())
     gcs.client.cache_clear()
-    airflow = LocalAirflow(home / "airflow", emulator.env(), pipelines_dir=pipelines_dir)
+    airflow = LocalAirflow(
+        home / "airflow",
+        emulator.env(),
+        pipelines_dir=pipelines_dir,
+        database_url=database_url,
+        parallelism=parallelism,
+    )
     try:
         say(f"GCS emulator on {emulator.host}; starting Airflow on {airflow.url} ...")
         airflow.start()

@@ -13,10 +13,18 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from loraflow.credentials import Redactor
 from loraflow.environments import REPO_ROOT
 from loraflow.errors import StepError
 
 LineSink = Callable[[str], None]
+
+#: A step program's exit status when it refused its input (a LoraflowError: bad data, bad config).
+REFUSED_EXIT = 2
+
+
+class StepRefused(StepError):
+    """The step program refused its input and exited with ``REFUSED_EXIT``: running it again cannot help."""
 
 
 class Killable(Protocol):
@@ -83,7 +91,14 @@ class LocalLauncher:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
 
-    def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
+    def run(
+        self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}, secrets: Mapping[str, str] = {}
+    ) -> None:
+        """Run to the end; raise ``StepError`` (``StepRefused`` for refused input) naming the last error line.
+
+        ``secrets`` go into the step's environment only; their values are replaced by ``***`` in every
+        line passed to ``sink`` and in the error message."""
+        redact = Redactor(secrets)
         with self._lock:
             self._proc = subprocess.Popen(
                 list(argv),
@@ -92,7 +107,7 @@ class LocalLauncher:
                 stdin=subprocess.DEVNULL,
                 text=True,
                 bufsize=1,
-                env=step_environment(extra_env),
+                env=step_environment({**extra_env, **secrets}),
                 cwd=str(REPO_ROOT),
                 start_new_session=True,  # its own process group: kill() reaches every child
             )
@@ -100,14 +115,15 @@ class LocalLauncher:
         assert proc.stdout is not None
         tail: list[str] = []
         for line in proc.stdout:
-            line = line.rstrip("\n")
+            line = redact(line.rstrip("\n"))
             sink(line)
             tail = ([*tail, line])[-20:]
         rc = proc.wait()
         if rc != 0:
             reason = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
             last = next((t for t in reversed(tail) if "ERROR" in t or "Error" in t), tail[-1] if tail else "")
-            raise StepError(f"step {argv[2] if len(argv) > 2 else argv[0]} failed ({reason}): {last.strip()}")
+            error = StepRefused if rc == REFUSED_EXIT else StepError
+            raise error(f"step {argv[2] if len(argv) > 2 else argv[0]} failed ({reason}): {last.strip()}")
 
     def kill(self) -> None:
         """Terminate the step program and everything it started (Airflow's on_kill)."""

@@ -16,12 +16,13 @@ an ``http://`` one (the test stand-in) is used with anonymous credentials.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from loraflow import vertex
+from loraflow import vertex, vertex_errors
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launch import LineSink
 from loraflow.spec import ComputeSpec
@@ -36,7 +37,7 @@ MAX_POLL_ERRORS = 6
 CANCEL_WAIT_SECONDS = 120.0
 
 
-def _state_name(state: Any) -> str:
+def state_name(state: Any) -> str:
     return getattr(state, "name", str(state))
 
 
@@ -93,6 +94,14 @@ class VertexLauncher:
     # --- the launcher surface -------------------------------------------------------------------
 
     def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
+        """Submit (or reattach) and wait in this thread until the job ends."""
+        self._wait(self.submit(argv, sink, extra_env), sink)
+
+    def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> Any:
+        """Reattach to this stage's live or succeeded job, else submit one; the job (SDK message).
+
+        The first half of ``run``: a deferrable operator calls this, then hands ``job_name`` to a trigger.
+        """
         if self.project is None:
             raise LoraflowError(
                 f"stage {self.identity.stage}: no Google Cloud project for Vertex AI; set LORAFLOW_VERTEX_PROJECT "
@@ -107,7 +116,7 @@ class VertexLauncher:
         sink(f"Vertex AI job {job.name}: {vertex.console_url(job.name)}")
         if self._killed.is_set():  # killed while submitting
             self._cancel(sink)
-        self._wait(job, sink)
+        return job
 
     def kill(self) -> None:
         """Cancel the job (Airflow's on_kill); run() then returns with a StepError once it is cancelled."""
@@ -127,7 +136,7 @@ class VertexLauncher:
             return None
         jobs.sort(key=lambda j: j.create_time.timestamp() if j.create_time else 0, reverse=True)
         newest = jobs[0]
-        state = _state_name(newest.state)
+        state = state_name(newest.state)
         if state in DEAD:
             sink(f"earlier attempt {newest.name} ended {state}; submitting a new job")
             return None
@@ -156,16 +165,16 @@ class VertexLauncher:
         errors = 0
         cancel_deadline: float | None = None
         while True:
-            state = _state_name(job.state)
+            state = state_name(job.state)
             if state != last:
                 sink(f"{job.name}: {state}")
                 last = state
             if state == SUCCEEDED:
                 return
             if state in TERMINAL:
-                message = job.error.message if job.error and job.error.message else "no error message"
-                how = "was cancelled" if state == "JOB_STATE_CANCELLED" else f"ended {state}"
-                raise StepError(f"Vertex AI job {job.name} for stage {self.identity.stage} {how}: {message}")
+                code = job.error.code if job.error else None
+                message = job.error.message if job.error else ""
+                raise StepError(self.job_failure(job.name, state, code, message))
             if self._killed.is_set():
                 if cancel_deadline is None:
                     cancel_deadline = time.monotonic() + CANCEL_WAIT_SECONDS
@@ -179,9 +188,9 @@ class VertexLauncher:
                 errors = 0
             except Exception as exc:
                 errors += 1
-                if not _transient(exc) or errors > MAX_POLL_ERRORS:
+                if not _retry_poll(exc) or errors > MAX_POLL_ERRORS:
                     raise self._explain("get", exc) from exc
-                backoff = min(self.poll_seconds * 2**errors, 300.0)
+                backoff = backoff_seconds(self.poll_seconds, errors)
                 sink(f"polling {job.name} failed ({type(exc).__name__}: {exc}); retrying in {backoff:.0f}s")
                 time.sleep(backoff)
 
@@ -194,38 +203,157 @@ class VertexLauncher:
             raise self._explain(what, exc) from exc
 
     def _explain(self, what: str, exc: Exception) -> StepError:
-        """The SDK's error, with what to change when it is the user's to fix."""
-        name = type(exc).__name__
-        c = self.compute
-        hint = {
-            "PermissionDenied": (
-                "the Airflow workers' credentials need roles/aiplatform.user on the project and "
-                f"iam.serviceAccounts.actAs on {c.service_account or 'the Vertex AI service agent'}"
-            ),
-            "ResourceExhausted": (
-                f"quota exhausted for {c.machine_type}"
-                + (f" {c.tpu_topology}" if c.tpu_topology else "")
-                + f" in {self.location}: request more (IAM & Admin > Quotas) or set compute.{self.identity.stage}.region"
-            ),
-            "InvalidArgument": (
-                f"Vertex AI rejected the job: check compute.{self.identity.stage} (machine_type {c.machine_type}, "
-                f"tpu_topology {c.tpu_topology}, region {self.location}, image {c.image})"
-            ),
-            "NotFound": f"check the project ({self.project}) and region ({self.location})",
-            "Unauthenticated": "no valid Google credentials on the Airflow worker (gcloud auth application-default login, or workload identity)",
-        }.get(name)
-        text = f"Vertex AI {what} failed for stage {self.identity.stage}: {name}: {exc}"
-        return StepError(f"{text}; {hint}" if hint else text)
+        """The SDK's error, with which kind of failure it is and what to change when it is the user's."""
+        code = getattr(exc, "code", None)
+        status = code if isinstance(code, int) else type(exc).__name__
+        message = getattr(exc, "message", None) or str(exc)
+        headline = f"Vertex AI {what} failed for stage {self.identity.stage}: {type(exc).__name__}"
+        _, text = vertex_errors.explain(
+            headline, status, message, self.compute, self.identity.stage, self.location, self.project
+        )
+        return StepError(text)
+
+    def job_failure(self, job_name: str, state: str, code: int | str | None, message: str) -> str:
+        """Why a job ended without success: its own error, then which kind and what to change."""
+        how = (
+            "was cancelled" if state == "JOB_STATE_CANCELLED" else f"ended {state}" if state else "could not be watched"
+        )
+        headline = f"Vertex AI job {job_name} for stage {self.identity.stage} {how}"
+        if state == "JOB_STATE_CANCELLED":
+            return f"{headline}: {message or 'no error message'}"
+        _, text = vertex_errors.explain(
+            headline, code, message, self.compute, self.identity.stage, self.location, self.project, job_failed=True
+        )
+        return text
 
 
-def _transient(exc: Exception) -> bool:
-    return type(exc).__name__ in {
-        "ServiceUnavailable",
-        "InternalServerError",
-        "TooManyRequests",
-        "DeadlineExceeded",
-        "GatewayTimeout",
-        "BadGateway",
-        "ConnectionError",
-        "RetryError",
-    }
+def backoff_seconds(poll_seconds: float, errors: int) -> float:
+    """How long to wait after the ``errors``-th failed poll in a row: doubling, at most five minutes."""
+    return float(min(poll_seconds * 2**errors, 300.0))
+
+
+def _retry_poll(exc: Exception) -> bool:
+    return vertex_errors.retry_poll(vertex_errors.classify(type(exc).__name__, str(exc)))
+
+
+# --- asynchronous: what the deferrable operator's trigger runs in Airflow's triggerer -----------
+
+
+class VertexApiError(LoraflowError):
+    """A v1 REST call answered with Google's error JSON."""
+
+    def __init__(self, http_status: int, status: str, message: str) -> None:
+        super().__init__(f"HTTP {http_status} {status}: {message}")
+        self.http_status, self.status, self.message = http_status, status, message
+
+
+def endpoint_for(compute: ComputeSpec) -> str:
+    """The API endpoint a stage's jobs live at: ``LORAFLOW_VERTEX_ENDPOINT``, else the region's."""
+    return os.environ.get("LORAFLOW_VERTEX_ENDPOINT") or f"{vertex.location_for(compute)}-aiplatform.googleapis.com"
+
+
+class AsyncJobClient:
+    """``customJobs.get`` and ``customJobs.cancel`` over v1 REST with httpx, for an asyncio event loop.
+
+    An ``http://`` endpoint (the stand-in) is called without credentials; otherwise the
+    application default credentials' token is sent (refreshed in a thread: google-auth is blocking).
+    """
+
+    def __init__(self, endpoint: str, timeout: float = 60.0) -> None:
+        self.base = endpoint.rstrip("/") if "://" in endpoint else f"https://{endpoint.rstrip('/')}"
+        self.timeout = timeout
+        self._credentials: Any = None
+
+    async def _headers(self) -> dict[str, str]:
+        if self.base.startswith("http://"):
+            return {}
+        import asyncio
+
+        import google.auth
+        from google.auth.transport.requests import Request
+
+        if self._credentials is None:
+            self._credentials, _ = await asyncio.to_thread(
+                google.auth.default, scopes=["https://www.googleapis.com/auth/cloud-platform"]
+            )
+        if not self._credentials.valid:
+            await asyncio.to_thread(self._credentials.refresh, Request())
+        return {"Authorization": f"Bearer {self._credentials.token}"}
+
+    async def _call(self, method: str, path: str) -> dict[str, Any]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout) as http:
+            response = await http.request(method, f"{self.base}/v1/{path}", headers=await self._headers())
+        try:
+            payload = response.json() if response.content else {}
+        except ValueError:
+            payload = {"error": {"message": response.text[:500]}}
+        if response.status_code >= 400:
+            error = payload.get("error", {}) if isinstance(payload, dict) else {}
+            raise VertexApiError(
+                response.status_code,
+                error.get("status") or vertex_errors.status_name(response.status_code),
+                error.get("message") or response.reason_phrase,
+            )
+        return payload if isinstance(payload, dict) else {}
+
+    async def get(self, job_name: str) -> dict[str, Any]:
+        return await self._call("GET", job_name)
+
+    async def cancel(self, job_name: str) -> None:
+        await self._call("POST", f"{job_name}:cancel")
+
+
+def diagnose(exc: BaseException) -> vertex_errors.Diagnosis:
+    """The kind of a failed call of either client (REST error JSON, SDK exception, network error)."""
+    if isinstance(exc, VertexApiError):
+        return vertex_errors.classify(exc.status, exc.message)
+    return vertex_errors.classify(type(exc).__name__, str(exc))
+
+
+async def watch_job(
+    client: AsyncJobClient,
+    job_name: str,
+    poll_seconds: float,
+    sink: LineSink,
+    max_errors: int = MAX_POLL_ERRORS,
+) -> dict[str, Any]:
+    """Poll until the job reaches a terminal state and return its resource (REST JSON).
+
+    Failed polls that are transient (or read rate limits) are retried with backoff, ``max_errors``
+    in a row at most; any other failure is raised at once.
+    """
+    import asyncio
+
+    errors = 0
+    last = ""
+    while True:
+        try:
+            job = await client.get(job_name)
+            errors = 0
+        except Exception as exc:
+            errors += 1
+            if not vertex_errors.retry_poll(diagnose(exc)) or errors > max_errors:
+                raise
+            backoff = backoff_seconds(poll_seconds, errors)
+            sink(f"polling {job_name} failed ({type(exc).__name__}: {exc}); retrying in {backoff:.0f}s")
+            await asyncio.sleep(backoff)
+            continue
+        state = str(job.get("state", ""))
+        if state != last:
+            sink(f"{job_name}: {state}")
+            last = state
+        if state in TERMINAL:
+            return job
+        await asyncio.sleep(poll_seconds)
+
+
+def job_failure_message(
+    compute: ComputeSpec, stage: str, job_name: str, state: str, code: int | str | None, message: str
+) -> str:
+    """Why a job ended without success, for a caller holding only the spec and the job's name."""
+    m = re.fullmatch(r"projects/([^/]+)/locations/([^/]+)/customJobs/[^/]+", job_name)
+    project = m.group(1) if m else vertex.project_for(compute)
+    launcher = VertexLauncher(compute, vertex.JobIdentity("", "", stage, ""), "", project=project)
+    return launcher.job_failure(job_name, state, code, message)

@@ -27,6 +27,7 @@ class Upstream:
 
     stage: str
     fetch: bool = True  # False: only referenced (fingerprinted, not downloaded)
+    optional: bool = False  # True: the stage runs without it when that stage failed or was skipped
 
 
 Input = Source | Upstream
@@ -124,14 +125,20 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
             ctl,
             "loraflow.steps.publish",
             {"model": Upstream("merge_adapter", fetch=False), "decision": Upstream("gate")},
-            {"registry_uri": spec.registry_uri, "pipeline": spec.name},
+            {"registry_uri": spec.registry_uri, "pipeline": spec.name}
+            | (
+                {"vertex_model_registry": spec.publish.vertex_model_registry.model_dump(mode="json")}
+                if spec.publish.vertex_model_registry
+                else {}
+            ),
             cacheable=False,
         ),
         StagePlan(
             "report",
             ctl,
             "loraflow.steps.report",
-            {stage: Upstream(stage, fetch=False) for stage in REPORTED},
+            # Every input optional: the report also describes a run where a stage failed.
+            {stage: Upstream(stage, fetch=False, optional=True) for stage in REPORTED},
             {"pipeline": spec.name, "stages": [*REPORTED, "publish"]},
             cacheable=False,  # it reports this run: its cache hits, its publish outcome
         ),
@@ -185,5 +192,30 @@ def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
             entry["vertex_create_request"] = vertex.create_request(
                 compute, identity, argv, output_prefix(spec, run_id, sp.stage), compute.env
             )
+        if compute.launcher == "gke":
+            from loraflow import gke, vertex
+
+            identity = vertex.JobIdentity(spec.name, run_id, sp.stage, "CACHE_KEY")
+            entry["gke_jobset"] = gke.jobset(compute, identity, argv, compute.env)
         stages.append(entry)
-    return {"pipeline": spec.name, "run_id": run_id, "artifact_root": spec.artifact_root, "stages": stages}
+    described: dict[str, Any] = {
+        "pipeline": spec.name,
+        "run_id": run_id,
+        "artifact_root": spec.artifact_root,
+        "stages": stages,
+    }
+    if spec.handoff is not None:
+        # Two control tasks around the stages (operators/handoff.py): not stages, they commit no
+        # artifact; they claim the data team's dataset version and write the verdict beside it.
+        from loraflow import handoff
+
+        base = f"{spec.handoff.prefix}/{{version}}"
+        described["handoff"] = {
+            "first": {"task": handoff.PICK_TASK, "takes": f"{base}/ with {handoff.READY}, claims {handoff.CLAIM}"},
+            "last": {
+                "task": handoff.VERDICT_TASK,
+                "writes": f"{base}/{handoff.RESULT}",
+                "asset": handoff.verdict_asset_uri(spec),
+            },
+        }
+    return described

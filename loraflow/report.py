@@ -35,6 +35,32 @@ def browser_url(uri: str, emulator_host: str | None = None) -> str:
     return f"https://storage.cloud.google.com/{bucket}/{urllib.parse.quote(path)}"
 
 
+def site_url(uri: str, emulator_host: str | None = None) -> str:
+    """Like ``browser_url``, for a page that links to its neighbours (GX's data docs).
+
+    The emulator's download URL encodes the object path as one segment, which breaks a page's
+    relative links; its public-object route (``/BUCKET/PATH``) keeps the slashes, as the Cloud
+    console's URL does.
+    """
+    if not emulator_host:
+        return browser_url(uri)
+    bucket, path = gcs.split_uri(uri)
+    host = emulator_host.rstrip("/")
+    if "://" not in host:
+        host = "http://" + host
+    return f"{host}/{bucket}/{urllib.parse.quote(path)}"
+
+
+# Where validate_data keeps Great Expectations' data docs, under its stage prefix: with the committed
+# artifact, or with the rejection evidence (``_rejected/``) when the data broke its contract.
+DATA_DOCS_INDEX = "data_docs/index.html"
+REJECTED = "_rejected"
+
+
+def data_docs_uri(stage_prefix: str, rejected: bool = False) -> str:
+    return gcs.join(stage_prefix, *([REJECTED] if rejected else []), DATA_DOCS_INDEX)
+
+
 # ------------------------------------------------------------------------------------ samples
 
 
@@ -179,6 +205,7 @@ table{border-collapse:collapse;margin:.5rem 0;font-size:.9rem}th,td{border:1px s
 text-align:left;vertical-align:top}th{background:#f4f6f8}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .badge{display:inline-block;padding:.15rem .6rem;border-radius:1rem;font-weight:600;color:#fff}
 .yes{background:#188038}.no{background:#b3261e}.muted{color:#5f6368}.ok{color:#188038}.bad{color:#b3261e}
+.warn{color:#b06000}
 code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85rem}pre{white-space:pre-wrap;margin:0}
 .plot{max-width:100%;height:auto}ul.notes li{margin:.2rem 0}
 """
@@ -207,7 +234,27 @@ def _section(key: str, title: str, body: str) -> str:
     return f'<section id="{key}"><h2>{_e(title)}</h2>{body}</section>'
 
 
-def _verdict(decision: Mapping[str, Any] | None, publish: Mapping[str, Any] | None) -> str:
+def _failure(failure: Mapping[str, Any]) -> str:
+    out = (
+        f'<p><span class="badge no">RUN FAILED</span> at <code>{_e(failure.get("stage"))}</code> &mdash; '
+        f"{_e(failure.get('reason'))}</p>"
+    )
+    problems = failure.get("problems") or []
+    if problems:
+        out += "<ul class='notes'>" + "".join(f"<li class='bad'>{_e(p)}</li>" for p in problems) + "</ul>"
+    if failure.get("stage") == "validate_data":
+        out += (
+            "<p>Nothing was converted or trained. Fix the data (or the rule's thresholds or level under "
+            "<code>data.expectations</code> in the spec) and run again.</p>"
+        )
+    return out
+
+
+def _verdict(
+    decision: Mapping[str, Any] | None, publish: Mapping[str, Any] | None, failure: Mapping[str, Any] | None = None
+) -> str:
+    if failure:
+        return _failure(failure)
     if not decision:
         return '<p><span class="badge no">no decision</span> the gate did not run</p>'
     promoted = bool(decision.get("promote"))
@@ -284,6 +331,13 @@ def _gate_section(data: Mapping[str, Any]) -> str:
                 f"<p>Published as version <b>{_e(publish.get('version'))}</b>: "
                 f"<code>{_e(publish.get('version_uri'))}</code></p>"
             )
+            vertex = publish.get("vertex_model_registry")
+            if vertex:
+                aliases = ", ".join(vertex.get("version_aliases") or []) or "none"
+                out += (
+                    f"<p>Vertex AI Model Registry: <code>{_e(vertex.get('model'))}@{_e(vertex.get('version_id'))}</code>"
+                    f" (aliases: {_e(aliases)})</p>"
+                )
         else:
             out += f"<p>Not published: {_e(publish.get('reason'))}</p>"
     elif decision.get("promote") is False:
@@ -323,26 +377,45 @@ def _data_section(data: Mapping[str, Any]) -> str:
             )
     out = _table(["split", "file", "format", "rows", "tokens min / mean / max"], rows)
     ok = report.get("success")
+    warned = stats.get("warned_expectations") or 0
     out += (
         f"<p>Expectations: <b>{_e(stats.get('successful_expectations'))}</b> of "
-        f"{_e(stats.get('evaluated_expectations'))} passed "
+        f"{_e(stats.get('evaluated_expectations'))} passed"
+        + (f", <span class='warn'>{_e(warned)} warned</span>" if warned else "")
+        + " "
         + ('<span class="ok">(data contract holds)</span>' if ok else '<span class="bad">(contract broken)</span>')
         + "</p>"
     )
     exp_rows = [
         [
             _e(x.get("dataset")),
+            _e(x.get("rule")),
+            _e(x.get("level")),
             _e(x.get("check")),
             f"<code>{_e(x.get('type'))}</code>",
-            '<span class="ok">pass</span>' if x.get("success") else '<span class="bad">FAIL</span>',
-            _e(x.get("unexpected_count") if x.get("unexpected_count") is not None else ""),
+            _e(x.get("observed")),
+            _OUTCOME.get(str(x.get("outcome") or ("pass" if x.get("success") else "fail")), ""),
         ]
         for x in report.get("expectations", [])
     ]
-    out += _table(["split", "check", "expectation", "result", "unexpected"], exp_rows)
+    out += _table(["split", "rule", "level", "check", "expectation", "observed", "result"], exp_rows)
     for f in report.get("failures") or []:
         out += f"<p class='bad'>{_e(f)}</p>"
+    for w in report.get("warnings") or []:
+        out += f"<p class='warn'>warning: {_e(w)}</p>"
+    if data.get("data_docs_url"):
+        out += (
+            f'<p>Great Expectations data docs: <a href="{_e(data["data_docs_url"])}">'
+            f"<code>{_e(data.get('data_docs'))}</code></a></p>"
+        )
     return out
+
+
+_OUTCOME = {
+    "pass": '<span class="ok">pass</span>',
+    "warn": '<span class="warn">WARN</span>',
+    "fail": '<span class="bad">FAIL</span>',
+}
 
 
 def _samples_section(data: Mapping[str, Any]) -> str:
@@ -417,7 +490,7 @@ def render(data: Mapping[str, Any]) -> str:
     """The report page for one run. ``data`` is what ``loraflow.steps.report`` collects."""
     title = f"{data.get('pipeline', 'pipeline')} · run {data.get('run_id', '?')}"
     sections = [
-        _section("verdict", "Verdict", _verdict(data.get("decision"), data.get("publish"))),
+        _section("verdict", "Verdict", _verdict(data.get("decision"), data.get("publish"), data.get("failure"))),
         _section("metrics", "Before vs after", _metrics_section(data)),
         _section("gate", "Gate decision", _gate_section(data)),
         _section("training", "Training loss", _training_section(data)),

@@ -14,6 +14,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loraflow.errors import SpecError
+from loraflow.expectations import MOVED as MOVED_DATA_KEYS
+from loraflow.expectations import RULES as EXPECTATION_RULES
+from loraflow.expectations import DataExpectations, moved_keys_message
 
 STAGES = (
     "validate_data",
@@ -26,6 +29,8 @@ STAGES = (
     "publish",
     "report",
 )
+# data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/handoff.py).
+HANDOFF_VERSION = "{version}"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _CRON_FIELD = re.compile(r"^[\d*/,\-A-Za-z?LW#]+$")
 # libyaml's safe loader where present (about 8x faster: DAG parsing reads every spec), else Python's.
@@ -66,12 +71,21 @@ class DataSpec(_Model):
 
     train: GsUri = Field(description="training dataset: one JSONL or Parquet file (prompt/completion or messages)")
     eval: GsUri = Field(description="held-out eval set, same formats")
-    min_rows: int = Field(100, ge=1, description="fewest training rows accepted")
-    min_tokens: int = Field(1, ge=0, description="fewest tokens an example may have")
-    max_tokens: int = Field(512, ge=8, description="most tokens an example may have (chat-rendered)")
-    max_duplicate_fraction: float = Field(0.0, ge=0, le=1, description="share of duplicate examples tolerated")
+    expectations: DataExpectations = Field(
+        default_factory=DataExpectations,
+        description="the data contract: rules " + ", ".join(EXPECTATION_RULES) + ", each {level: fail|warn, "
+        "...thresholds} (see loraflow/expectations.py)",
+    )
 
     _uris = field_validator("train", "eval")(_gs_uri)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        moved = [k for k in MOVED_DATA_KEYS if isinstance(data, dict) and k in data]
+        if moved:
+            raise ValueError(moved_keys_message(moved))
+        return data
 
 
 class LoraSpec(_Model):
@@ -119,8 +133,39 @@ class GateSpec(_Model):
     bootstrap_samples: int = Field(2000, ge=100)
 
 
+class VertexModelRegistrySpec(_Model):
+    """Also register each promoted model in Vertex AI Model Registry (one model per pipeline, a
+    version per promotion, the ``champion`` alias mirroring the GCS registry's)."""
+
+    project: str | None = Field(
+        None, description="GCP project; default LORAFLOW_VERTEX_PROJECT or GOOGLE_CLOUD_PROJECT"
+    )
+    region: str = Field("us-central1", description="Vertex AI region of the registry")
+    display_name: str | None = Field(None, description="the model's display name; default the pipeline's name")
+    serving_container_image: str = Field(description="container image that serves the merged model (e.g. vLLM)")
+    serving_container_args: list[str] = Field(default_factory=list, description="arguments of the serving container")
+    labels: dict[str, str] = Field(default_factory=dict, description="extra labels on every version")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k, val in v.items() if not _LABEL.match(k) or not _LABEL_VALUE.match(val)]
+        if bad:
+            raise ValueError(
+                f"label(s) {bad} are not Vertex AI labels; use lowercase letters, digits, '-' and '_' (max 63)"
+            )
+        return v
+
+
+_LABEL = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+
+
 class PublishSpec(_Model):
     registry: GsUri | None = Field(None, description="registry prefix; default {artifact_root}/_registry")
+    vertex_model_registry: VertexModelRegistrySpec | None = Field(
+        None, description="also register promoted models in Vertex AI Model Registry"
+    )
 
     _uris = field_validator("registry")(lambda v: v if v is None else _gs_uri(v))
 
@@ -136,6 +181,37 @@ class ComputeSpec(_Model):
     region: str | None = None
     service_account: str | None = None
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the step")
+    deferrable: bool = Field(
+        True,
+        description="vertex: wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)",
+    )
+    network: str | None = Field(
+        None, description="vertex: VPC network to peer the job with, projects/PROJECT_NUMBER/global/networks/NAME"
+    )
+    reserved_ip_ranges: list[str] = Field(
+        default_factory=list, description="vertex: names of reserved IP ranges in that network for the job"
+    )
+    reservation: str | None = Field(
+        None, description="vertex: consume this reservation, projects/P/zones/Z/reservations/NAME"
+    )
+    spot: bool = Field(False, description="vertex: run on Spot capacity (cheaper, preemptible)")
+    namespace: str | None = Field(None, description="gke: Kubernetes namespace of the JobSet (default: default)")
+    kubernetes_service_account: str | None = Field(
+        None, description="gke: the pods' Kubernetes service account (Workload Identity maps it to a Google one)"
+    )
+    node_pool: str | None = Field(None, description="gke: run only on this node pool (cloud.google.com/gke-nodepool)")
+
+    @model_validator(mode="after")
+    def _vertex_options(self) -> ComputeSpec:
+        if self.reserved_ip_ranges and not self.network:
+            raise ValueError("reserved_ip_ranges need a network; set network or remove reserved_ip_ranges")
+        if self.reservation and self.spot:
+            raise ValueError("Spot capacity cannot consume a reservation; set spot: false or remove reservation")
+        if self.reservation is not None and not re.fullmatch(
+            r"projects/[^/]+/zones/[^/]+/reservations/[^/]+", self.reservation
+        ):
+            raise ValueError(f"reservation {self.reservation!r} is not projects/PROJECT/zones/ZONE/reservations/NAME")
+        return self
 
     @model_validator(mode="after")
     def _remote_needs(self) -> ComputeSpec:
@@ -149,6 +225,57 @@ class ComputeSpec(_Model):
         return self
 
 
+class RetrySpec(_Model):
+    """How Airflow retries a stage whose step program crashed (killed host, OOM, lost connection).
+
+    A step that refuses its input (bad data, a bad spec) fails at once: retrying cannot help.
+    A retry never redoes committed work (a committed stage is reused; lora_sft resumes from its
+    newest checkpoint in GCS)."""
+
+    retries: int = Field(2, ge=0, le=10, description="retries per task after its first try")
+    delay_seconds: float = Field(30, ge=0, le=3600, description="wait before the first retry")
+    backoff: float = Field(2.0, ge=1, le=10, description="each further retry waits this many times longer")
+    max_delay_seconds: float = Field(600, ge=0, description="longest wait between two tries")
+
+
+_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
+_SECRET_FIELD = re.compile(r"^(password|login|host|extra\.[A-Za-z0-9_.-]+)$")
+
+
+class SecretSpec(_Model):
+    """A secret a step program needs (an HF token, a service-account key), named, never written down.
+
+    The spec holds the Airflow connection id; the value is read from Airflow's connections (or its
+    secrets backend) when the task runs, masked in the task log, and handed to the step program
+    only as an environment variable."""
+
+    connection: str = Field(description="Airflow connection id holding the secret, e.g. huggingface_default")
+    field: str = Field("password", description="which part of the connection: password, login, host or extra.KEY")
+    stages: list[str] | None = Field(None, description="stages that receive it; null = every stage")
+
+    @field_validator("connection")
+    @classmethod
+    def _conn_id(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_.-]{1,250}$", v):
+            raise ValueError(f"{v!r} is not a connection id; use letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("field")
+    @classmethod
+    def _field(cls, v: str) -> str:
+        if not _SECRET_FIELD.match(v):
+            raise ValueError(f"{v!r} is not a connection field; use password, login, host or extra.KEY")
+        return v
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, v: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(v or []) - set(STAGES))
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; use stages of {list(STAGES)}")
+        return v
+
+
 class ParamSpec(_Model):
     """A setting a person may change when triggering a run from the UI."""
 
@@ -159,10 +286,62 @@ class ParamSpec(_Model):
     enum: list[Any] | None = None
 
 
+class HandoffSpec(_Model):
+    """Where a data team hands over dataset versions (see docs/data-handoff.md).
+
+    Each version is a folder ``{prefix}/{version}/`` holding the train and eval files and, written
+    last, a ``_READY`` marker. A run takes one version and writes ``_RESULT.json`` beside it."""
+
+    prefix: GsUri = Field(description="gs:// folder whose subfolders are dataset versions")
+    train: str = Field("train.jsonl", description="training file name inside a version folder")
+    eval: str = Field("eval.jsonl", description="eval file name inside a version folder")
+
+    _uris = field_validator("prefix")(_gs_uri)
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _file_name(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", v) or v.startswith("_"):
+            raise ValueError(f"{v!r} is not a file name; write a plain name such as train.jsonl (no folders)")
+        return v
+
+
+NotifyEvent = Literal["failure", "promotion", "verdict"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("failure", "promotion", "verdict")
+
+
+class NotifySpec(_Model):
+    """Where failure and promotion notices go (Airflow notifiers, operators/notifiers.py)."""
+
+    kind: Literal["file", "webhook"] = Field(
+        description="file: append one JSON line per notice; webhook: POST JSON to an Airflow HTTP connection"
+    )
+    path: str | None = Field(None, description="file: the absolute path of the file on the Airflow workers")
+    connection: str | None = Field(None, description="webhook: the Airflow connection id holding the URL (host)")
+    events: list[NotifyEvent] = Field(
+        default_factory=lambda: list(NOTIFY_EVENTS),
+        description="which notices: failure (a task failed), promotion (a model was promoted), verdict (hand-off)",
+    )
+
+    @model_validator(mode="after")
+    def _target(self) -> NotifySpec:
+        if self.kind == "file" and not (self.path and self.path.startswith("/")):
+            raise ValueError("a file notifier needs path: an absolute file path, e.g. /var/log/loraflow/notices.jsonl")
+        if self.kind == "webhook" and not (self.connection and re.match(r"^[A-Za-z0-9_.-]{1,250}$", self.connection)):
+            raise ValueError(
+                "a webhook notifier needs connection: the id of an Airflow HTTP connection holding the URL"
+            )
+        return self
+
+
 ScheduleSpec = Annotated[
     str | dict[str, str] | None,
     Field(description="null (manual), a cron expression or preset, or {asset: gs://...}"),
 ]
+
+
+# Sections a trigger-time param may not override.
+_FIXED_AT_TRIGGER = {"name", "artifact_root", "compute", "params", "schedule", "retry", "secrets", "handoff", "notify"}
 
 
 class PipelineSpec(_Model):
@@ -178,10 +357,48 @@ class PipelineSpec(_Model):
     gate: GateSpec = GateSpec()
     publish: PublishSpec = PublishSpec()
     compute: dict[str, ComputeSpec] = Field(default_factory=dict, description="per stage (or 'default') where it runs")
+    retry: RetrySpec = RetrySpec()
+    secrets: dict[str, SecretSpec] = Field(
+        default_factory=dict, description="environment variable name -> the Airflow connection holding its value"
+    )
+    handoff: HandoffSpec | None = Field(
+        None,
+        description="take the dataset from a data team's hand-off: {prefix: gs://..., train, eval} "
+        "(docs/data-handoff.md)",
+    )
+    notify: list[NotifySpec] = Field(
+        default_factory=list,
+        description="notifiers: [{kind: file, path} | {kind: webhook, connection}, events: "
+        "[failure, promotion, verdict]] (docs/data-handoff.md)",
+    )
     params: list[ParamSpec] = Field(default_factory=list, description="settings overridable at trigger time")
     tags: list[str] = Field(default_factory=list, description="extra Airflow DAG tags (loraflow is always one)")
 
     _uris = field_validator("artifact_root")(_gs_uri)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _handoff_dataset(cls, data: Any) -> Any:
+        """With a hand-off, data.train/data.eval name the files inside the version a run picks."""
+        if not isinstance(data, dict) or not isinstance(data.get("handoff"), dict):
+            return data
+        prefix = str(data["handoff"].get("prefix", "")).rstrip("/")
+        section = dict(data.get("data") or {})
+        for split in ("train", "eval"):
+            name = data["handoff"].get(split, f"{split}.jsonl")
+            given = section.get(split)
+            if given is None:
+                section[split] = f"{prefix}/{HANDOFF_VERSION}/{name}"
+            elif not (
+                isinstance(given, str)
+                and given.startswith(prefix + "/")
+                and given.endswith("/" + str(name))
+                and given[len(prefix) + 1 : -len(str(name)) - 1].count("/") == 0
+            ):
+                raise ValueError(
+                    f"data.{split} is taken from the hand-off ({prefix}/{HANDOFF_VERSION}/{name}); remove data.{split}"
+                )
+        return {**data, "data": section}
 
     @field_validator("name")
     @classmethod
@@ -214,6 +431,20 @@ class PipelineSpec(_Model):
             raise ValueError(f"unknown stage(s) {unknown}; use 'default' or one of {list(STAGES)}")
         return v
 
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: dict[str, SecretSpec]) -> dict[str, SecretSpec]:
+        reserved = {"PATH", "HOME", "LANG", "TMPDIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "JAX_PLATFORMS"}
+        bad = sorted(
+            k for k in v if not _ENV_NAME.match(k) or k in reserved or k.startswith(("LORAFLOW_", "PYTHON", "AIRFLOW"))
+        )
+        if bad:
+            raise ValueError(
+                f"secret name(s) {bad} are not usable environment variable names; use upper-case names such "
+                "as HF_TOKEN (not PATH, HOME or the like, not starting with LORAFLOW_, PYTHON or AIRFLOW)"
+            )
+        return v
+
     @model_validator(mode="after")
     def _params_resolve(self) -> PipelineSpec:
         problems = []
@@ -229,7 +460,7 @@ class PipelineSpec(_Model):
                 continue
             if isinstance(value, (dict, list, BaseModel)):
                 problems.append(f"{p.path} is a section, not a single setting")
-            if p.path.split(".")[0] in {"name", "artifact_root", "compute", "params", "schedule"}:
+            if p.path.split(".")[0] in _FIXED_AT_TRIGGER:
                 problems.append(f"{p.path} cannot be overridden at trigger time")
         if problems:
             raise ValueError("params: " + "; ".join(problems))

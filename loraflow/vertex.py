@@ -26,6 +26,8 @@ from loraflow.spec import ComputeSpec
 JOB_LABEL = "loraflow-job"
 DEFAULT_LOCATION = "us-central1"
 PLACEHOLDER_PROJECT = "PROJECT"
+# The label a specific Compute Engine reservation is selected by (machineSpec.reservationAffinity).
+RESERVATION_KEY = "compute.googleapis.com/reservation-name"
 # What every replica gets from loraflow, besides the spec's compute.env.
 BASE_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -101,6 +103,12 @@ def machine_spec(compute: ComputeSpec) -> dict[str, Any]:
             count = counts.get(m.group(1)) if counts is not None else int(m.group(1))
             if count:
                 spec |= {"acceleratorType": accelerator, "acceleratorCount": count}
+    if compute.reservation:
+        spec["reservationAffinity"] = {
+            "reservationAffinityType": "SPECIFIC_RESERVATION",
+            "key": RESERVATION_KEY,
+            "values": [compute.reservation],
+        }
     return spec
 
 
@@ -163,6 +171,12 @@ def custom_job(
     }
     if compute.service_account:
         job_spec["serviceAccount"] = compute.service_account
+    if compute.network:
+        job_spec["network"] = compute.network
+    if compute.reserved_ip_ranges:
+        job_spec["reservedIpRanges"] = list(compute.reserved_ip_ranges)
+    if compute.spot:
+        job_spec["scheduling"] = {"strategy": "SPOT"}
     return {"displayName": identity.display_name, "jobSpec": job_spec, "labels": identity.labels}
 
 

@@ -11,6 +11,8 @@ from airflow.sdk import DAG, Asset, Param
 from loraflow.errors import SpecError
 from loraflow.plan import stage_plans
 from loraflow.spec import PipelineSpec, discover, get_path, load_spec, param_name
+from operators.handoff import wrap_in_handoff
+from operators.notifiers import attach_notifiers
 from operators.stages import OPERATORS
 
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -35,6 +37,31 @@ def trigger_params(spec: PipelineSpec) -> dict[str, Param]:
     return params
 
 
+# Failures a retry cannot fix: the step refused its input, the spec or trigger parameters are invalid.
+_NOT_RETRIED: list[type[BaseException] | str] = [
+    "loraflow.launch.StepRefused",
+    "loraflow.errors.SpecError",
+    "loraflow.errors.DataValidationError",
+]
+
+
+def retry_args(spec: PipelineSpec) -> dict[str, Any]:
+    """Every task's retries from the spec's ``retry`` section: crashes are retried with exponential
+    backoff, refused input fails at once."""
+    from airflow.sdk.definitions.retry_policy import ExceptionRetryPolicy, RetryAction, RetryRule
+
+    r = spec.retry
+    return {
+        "retries": r.retries,
+        "retry_delay": dt.timedelta(seconds=r.delay_seconds),
+        "retry_exponential_backoff": r.backoff if r.backoff > 1 else 0,
+        "max_retry_delay": dt.timedelta(seconds=r.max_delay_seconds),
+        "retry_policy": ExceptionRetryPolicy(
+            [RetryRule(exception=_NOT_RETRIED, action=RetryAction.FAIL, reason="refused input: a retry cannot help")]
+        ),
+    }
+
+
 def _schedule(spec: PipelineSpec) -> Any:
     if isinstance(spec.schedule, dict):
         return [Asset(spec.schedule["asset"])]
@@ -52,15 +79,20 @@ def build_dag(spec: PipelineSpec, source: Path) -> DAG:
         start_date=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         catchup=False,
         max_active_runs=4,
-        params=trigger_params(spec),
         tags=["loraflow", *spec.tags],
-        default_args={"retries": 0},
+        default_args=retry_args(spec),
     ) as dag:
         spec_data = spec.model_dump(mode="json")
-        tasks = {stage: OPERATORS[stage](spec=spec_data) for stage in plans}
+        tasks = {stage: OPERATORS[stage].for_spec(spec_data) for stage in plans}
         for stage, plan in plans.items():
-            for upstream in plan.upstream:
-                tasks[upstream] >> tasks[stage]
+            tasks[stage].set_upstream([tasks[upstream] for upstream in plan.upstream])
+        if spec.handoff is not None:
+            wrap_in_handoff(spec_data, list(tasks.values()))
+        attach_notifiers(spec, dag)
+    # The trigger form's Params go on the DAG after its tasks exist: Airflow deep-copies the DAG's
+    # params into every task it constructs (most of the parse time with 50 specs), and a task reads
+    # them from its DAG at run time anyway. Assigning runs the DAG's own conversion and validation.
+    dag.params = trigger_params(spec)  # type: ignore[assignment]
     return dag
 
 

@@ -7,11 +7,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
-from loraflow import gcs, runner
+from loraflow import artifacts, gcs, handoff, launch_vertex, runner, vertex, vertex_errors
+from loraflow.errors import StepError
 from loraflow.launch import KillSwitch
-from loraflow.plan import stage_plans
-from loraflow.report import browser_url
+from loraflow.plan import output_prefix, stage_plans
+from loraflow.report import browser_url, data_docs_uri, site_url
 from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
+from operators.connections import resolve_secrets
+from operators.links import ArtifactsLink, VertexJobLink, _XComLink, artifacts_url
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
@@ -24,17 +27,38 @@ def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
     return with_overrides(base, overrides) if overrides else base
 
 
+def run_spec(spec: dict[str, Any], context: Context) -> PipelineSpec:
+    """``resolve_spec`` for the running task; a hand-off pipeline also reads the dataset version
+    its pick_dataset task took (operators/handoff.py)."""
+    resolved = resolve_spec(spec, dict(context["params"]))
+    if resolved.handoff is None:
+        return resolved
+    picked = context["ti"].xcom_pull(task_ids=handoff.PICK_TASK) or {}
+    if not picked.get("version"):
+        raise handoff.HandoffError(f"{handoff.PICK_TASK} took no dataset version in this run; run the whole DAG")
+    return handoff.apply_version(resolved, str(picked["version"]))
+
+
 class LoraflowStageOperator(BaseOperator):
     """Runs one stage's step program and pushes its manifest URI (never its data) to XCom."""
 
     stage: ClassVar[str]
+    default_trigger_rule: ClassVar[str] = "all_success"
     ui_color = "#e8f0fe"
+    operator_extra_links: tuple[BaseOperatorLink, ...] = (VertexJobLink(), ArtifactsLink())
+    spec: dict[str, Any]  # the pipeline spec as JSON data, attached by for_spec()
+    _kill_switch: KillSwitch | None = None  # made in execute(): operators get deep-copied
 
-    def __init__(self, *, spec: dict[str, Any], **kwargs: Any) -> None:
-        kwargs.setdefault("task_id", self.stage)
-        super().__init__(**kwargs)
-        self.spec = spec
-        self._kill_switch: KillSwitch | None = None  # made in execute(): operators get deep-copied
+    # No __init__ here (nor in subclasses): Airflow wraps every __init__ in the class hierarchy and
+    # deep-copies the DAG's params once per wrapped level, which made DAG parsing slow.
+    @classmethod
+    def for_spec(cls, spec: dict[str, Any], **kwargs: Any) -> LoraflowStageOperator:
+        """This stage's task for a pipeline spec (JSON data), in the DAG being defined."""
+        kwargs.setdefault("task_id", cls.stage)
+        kwargs.setdefault("trigger_rule", cls.default_trigger_rule)
+        op = cls(**kwargs)
+        op.spec = spec
+        return op
 
     def upstream_manifests(self, context: Context, spec: PipelineSpec) -> dict[str, str]:
         ti = context["ti"]
@@ -46,7 +70,11 @@ class LoraflowStageOperator(BaseOperator):
         return out
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = resolve_spec(self.spec, dict(context["params"]))
+        spec = run_spec(self.spec, context)
+        secrets = resolve_secrets(spec, self.stage)
+        compute = spec.compute_for(self.stage)
+        if compute.launcher == "vertex" and compute.deferrable and not secrets:
+            return self.execute_deferrable(context, spec)
         self._kill_switch = KillSwitch()
         result = runner.run_stage(
             spec,
@@ -55,19 +83,132 @@ class LoraflowStageOperator(BaseOperator):
             self.upstream_manifests(context, spec),
             self.log.info,
             self._kill_switch,
+            secrets=secrets,
         )
+        return self.done(context, spec, result)
+
+    def done(self, context: Context, spec: PipelineSpec, result: runner.StageResult) -> dict[str, Any]:
+        """Log the result, declare lineage, link the artifacts; the XCom value (both paths end here)."""
         self.log.info("%s %s: %s", self.stage, "reused" if result.cached else "committed", result.manifest)
         for key, value in result.summary.items():
             self.log.info("  %s = %s", key, value)
+        self.declare_lineage(spec, self.upstream_manifests(context, spec), result.manifest)
+        prefix = result.manifest.rsplit("/", 1)[0]
+        url = artifacts_url(prefix, os.environ.get("STORAGE_EMULATOR_HOST"))
+        context["ti"].xcom_push(key=ArtifactsLink().xcom_key, value=url)
         return result.to_xcom()
+
+    def declare_lineage(self, spec: PipelineSpec, upstream: dict[str, str], manifest: str) -> None:
+        """Inlets: the stage's inputs (sources, upstream stages' prefixes); outlet: its committed prefix."""
+        from airflow.sdk import Asset
+
+        inputs = runner.resolve_inputs(stage_plans(spec)[self.stage], upstream)
+        uris = [uri.rsplit("/", 1)[0] if uri.endswith("/" + artifacts.MANIFEST) else uri for uri in inputs.values()]
+        self.inlets = [Asset(uri) for uri in dict.fromkeys(uris)]
+        self.outlets = [Asset(manifest.rsplit("/", 1)[0])]
+
+    def execute_deferrable(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:
+        """A vertex stage: submit (or reattach to) its job, then wait in the triggerer, not in this worker slot."""
+        from operators.triggers import VertexJobTrigger
+
+        prepared = runner.prepare_stage(
+            spec, self.stage, context["run_id"], self.upstream_manifests(context, spec), self.log.info
+        )
+        if isinstance(prepared, runner.StageResult):  # a cache hit: nothing to submit
+            return self.done(context, spec, prepared)
+        self._kill_switch = KillSwitch()  # killed before it defers: the launcher cancels the job
+        remote = runner.vertex_launcher(spec, prepared, context["run_id"], self.dag_id)
+        self._kill_switch.arm(remote)
+        compute = prepared.compute
+        self.log.info(
+            "launching %s on Vertex AI (%s x %s), output %s",
+            prepared.plan.module,
+            compute.machine_type,
+            compute.hosts,
+            prepared.prefix,
+        )
+        job = remote.submit(prepared.argv("python"), self.log.info, compute.env)
+        context["ti"].xcom_push(key=VertexJobLink().xcom_key, value=vertex.console_url(job.name))
+        resume = {"job_name": job.name, "prefix": prepared.prefix, "cache_key": prepared.cache_key}
+        if launch_vertex.state_name(job.state) == launch_vertex.SUCCEEDED:  # reattached to a finished job
+            return self.execute_complete(context, {"status": "success", "state": launch_vertex.SUCCEEDED}, **resume)
+        self.log.info("deferring: the triggerer polls %s every %.0fs", job.name, remote.poll_seconds)
+        self.defer(
+            trigger=VertexJobTrigger(
+                job_name=job.name, endpoint=remote.endpoint, stage=self.stage, poll_seconds=remote.poll_seconds
+            ),
+            method_name="execute_complete",
+            kwargs=resume,
+        )
+
+    def execute_complete(
+        self, context: Context, event: dict[str, Any], job_name: str, prefix: str, cache_key: str
+    ) -> dict[str, Any]:
+        """Back from the trigger: the job's outcome. Success: verify the manifest, fill the cache."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        spec = run_spec(self.spec, context)
+        if event.get("status") != "success":
+            message = launch_vertex.job_failure_message(
+                spec.compute_for(self.stage),
+                self.stage,
+                job_name,
+                str(event.get("state") or ""),
+                event.get("code"),
+                str(event.get("message", "")),
+            )
+            diagnosis = vertex_errors.classify(event.get("code"), str(event.get("message", "")), job_failed=True)
+            self.log.error("%s", message)
+            if diagnosis.users:  # retrying the same request cannot help: fail without using up retries
+                raise AirflowFailException(message)
+            raise StepError(message)
+        self.log.info("Vertex AI job %s succeeded", job_name)
+        return self.done(context, spec, runner.finish_stage(spec, self.stage, prefix, cache_key))
 
     def on_kill(self) -> None:
         if self._kill_switch is not None:
             self._kill_switch.kill()
 
 
+class DataDocsLink(_XComLink):
+    """'Data docs' on validate_data: Great Expectations' HTML data docs of the train and eval checks,
+    beside the committed dataset, or beside the rejection evidence when the data broke its contract."""
+
+    name = "Data docs"
+
+
 class ValidateDataOperator(LoraflowStageOperator):
     stage = "validate_data"
+    operator_extra_links = (DataDocsLink(), VertexJobLink(), ArtifactsLink())
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        try:
+            return super().execute(context)
+        except Exception:
+            try:
+                self.link_data_docs(context, committed=None)
+            except Exception as exc:  # the link is a convenience: never hide the stage's own error
+                self.log.warning("no data docs link: %s", exc)
+            raise
+
+    def done(self, context: Context, spec: PipelineSpec, result: runner.StageResult) -> dict[str, Any]:
+        out = super().done(context, spec, result)
+        self.link_data_docs(context, committed=result.manifest.rsplit("/", 1)[0])
+        return out
+
+    def link_data_docs(self, context: Context, committed: str | None) -> None:
+        """Point the 'Data docs' link at the committed artifact's data docs, or the rejected data's."""
+        if committed is None:
+            prefix = output_prefix(run_spec(self.spec, context), context["run_id"], self.stage)
+            uri = data_docs_uri(prefix, rejected=True)
+            bucket, path = gcs.split_uri(uri)
+            if not gcs.client().bucket(bucket).blob(path).exists():
+                return  # the files could not be read: GX never ran, the task log says why
+        else:
+            uri = data_docs_uri(committed)
+        url = site_url(uri, os.environ.get("STORAGE_EMULATOR_HOST"))
+        context["ti"].xcom_push(key=DataDocsLink().xcom_key, value=url)
+        self.log.info("Great Expectations data docs: %s (%s)", url, uri)
 
 
 class ConvertCheckpointOperator(LoraflowStageOperator):
@@ -129,23 +270,37 @@ class ReportLink(BaseOperatorLink):
 
 
 class ReportOperator(LoraflowStageOperator):
-    """Writes the run report after publish, also for a run the gate did not promote (publish skipped)."""
+    """Writes the run report after every other task ended, however it ended: after publish, after a
+    gate that did not promote (publish skipped), and after a failed stage (it says what failed and
+    why). When a stage failed, the report task fails too once the report is written, so the run
+    stays failed in Airflow (its state follows its last task)."""
 
     stage = "report"
     ui_color = "#e6f4ea"
-    operator_extra_links = (ReportLink(),)
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("trigger_rule", "none_failed_min_one_success")
-        super().__init__(**kwargs)
+    operator_extra_links = (ReportLink(), ArtifactsLink())
+    default_trigger_rule = "all_done"
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from airflow.sdk.exceptions import AirflowFailException
+
         result = super().execute(context)
         uri = result["summary"].get("report") or gcs.join(result["manifest"].rsplit("/", 1)[0], "report.html")
         url = browser_url(uri, os.environ.get("STORAGE_EMULATOR_HOST"))
         context["ti"].xcom_push(key=ReportLink().xcom_key, value=url)
         self.log.info("run report: %s (%s)", url, uri)
+        failed = self.failed_tasks(context)
+        if failed:
+            raise AirflowFailException(
+                f"the run failed ({', '.join(failed)} did not succeed); the report says what failed and why: {url}"
+            )
         return result
+
+    def failed_tasks(self, context: Context) -> list[str]:
+        """The run's tasks that failed (or could not run because an upstream failed)."""
+        ti = context["ti"]
+        states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])
+        per_task = states.get(ti.run_id) or {}  # {run_id: {task_id: state}}
+        return sorted(t for t, state in per_task.items() if state in ("failed", "upstream_failed") and t != ti.task_id)
 
 
 OPERATORS: dict[str, type[LoraflowStageOperator]] = {

@@ -27,6 +27,9 @@ pulls (an image missing from ``images`` fails the job, nothing is pulled), netwo
 scheduling / restart-on-failure, preemption, the long-running-operation and paging surfaces, list
 filters beyond ``labels.K="V"`` / ``display_name="V"`` joined by AND, other APIs (model upload,
 pipelines, hyperparameter tuning), persistence across restarts and the gRPC transport.
+The Model Registry surface (``ModelRegistryStandIn``, ``standin.models``) is described there.
+``faults`` lets a test make the next requests fail with a given HTTP status (a transient outage);
+``routes`` is the list of served APIs, one (pattern, handler) pair each.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ from loraflow.local_gcs import free_port
 
 TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
 _JOBS = re.compile(r"^/v1/(projects/[^/]+/locations/[^/]+)/customJobs(?:/([^/:]+))?(:cancel)?$")
+# The aiplatform client polls long-running operations on /ui/{name}, as Vertex serves them; the rest on /v1.
+_MODELS = re.compile(
+    r"^/(?:v1|ui)/(projects/[^/]+/locations/[^/]+)/models"
+    r"(?:(:upload)|/([^/:]+)(?:(:listVersions|:mergeVersionAliases)|/operations/([^/:]+))?)?$"
+)
 _TERM = re.compile(r'^\s*(labels\.[a-z][a-z0-9_-]*|display_name|displayName)\s*=\s*"([^"]*)"\s*$')
 
 
@@ -85,6 +93,13 @@ class VertexStandIn:
         self.creates = 0  # create calls answered: a reattaching retry does not add one
         self.states: dict[str, list[str]] = {}  # job id -> every state it went through
         self._jobs: dict[str, _Job] = {}
+        # (HTTP code, status) answered to the next requests instead of serving them: transient API errors.
+        self.faults: list[tuple[int, str]] = []
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
+        # (path pattern, handler(method, match, query, body) -> (HTTP code, JSON)): one pair per API served.
+        self.routes: list[tuple[re.Pattern[str], Any]] = [(_JOBS, self._custom_jobs)]
+        self.models = ModelRegistryStandIn(state_delay)  # Model Registry: models:upload, get, list, aliases
+        self.routes.append((_MODELS, self.models.route))
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), self._handler())
         self._server.daemon_threads = True
@@ -155,9 +170,19 @@ class VertexStandIn:
         return Handler
 
     def _route(self, method: str, path: str, query: dict[str, list[str]], body: bytes) -> tuple[int, Any]:
-        m = _JOBS.match(path)
-        if not m:
-            raise ApiError(404, "NOT_FOUND", f"the stand-in does not serve {method} {path}")
+        """Dispatch to the first of ``self.routes`` whose pattern matches the path (add a pair for a new API)."""
+        with self._lock:
+            self.requests.append((method, path))
+            if self.faults:
+                code, status = self.faults.pop(0)
+                raise ApiError(code, status, f"injected by the test: {status}")
+        for pattern, handler in self.routes:
+            m = pattern.match(path)
+            if m:
+                return handler(method, m, query, body)
+        raise ApiError(404, "NOT_FOUND", f"the stand-in does not serve {method} {path}")
+
+    def _custom_jobs(self, method: str, m: re.Match[str], query: dict[str, list[str]], body: bytes) -> tuple[int, Any]:
         parent, job_id, cancel = m.groups()
         if method == "POST" and job_id is None:
             return 200, self._create(parent, body)
@@ -172,7 +197,7 @@ class VertexStandIn:
         if method == "POST" and cancel:
             self._cancel(job)
             return 200, {}
-        raise ApiError(405, "UNIMPLEMENTED", f"{method} {path} is not a customJobs method")
+        raise ApiError(405, "UNIMPLEMENTED", f"{method} {m.group(0)} is not a customJobs method")
 
     def _create(self, parent: str, body: bytes) -> dict[str, Any]:
         try:
@@ -339,3 +364,200 @@ class VertexStandIn:
                 )
                 out.close()
         return None
+
+
+def replica_env(repo: Path, extra: Mapping[str, str] = {}) -> dict[str, str]:
+    """What a replica of the stand-in needs from "the image": PATH, the repository on PYTHONPATH, CPU JAX."""
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    return env | {"PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"} | dict(extra)
+
+
+def endpoint_env(standin: VertexStandIn, poll_seconds: float) -> dict[str, str]:
+    """The environment that points loraflow's launcher and trigger at the stand-in."""
+    return {
+        "LORAFLOW_VERTEX_ENDPOINT": standin.url,
+        "LORAFLOW_VERTEX_PROJECT": "loraflow-local",
+        "LORAFLOW_VERTEX_POLL_SECONDS": str(poll_seconds),
+    }
+
+
+class ModelRegistryStandIn:
+    """Vertex AI Model Registry's v1 REST surface, in memory (``VertexStandIn.models``).
+
+    What it does: ``models:upload`` (``POST .../models:upload`` with ``modelId`` for a new model or
+    ``parentModel`` for a new version of one) answers a long-running operation
+    (``.../models/ID/operations/N``) that is done once ``state_delay`` seconds passed, polled with
+    ``GET`` on its name, whose response is an ``UploadModelResponse``; ``models`` get (``.../models/ID``,
+    ``ID@VERSION`` or ``ID@ALIAS``; the default version without one), list (``?filter=labels.k="v"``,
+    default versions only), ``:listVersions`` and ``ID@VERSION:mergeVersionAliases`` (``-alias``
+    removes one). As Vertex does, a model's first version carries the ``default`` alias, an alias is
+    unique within a model (given to a version, it leaves the one that held it), ``default`` never
+    leaves a model, and version ids count from 1.
+
+    What it does not emulate: the model's artifacts (``artifactUri`` is recorded, never read),
+    container checks, deployment, model deletion, paging, other filters and field masks.
+    ``uploads`` keeps every upload request body as sent; ``polls`` counts operation GETs.
+    """
+
+    def __init__(self, state_delay: float = 0.1) -> None:
+        self.state_delay = state_delay
+        self.uploads: list[dict[str, Any]] = []
+        self.polls = 0
+        self._versions: dict[str, list[dict[str, Any]]] = {}  # model name -> its versions, oldest first
+        self._operations: dict[str, tuple[float, dict[str, Any]]] = {}  # name -> (done at, operation)
+        self._lock = threading.Lock()
+
+    def versions(self, model_name: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return json.loads(json.dumps(self._versions.get(model_name, [])))
+
+    def route(self, method: str, m: re.Match[str], query: dict[str, list[str]], body: bytes) -> tuple[int, Any]:
+        parent, upload, model, verb, operation = (urllib.parse.unquote(g) if g else g for g in m.groups())
+        if method == "POST" and upload:
+            return 200, self._upload(parent, body)
+        if method == "GET" and model is None and not upload:
+            return 200, self._list(parent, query.get("filter", [""])[0])
+        if model is None:
+            raise ApiError(405, "UNIMPLEMENTED", f"{method} on models is not a Model Registry method")
+        model_id, _, ref = model.partition("@")
+        name = f"{parent}/models/{model_id}"
+        with self._lock:
+            if name not in self._versions:
+                raise ApiError(404, "NOT_FOUND", f"Model {name} does not exist")
+            if operation is not None and method == "GET":
+                return 200, self._poll(f"{name}/operations/{operation}")
+            if verb == ":listVersions" and method == "GET" and not ref:
+                return 200, {"models": json.loads(json.dumps(self._versions[name]))}
+            version = self._find(name, ref)
+            if verb == ":mergeVersionAliases" and method == "POST" and ref:
+                try:
+                    aliases = list(json.loads(body or b"{}").get("versionAliases") or [])
+                except ValueError as exc:
+                    raise ApiError(400, "INVALID_ARGUMENT", f"bad request: {exc}") from None
+                self._merge_aliases(name, version, aliases)
+                return 200, json.loads(json.dumps(version))
+            if verb is None and method == "GET":
+                return 200, json.loads(json.dumps(version))
+        raise ApiError(405, "UNIMPLEMENTED", f"{method} {m.group(0)} is not a Model Registry method")
+
+    def _find(self, name: str, ref: str) -> dict[str, Any]:
+        """A version by id or alias (lock held); the default version when ``ref`` is empty."""
+        wanted = ref or "default"
+        for v in self._versions[name]:
+            if v["versionId"] == wanted or wanted in v["versionAliases"]:
+                return v
+        raise ApiError(404, "NOT_FOUND", f"Model {name}@{ref} does not exist (no such version id or alias)")
+
+    def _merge_aliases(self, name: str, version: dict[str, Any], aliases: list[str]) -> None:
+        for alias in aliases:
+            drop = alias.startswith("-")
+            alias = alias.lstrip("-")
+            if not _ALIAS.match(alias) or alias.isdigit():
+                raise ApiError(400, "INVALID_ARGUMENT", f"{alias!r} is not a valid version alias")
+            if drop:
+                if alias == "default":
+                    raise ApiError(400, "INVALID_ARGUMENT", "the default alias cannot be removed, only moved")
+                version["versionAliases"] = [a for a in version["versionAliases"] if a != alias]
+                continue
+            for other in self._versions[name]:  # an alias is unique within a model: it moves
+                if other is not version and alias in other["versionAliases"]:
+                    other["versionAliases"].remove(alias)
+                    other["versionUpdateTime"] = _now()
+            if alias not in version["versionAliases"]:
+                version["versionAliases"].append(alias)
+        version["versionUpdateTime"] = _now()
+
+    def _upload(self, parent: str, body: bytes) -> dict[str, Any]:
+        try:
+            request = json.loads(body)
+            resource = dict(request["model"])
+            display_name = resource["displayName"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ApiError(400, "INVALID_ARGUMENT", f"bad UploadModelRequest: {type(exc).__name__} {exc}") from None
+        if not display_name or not resource.get("containerSpec", {}).get("imageUri"):
+            raise ApiError(400, "INVALID_ARGUMENT", "model.displayName and model.containerSpec.imageUri are required")
+        aliases = [str(a) for a in resource.get("versionAliases") or []]
+        bad = [a for a in aliases if not _ALIAS.match(a) or a.isdigit()]
+        if bad:
+            raise ApiError(400, "INVALID_ARGUMENT", f"{bad} are not valid version aliases")
+        with self._lock:
+            self.uploads.append(request)
+            if request.get("parentModel"):
+                name = request["parentModel"]
+                if not name.startswith(parent + "/models/") or name not in self._versions:
+                    raise ApiError(404, "NOT_FOUND", f"parent model {name} does not exist")
+            else:
+                model_id = request.get("modelId") or str(len(self._versions) + 1000)
+                name = f"{parent}/models/{model_id}"
+                if name in self._versions:
+                    raise ApiError(409, "ALREADY_EXISTS", f"Model {name} already exists; upload with parentModel")
+                self._versions[name] = []
+            versions = self._versions[name]
+            now = _now()
+            version = resource | {
+                "name": name,
+                "versionId": str(len(versions) + 1),
+                "versionAliases": [],
+                "createTime": versions[0]["createTime"] if versions else now,
+                "updateTime": now,
+                "versionCreateTime": now,
+                "versionUpdateTime": now,
+            }
+            versions.append(version)
+            self._merge_aliases(name, version, (["default"] if len(versions) == 1 else []) + aliases)
+            op_name = f"{name}/operations/{len(self._operations) + 1}"
+            operation = {
+                "name": op_name,
+                "metadata": {
+                    "@type": "type.googleapis.com/google.cloud.aiplatform.v1.UploadModelOperationMetadata",
+                    "genericMetadata": {"createTime": now, "updateTime": now},
+                },
+                "done": False,
+            }
+            self._operations[op_name] = (
+                time.monotonic() + self.state_delay,
+                operation
+                | {
+                    "done": True,
+                    "response": {
+                        "@type": "type.googleapis.com/google.cloud.aiplatform.v1.UploadModelResponse",
+                        "model": name,
+                        "modelVersionId": version["versionId"],
+                    },
+                },
+            )
+            return operation
+
+    def _poll(self, op_name: str) -> dict[str, Any]:
+        """An operation's state (lock held): done once its delay passed."""
+        self.polls += 1
+        if op_name not in self._operations:
+            raise ApiError(404, "NOT_FOUND", f"Operation {op_name} does not exist")
+        done_at, finished = self._operations[op_name]
+        if time.monotonic() < done_at:
+            return {k: v for k, v in finished.items() if k != "response"} | {"done": False}
+        return json.loads(json.dumps(finished))
+
+    def _list(self, parent: str, filter_: str) -> dict[str, Any]:
+        terms = []
+        for raw in filter(None, re.split(r"\s+AND\s+", filter_.strip())):
+            m = _TERM.match(raw)
+            if not m:
+                raise ApiError(400, "INVALID_ARGUMENT", f"the stand-in cannot filter on {raw!r}")
+            terms.append(m.groups())
+        with self._lock:
+            found = []
+            for name, versions in self._versions.items():
+                if not name.startswith(parent + "/models/") or not versions:
+                    continue
+                default = self._find(name, "")
+                if all(
+                    (default.get("labels", {}).get(k[7:]) if k.startswith("labels.") else default.get("displayName"))
+                    == v
+                    for k, v in terms
+                ):
+                    found.append(json.loads(json.dumps(default)))
+        return {"models": found} if found else {}
+
+
+_ALIAS = re.compile(r"^[a-z][a-zA-Z0-9-]{0,126}[a-z0-9-]$")

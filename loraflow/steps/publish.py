@@ -11,6 +11,9 @@ Config::
     pipeline         the pipeline's name          (required)
     run_id           the run being published      (default: the run of the output prefix)
     model_manifest   gs://.../merge_adapter/_MANIFEST.json  (required unless the model input is given)
+    vertex_model_registry   the spec's publish.vertex_model_registry (optional): also register the
+                     promoted model in Vertex AI Model Registry (loraflow.vertex_registry), its
+                     ``champion`` alias mirroring the GCS registry's
 
 The registry of a pipeline lives under ``{registry_uri}/{pipeline}/``::
 
@@ -24,7 +27,8 @@ the loser sees 412 and tries the next one. A retried publish of the same run and
 own version and reuses it. The alias moves with a generation precondition too, and only forward:
 a publisher never points champion back at an older version than the one it holds.
 
-Writes ``registry_entry.json`` either way; when the gate did not promote, registers nothing.
+Writes ``registry_entry.json`` either way (with the Vertex AI model version when there is one);
+when the gate did not promote, registers nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import re
 import time
 from typing import Any
 
-from loraflow import artifacts, gcs
+from loraflow import artifacts, gcs, vertex_registry
 from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.steps._harness import StepContext, run_step
 
@@ -54,7 +58,7 @@ def resolve_config(raw: dict[str, Any], has_model_input: bool, output_uri: str |
     if output_uri and not raw.get("run_id"):
         # {artifact_root}/{pipeline}/{run_id}/publish: the run is the prefix's parent.
         raw = {**raw, "run_id": output_uri.rstrip("/").split("/")[-2]}
-    known = {"registry_uri", "pipeline", "run_id", "model_manifest"}
+    known = {"registry_uri", "pipeline", "run_id", "model_manifest", "vertex_model_registry"}
     problems = [f"unknown key {k!r}" for k in sorted(set(raw) - known)]
     required = ["registry_uri", "pipeline", "run_id"] + ([] if has_model_input else ["model_manifest"])
     problems += [f"{k} is required" for k in required if not raw.get(k)]
@@ -204,6 +208,9 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
     manifest = _model_manifest(ctx, cfg)
     ctx.progress(f"model {manifest.uri} verified (fingerprint {manifest.fingerprint[:12]})")
+    vertex_target = None
+    if cfg.get("vertex_model_registry"):  # checked before anything is registered
+        vertex_target = vertex_registry.Target.from_config(cfg["vertex_model_registry"], cfg["pipeline"])
     existing = registry.find(cfg["run_id"], manifest.uri)
     if existing is not None:
         number, entry = existing
@@ -240,8 +247,21 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "run_id": cfg["run_id"],
         "reason": decision.get("reason"),
     }
+    summary: dict[str, Any] = {"promoted": True, "version": number, "model_manifest": manifest.uri}
+    if vertex_target is not None:
+        vertex = vertex_registry.VertexModelRegistry(vertex_target, cfg["pipeline"]).publish(
+            version=number,
+            champion=moved,
+            artifact_uri=manifest.prefix,
+            run_id=cfg["run_id"],
+            fingerprint=manifest.fingerprint,
+            manifest_uri=manifest.uri,
+            progress=ctx.progress,
+        )
+        record["vertex_model_registry"] = vertex
+        summary["vertex_model"] = f"{vertex['model']}@{vertex['version_id']}"
     (ctx.out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
-    return {"promoted": True, "version": number, "model_manifest": manifest.uri}
+    return summary
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ only the few small files the report needs are fetched, never a checkpoint): ``va
 run's own ``publish/`` prefix beside the output (publish is never cached, so its manifest lies in
 the run when it ran; absent when the gate did not promote).
 
+A run where a stage failed gets a report too (the report task runs whatever happened before it):
+stages without a committed output are listed as such, and when validate_data rejected the
+dataset its evidence (``validate_data/_rejected/data_report.json`` and the GX data docs beside
+it, never an artifact: no manifest, so nothing downstream could use it) says which rules failed
+and how to fix them.
+
 Durations and cache hits come from the manifests themselves: each records the seconds its step
 program took, and a stage whose manifest lies under another run's prefix was a cache hit in this
 run (it is reported as reused from that run). Nothing from Airflow is needed.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -84,6 +91,12 @@ def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
         artifacts.fetch(manifest, dest, only=[n for n in names if n in manifest.files])
         local[stage] = dest
 
+    data_manifest = ctx.input_manifests.get("validate_data")
+    rejected_report = None
+    if data_manifest is None:
+        rejected_report = artifacts.read_json(
+            gcs.join(run_prefix, "validate_data", report.REJECTED, "data_report.json")
+        )
     table: list[dict[str, Any]] = []
     for stage in stages:
         if stage == STAGE:
@@ -92,7 +105,10 @@ def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
         if manifest is None and stage == "publish":
             manifest = _publish_manifest(run_prefix)
         if manifest is None:
-            table.append({"stage": stage, "status": "not run"})
+            rejected = stage == "validate_data" and rejected_report is not None
+            # publish is skipped when the gate does not promote: "not run" is no failure
+            status = "rejected" if rejected else "not run" if stage == "publish" else "no output"
+            table.append({"stage": stage, "status": status})
             continue
         own = manifest.prefix == gcs.join(run_prefix, stage)
         table.append(
@@ -117,6 +133,15 @@ def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
     if decision:
         decision = {k: v for k, v in decision.items() if k not in ("base_metrics", "tuned_metrics")}
     lora = ctx.input_manifests.get("lora_sft")
+    data_report = (
+        _read_json(local["validate_data"] / "data_report.json") if "validate_data" in local else rejected_report
+    )
+    docs = None
+    if data_report and data_report.get("data_docs"):
+        if data_manifest is not None:
+            docs = report.data_docs_uri(data_manifest.prefix)
+        else:
+            docs = report.data_docs_uri(gcs.join(run_prefix, "validate_data"), rejected=True)
     return {
         "pipeline": ctx.config.get("pipeline", ""),
         "run_id": run_id,
@@ -130,10 +155,37 @@ def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
             _small(_read_json(local["evaluate_tuned"] / "metrics.json")) if "evaluate_tuned" in local else {}
         ),
         "decision": decision,
-        "data_report": _read_json(local["validate_data"] / "data_report.json") if "validate_data" in local else None,
+        "data_report": data_report,
+        "data_docs": docs,
+        "data_docs_url": report.site_url(docs, os.environ.get("STORAGE_EMULATOR_HOST")) if docs else None,
+        "failure": failure(table, rejected_report),
         "samples": report.sample_outputs(base_pred, tuned_pred),
         "publish": publish,
     }
+
+
+def failure(table: list[dict[str, Any]], rejected_report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What stopped the run, if something did: the rejected dataset's failed rules, or the stages
+    that left no output (failed, or never started because an earlier stage failed)."""
+    if rejected_report is not None:
+        problems = rejected_report.get("failures") or rejected_report.get("load_problems") or []
+        rules = rejected_report.get("failed_rules") or []
+        reason = (
+            f"the data contract is broken: {len(rules)} rule(s) failed ({', '.join(rules)})"
+            if rules
+            else "the dataset cannot be read"
+        )
+        return {"stage": "validate_data", "reason": reason, "rules": rules, "problems": problems}
+    missing = [s["stage"] for s in table if s["status"] == "no output"]
+    if missing:
+        return {
+            "stage": missing[0],
+            "reason": f"no committed output from {', '.join(missing)}: the first failed, the others could not run "
+            "after it (the task logs say why)",
+            "rules": [],
+            "problems": [],
+        }
+    return None
 
 
 def _publish_manifest(run_prefix: str) -> artifacts.Manifest | None:
@@ -154,10 +206,14 @@ def run(ctx: StepContext) -> dict[str, Any]:
     hits = [s["stage"] for s in data["stages"] if s["status"] == "reused"]
     ctx.progress(f"report.html written ({len(data['stages'])} stages, {len(hits)} cache hit(s))")
     decision = data["decision"] or {}
+    failed = data["failure"]
+    if failed:
+        ctx.progress(f"the run failed at {failed['stage']}: {failed['reason']}")
     return {
         "report": gcs.join(ctx.output_uri, "report.html"),
         "promote": decision.get("promote"),
         "cache_hits": hits,
+        "failed_stage": failed["stage"] if failed else None,
     }
 
 

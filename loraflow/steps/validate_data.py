@@ -5,20 +5,21 @@ Inputs (local directories, fetched by the harness):
     eval        one dataset file, same formats
     tokenizer   an HF checkpoint directory holding tokenizer.json (+ tokenizer_config.json)
 
-Config (every key optional)::
+Config::
 
-    min_rows: 100                  train must have at least this many rows (eval: at least 1)
-    max_tokens: 128                no example may be longer (whole rendered conversation)
-    min_tokens: 1                  ... nor shorter
-    max_duplicate_fraction: 0.0    share of rows that may repeat an earlier example exactly
-    required_roles: [user, assistant]   roles every example must contain
+    expectations: {RULE: {level: fail|warn, ...thresholds}}   the spec's data.expectations
+                                                               (loraflow.expectations; all optional)
 
 Two layers of checks. First the loader (loraflow.dataset) checks structure: the file decodes,
 each line is a JSON object, the columns and roles are known; it reports every problem with its
-line. Then a Great Expectations suite per dataset checks content on a flat frame with one row per
-example: required columns present, no null or blank prompt/completion, token length within
-bounds, unique ids, no duplicate examples, enough rows, roles valid (last turn an assistant
-answer, required roles present) and, for eval, no prompt that also appears in train.
+line, and an unreadable dataset always fails. Then a Great Expectations suite per dataset checks
+the spec's rules on a flat frame with one row per example: format (last turn an assistant answer,
+required roles present), no null and no blank prompt/completion, token length within bounds,
+unique ids, duplicate and near-empty examples, enough rows and, for eval, no prompt that also
+appears in train (leakage). Each expectation belongs to one rule and takes its level: a
+``fail`` rule that breaks stops the stage with one DataValidationError naming every failed rule
+and its fix; a ``warn`` rule that breaks is logged, listed in data_report.json (``warnings``)
+and in the manifest summary, and the data is accepted.
 
 Token length = number of tokens of the conversation rendered with the checkpoint's chat template
 (``tokenizer_config.json`` ``chat_template``, i.e. the text the trainer sees, special tokens
@@ -26,9 +27,12 @@ included), encoded with ``add_special_tokens=False`` since the template writes t
 checkpoint without a template is rendered as ``role: content`` lines; the report says which.
 
 Outputs: train.jsonl ({"id", "messages"}), eval.jsonl ({"id", "messages": the prompt turns,
-"reference": the answer}) and data_report.json (every expectation's result and statistics). On
-any failure only data_report.json is written and DataValidationError lists every failed check in
-plain words; the harness keeps the report under ``<output>/_rejected/`` and commits nothing.
+"reference": the answer}), data_report.json (every expectation's rule, level, observed value and
+outcome, and statistics) and data_docs/ (Great Expectations' HTML data docs of both suites, built
+by GX's own renderer; data_docs/index.html is the page the Airflow task links). On a fail-level
+failure only data_report.json and data_docs/ are written and DataValidationError lists every
+failed rule in plain words; the harness keeps them under ``<output>/_rejected/`` and commits
+nothing, so a rejected dataset can never be an input of a later stage.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,57 +48,32 @@ from pathlib import Path
 from typing import Any
 
 from loraflow import dataset as ds
+from loraflow import expectations as contract
 from loraflow.errors import DataValidationError, LoraflowError
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "validate_data"
-DEFAULTS: dict[str, Any] = {
-    "min_rows": 100,
-    "max_tokens": 128,
-    "min_tokens": 1,
-    "max_duplicate_fraction": 0.0,
-    "required_roles": ["user", "assistant"],
-}
 SPLITS = ("train", "eval")
 EXAMPLES_IN_REPORT = 5
 ROWS_IN_MESSAGE = 5
+DATA_DOCS = "data_docs"
+_DOCS_SITE = "loraflow"
 
 
-@dataclass(frozen=True)
-class Config:
-    min_rows: int
-    max_tokens: int
-    min_tokens: int
-    max_duplicate_fraction: float
-    required_roles: tuple[str, ...]
+def resolve_config(raw: dict[str, Any]) -> contract.DataExpectations:
+    """The rules from the stage config (``{"expectations": {...}}``), every problem at once."""
+    from pydantic import ValidationError
 
-
-def resolve_config(raw: dict[str, Any]) -> Config:
-    unknown = sorted(set(raw) - set(DEFAULTS))
+    unknown = sorted(set(raw) - {"expectations"})
     if unknown:
-        raise LoraflowError(f"{STAGE}: unknown config key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
-    merged = {**DEFAULTS, **raw}
-    problems = []
-    for key in ("min_rows", "max_tokens", "min_tokens"):
-        if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 0:
-            problems.append(f"{key} must be a non-negative integer (got {merged[key]!r})")
-    frac = merged["max_duplicate_fraction"]
-    if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0.0 <= frac <= 1.0:
-        problems.append(f"max_duplicate_fraction must be a number in [0, 1] (got {frac!r})")
-    roles = merged["required_roles"]
-    if not isinstance(roles, list) or any(r not in ds.ROLES for r in roles):
-        problems.append(f"required_roles must be a list drawn from {', '.join(ds.ROLES)} (got {roles!r})")
-    if not problems and merged["min_tokens"] > merged["max_tokens"]:
-        problems.append(f"min_tokens ({merged['min_tokens']}) is above max_tokens ({merged['max_tokens']})")
-    if problems:
-        raise LoraflowError(f"{STAGE}: invalid config: " + "; ".join(problems))
-    return Config(
-        int(merged["min_rows"]),
-        int(merged["max_tokens"]),
-        int(merged["min_tokens"]),
-        float(frac),
-        tuple(roles),
-    )
+        moved = [k for k in unknown if k in contract.MOVED]
+        hint = f" ({contract.moved_keys_message(moved)})" if moved else ""
+        raise LoraflowError(f"{STAGE}: unknown config key(s) {', '.join(unknown)}{hint}; known: expectations")
+    try:
+        return contract.DataExpectations.model_validate(raw.get("expectations") or {})
+    except ValidationError as exc:
+        problems = [f"expectations.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise LoraflowError(f"{STAGE}: invalid config: " + "; ".join(problems)) from None
 
 
 # ------------------------------------------------------------------------------- token counting
@@ -176,6 +156,17 @@ def _key(text: str | None) -> str | None:
     return None if text is None else " ".join(text.split()).casefold()
 
 
+_WORD = re.compile(r"[^\W_]")  # a letter or a digit, in any script
+
+
+def _word_chars(*texts: str | None) -> float | None:
+    """Letters and digits of the poorer of the texts; None (not judged) if any is null or blank:
+    no_nulls and no_empty_strings report those, near_empty reports the rest."""
+    if any(t is None or not t.strip() for t in texts):
+        return None
+    return float(min(len(_WORD.findall(t or "")) for t in texts))
+
+
 def build_frame(data: ds.Dataset, counter: TokenCounter) -> Any:
     """One row per example: what the expectations look at."""
     import pandas as pd
@@ -195,6 +186,9 @@ def build_frame(data: ds.Dataset, counter: TokenCounter) -> Any:
             "n_tokens": counter.count([r["messages"] for r in data.rows]) if data.rows else [],
             "example_key": [json.dumps([[m["role"], _key(m["content"])] for m in r["messages"]]) for r in data.rows],
             "prompt_key": [_key(p) for p in prompts],
+            "word_chars": pd.Series(
+                [_word_chars(p, c) for p, c in zip(prompts, completions, strict=True)], dtype="float64"
+            ),
         }
     )
     first = frame.groupby("example_key", sort=False)["row"].transform("first")
@@ -207,9 +201,10 @@ def build_frame(data: ds.Dataset, counter: TokenCounter) -> Any:
 
 @dataclass(frozen=True)
 class Check:
+    rule: str  # the data.expectations rule it belongs to (its level decides fail or warn)
     name: str
     expectation: Any
-    describe: Any  # (split, result dict, context) -> plain-words failure
+    describe: Any  # (split, result dict, context) -> plain-words finding with its fix
 
 
 def _n(count: int, one: str, many: str) -> str:
@@ -229,43 +224,45 @@ def _where(rows: Sequence[int], unit: str, filename: str) -> str:
     return f" ({unit}{'s' if len(rows) > 1 else ''} {shown}{more} of {filename})"
 
 
-def build_checks(split: str, cfg: Config, train_prompt_keys: Sequence[str] | None) -> list[Check]:
+def build_checks(split: str, cfg: contract.DataExpectations, train_prompt_keys: Sequence[str] | None) -> list[Check]:
     import great_expectations.expectations as gxe
 
-    min_rows = cfg.min_rows if split == "train" else 1
+    min_rows = cfg.row_count.min if split == "train" else 1
+    tokens_cfg, dup_cfg, near_cfg, leak_cfg = cfg.token_length, cfg.duplicates, cfg.near_empty, cfg.leakage
+    key = "data.expectations"
 
     def count(r: dict[str, Any]) -> int:
         return int(r.get("unexpected_count") or 0)
 
-    def nulls(field: str, what: str):  # type: ignore[no-untyped-def]
+    def nulls(what: str):  # type: ignore[no-untyped-def]
         return lambda s, r, w: (
             f"{s}: {_n(count(r), 'row has', 'rows have')} no {what} (null){w(_rows(r))}; fill them in or drop those rows"
         )
 
-    def blanks(field: str, what: str):  # type: ignore[no-untyped-def]
+    def blanks(what: str):  # type: ignore[no-untyped-def]
         return lambda s, r, w: (
             f"{s}: {_n(count(r), 'row has', 'rows have')} an empty {what}{w(_rows(r))}; write the text or drop those rows"
         )
 
     def tokens(s: str, r: dict[str, Any], w: Any) -> str:
         items = r.get("unexpected_index_list") or []
-        long = [int(i["row"]) for i in items if int(i["n_tokens"]) > cfg.max_tokens]
-        short = [int(i["row"]) for i in items if int(i["n_tokens"]) < cfg.min_tokens]
+        long = [int(i["row"]) for i in items if int(i["n_tokens"]) > tokens_cfg.max]
+        short = [int(i["row"]) for i in items if int(i["n_tokens"]) < tokens_cfg.min]
         parts = []
         if long:
             top = max(int(i["n_tokens"]) for i in items)
             parts.append(
-                f"{s}: {_n(len(long), 'row has', 'rows have')} more than {cfg.max_tokens} tokens{w(long)}, the longest {top}; "
-                "raise max_tokens or shorten them"
+                f"{s}: {_n(len(long), 'row has', 'rows have')} more than {tokens_cfg.max} tokens{w(long)}, the longest {top}; "
+                f"raise {key}.token_length.max or shorten them"
             )
         if short:
             parts.append(
-                f"{s}: {_n(len(short), 'row has', 'rows have')} fewer than {cfg.min_tokens} tokens{w(short)}; "
-                "lower min_tokens or drop them"
+                f"{s}: {_n(len(short), 'row has', 'rows have')} fewer than {tokens_cfg.min} tokens{w(short)}; "
+                f"lower {key}.token_length.min or drop them"
             )
         return (
             "; ".join(parts)
-            or f"{s}: {_n(count(r), 'row has', 'rows have')} a token length outside [{cfg.min_tokens}, {cfg.max_tokens}]"
+            or f"{s}: {_n(count(r), 'row has', 'rows have')} a token length outside [{tokens_cfg.min}, {tokens_cfg.max}]"
         )
 
     def duplicates(s: str, r: dict[str, Any], w: Any) -> str:
@@ -275,11 +272,17 @@ def build_checks(split: str, cfg: Config, train_prompt_keys: Sequence[str] | Non
         share = float(r.get("unexpected_percent") or 0.0) / 100
         return (
             f"{s}: {_n(count(r), 'row repeats', 'rows repeat')} an earlier example exactly ({pairs}{more}), a share of {share:.3f} "
-            f"> max_duplicate_fraction {cfg.max_duplicate_fraction}; drop the repeats or raise max_duplicate_fraction"
+            f"> max_fraction {dup_cfg.max_fraction}; drop the repeats or raise {key}.duplicates.max_fraction"
+        )
+
+    def near_empty(s: str, r: dict[str, Any], w: Any) -> str:
+        return (
+            f"{s}: {_n(count(r), 'row has', 'rows have')} a prompt or completion with fewer than {near_cfg.min_chars} "
+            f"letter(s) or digit(s){w(_rows(r))}; write real text, drop those rows or lower {key}.near_empty.min_chars"
         )
 
     def row_count(s: str, r: dict[str, Any], w: Any) -> str:
-        fix = "add examples or lower min_rows" if s == "train" else "give at least one evaluation example"
+        fix = f"add examples or lower {key}.row_count.min" if s == "train" else "give at least one evaluation example"
         return f"{s}: {r.get('observed_value')} rows, fewer than the {min_rows} required; {fix}"
 
     def overlap(s: str, r: dict[str, Any], w: Any) -> str:
@@ -291,6 +294,7 @@ def build_checks(split: str, cfg: Config, train_prompt_keys: Sequence[str] | Non
 
     checks = [
         Check(
+            "format",
             f"column {c} present",
             gxe.ExpectColumnToExist(column=c),
             lambda s, r, w, c=c: (
@@ -300,29 +304,40 @@ def build_checks(split: str, cfg: Config, train_prompt_keys: Sequence[str] | Non
         for c in ("id", "prompt", "completion", "roles", "n_tokens")
     ]
     checks += [
-        Check("row count", gxe.ExpectTableRowCountToBeBetween(min_value=min_rows), row_count),
-        Check("prompt not null", gxe.ExpectColumnValuesToNotBeNull(column="prompt"), nulls("prompt", "prompt")),
+        Check("row_count", "row count", gxe.ExpectTableRowCountToBeBetween(min_value=min_rows), row_count),
+        Check("no_nulls", "prompt not null", gxe.ExpectColumnValuesToNotBeNull(column="prompt"), nulls("prompt")),
         Check(
+            "no_nulls",
             "completion not null",
             gxe.ExpectColumnValuesToNotBeNull(column="completion"),
-            nulls("completion", "completion"),
+            nulls("completion"),
         ),
         Check(
+            "no_empty_strings",
             "prompt not empty",
             gxe.ExpectColumnValuesToNotMatchRegex(column="prompt", regex=r"^\s*$"),
-            blanks("prompt", "prompt"),
+            blanks("prompt"),
         ),
         Check(
+            "no_empty_strings",
             "completion not empty",
             gxe.ExpectColumnValuesToNotMatchRegex(column="completion", regex=r"^\s*$"),
-            blanks("completion", "completion"),
+            blanks("completion"),
         ),
         Check(
+            "near_empty",
+            "prompt and completion hold text",
+            gxe.ExpectColumnValuesToBeBetween(column="word_chars", min_value=near_cfg.min_chars),
+            near_empty,
+        ),
+        Check(
+            "token_length",
             "token length",
-            gxe.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=cfg.min_tokens, max_value=cfg.max_tokens),
+            gxe.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=tokens_cfg.min, max_value=tokens_cfg.max),
             tokens,
         ),
         Check(
+            "unique_ids",
             "ids unique",
             gxe.ExpectColumnValuesToBeUnique(column="id"),
             lambda s, r, w: (
@@ -330,11 +345,13 @@ def build_checks(split: str, cfg: Config, train_prompt_keys: Sequence[str] | Non
             ),
         ),
         Check(
+            "duplicates",
             "no duplicate examples",
-            gxe.ExpectColumnValuesToBeNull(column="duplicate_of", mostly=1.0 - cfg.max_duplicate_fraction),
+            gxe.ExpectColumnValuesToBeNull(column="duplicate_of", mostly=1.0 - dup_cfg.max_fraction),
             duplicates,
         ),
         Check(
+            "format",
             "ends with an assistant turn",
             gxe.ExpectColumnValuesToMatchRegex(column="roles", regex=r"^(?:(?:system|user|assistant),)*assistant$"),
             lambda s, r, w: (
@@ -342,29 +359,34 @@ def build_checks(split: str, cfg: Config, train_prompt_keys: Sequence[str] | Non
             ),
         ),
     ]
-    for role in cfg.required_roles:
+    for role in cfg.format.required_roles:
         checks.append(
             Check(
+                "format",
                 f"has a turn with role {role}",
                 gxe.ExpectColumnValuesToMatchRegex(column="roles", regex=rf"(?:^|,){role}(?:,|$)"),
                 lambda s, r, w, role=role: (
                     f"{s}: {_n(count(r), 'row has', 'rows have')} no {role} turn{w(_rows(r))}; "
-                    f"add one or remove {role!r} from required_roles"
+                    f"add one or remove {role!r} from {key}.format.required_roles"
                 ),
             )
         )
     if train_prompt_keys is not None:
         checks.append(
             Check(
+                "leakage",
                 "no prompt shared with train",
-                gxe.ExpectColumnValuesToNotBeInSet(column="prompt_key", value_set=list(train_prompt_keys)),
+                gxe.ExpectColumnValuesToNotBeInSet(
+                    column="prompt_key", value_set=list(train_prompt_keys), mostly=1.0 - leak_cfg.max_fraction
+                ),
                 overlap,
             )
         )
     return checks
 
 
-def _gx_context() -> Any:
+def _gx_context(docs_dir: Path) -> Any:
+    """An ephemeral GX context whose one data docs site is ``docs_dir`` (a local folder)."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)  # its INFO lines are noise in task logs
     import great_expectations as gx
@@ -372,7 +394,20 @@ def _gx_context() -> Any:
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    context.add_data_docs_site(
+        site_name=_DOCS_SITE,
+        site_config={
+            "class_name": "SiteBuilder",
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir)},
+        },
+    )
     return context
+
+
+def build_data_docs(context: Any) -> None:
+    """GX renders the suites and the validation results it stored into the site's folder."""
+    context.build_data_docs(site_names=[_DOCS_SITE])
 
 
 def validate(context: Any, split: str, frame: Any, checks: list[Check]) -> list[tuple[Check, Any]]:
@@ -408,19 +443,36 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _result_entry(split: str, check: Check, res: Any) -> dict[str, Any]:
+def _observed(res: Any) -> str:
+    """What the expectation saw, in a few words (the report's 'observed' column)."""
+    r = res.result or {}
+    if r.get("unexpected_count") is not None:
+        count, total = int(r["unexpected_count"]), r.get("element_count")
+        percent = float(r.get("unexpected_percent") or 0.0)
+        return f"{count} of {total} rows ({percent:.1f}%)" if total is not None else f"{count} rows"
+    if r.get("observed_value") is not None:
+        return str(r["observed_value"])
+    return ""
+
+
+def _result_entry(split: str, check: Check, res: Any, level: str, message: str | None) -> dict[str, Any]:
     r = res.result or {}
     items = r.get("unexpected_index_list") or []
     entry = {
         "dataset": split,
+        "rule": check.rule,
+        "level": level,
+        "outcome": contract.outcome(bool(res.success), level),  # type: ignore[arg-type]
         "check": check.name,
         "type": res.expectation_config.type,
         "column": res.expectation_config.kwargs.get("column"),
         "success": bool(res.success),
+        "observed": _observed(res),
         "unexpected_count": r.get("unexpected_count"),
         "unexpected_percent": r.get("unexpected_percent"),
         "observed_value": r.get("observed_value"),
         "unexpected_examples": items[:EXAMPLES_IN_REPORT],
+        "message": message,
     }
     if res.exception_info and res.exception_info.get("raised_exception"):
         entry["exception"] = res.exception_info.get("exception_message")
@@ -432,7 +484,7 @@ def _result_entry(split: str, check: Check, res: Any) -> dict[str, Any]:
 
 def run(ctx: StepContext) -> dict[str, Any]:
     cfg = resolve_config(dict(ctx.config))
-    report: dict[str, Any] = {"config": cfg.__dict__ | {"required_roles": list(cfg.required_roles)}}
+    report: dict[str, Any] = {"config": {"expectations": cfg.model_dump(mode="json")}}
     report_path = ctx.out / "data_report.json"
 
     def write_report() -> None:
@@ -462,7 +514,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
     frames = {split: build_frame(loaded[split], counter) for split in SPLITS}
 
     started = time.monotonic()
-    context = _gx_context()
+    context = _gx_context(ctx.out / DATA_DOCS)
     gx_import_seconds = time.monotonic() - started
     results: list[tuple[str, Check, Any]] = []
     validate_seconds: dict[str, float] = {}
@@ -476,12 +528,14 @@ def run(ctx: StepContext) -> dict[str, Any]:
         validate_seconds[split] = round(time.monotonic() - t0, 3)
     gx_seconds = time.monotonic() - started
 
-    failures: list[str] = []
+    failures: list[tuple[str, str]] = []  # (rule, message) of fail-level findings
+    warnings: list[tuple[str, str]] = []
     entries = []
     for split, check, res in results:
-        entries.append(_result_entry(split, check, res))
+        level = cfg.level(check.rule)
         if res.success:
-            ctx.progress(f"{split}: {check.name}: ok")
+            entries.append(_result_entry(split, check, res, level, None))
+            ctx.progress(f"{split}: [{check.rule}] {check.name}: ok")
             continue
         data = loaded[split]
 
@@ -489,8 +543,20 @@ def run(ctx: StepContext) -> dict[str, Any]:
             return _where(rows, data.unit, data.path.name)
 
         message = check.describe(split, res.result or {}, where)
-        failures.append(message)
-        ctx.progress(f"{split}: {check.name}: FAILED: {message}")
+        entries.append(_result_entry(split, check, res, level, message))
+        if level == "warn":
+            warnings.append((check.rule, message))
+            ctx.progress(
+                f"{split}: [{check.rule}] {check.name}: WARNING (rule level warn, the run continues): {message}"
+            )
+        else:
+            failures.append((check.rule, message))
+            ctx.progress(f"{split}: [{check.rule}] {check.name}: FAILED: {message}")
+
+    t0 = time.monotonic()
+    build_data_docs(context)
+    docs_seconds = round(time.monotonic() - t0, 3)
+    ctx.progress(f"Great Expectations data docs written to {DATA_DOCS}/index.html ({docs_seconds:.2f} s)")
 
     stats: dict[str, dict[str, Any]] = {
         split: {
@@ -504,25 +570,31 @@ def run(ctx: StepContext) -> dict[str, Any]:
         for split in SPLITS
     }
     max_seen = max(int(s["tokens_max"]) for s in stats.values())
+    unsuccessful = sum(1 for e in entries if not e["success"])
     report |= {
         "success": not failures,
-        "failures": failures,
+        "failures": [m for _, m in failures],
+        "failed_rules": list(dict.fromkeys(r for r, _ in failures)),
+        "warnings": [m for _, m in warnings],
+        "warned_rules": list(dict.fromkeys(r for r, _ in warnings)),
         "expectations": entries,
+        "data_docs": f"{DATA_DOCS}/index.html",
         "statistics": {
             "evaluated_expectations": len(results),
-            "successful_expectations": len(results) - len(failures),
-            "unsuccessful_expectations": len(failures),
+            "successful_expectations": len(results) - unsuccessful,
+            "unsuccessful_expectations": unsuccessful,
+            "warned_expectations": len(warnings),
+            "failed_expectations": len(failures),
             "gx_seconds": round(gx_seconds, 3),
             "gx_context_seconds": round(gx_import_seconds, 3),
             "gx_validate_seconds": validate_seconds,
+            "gx_data_docs_seconds": docs_seconds,
             **stats,
         },
     }
     write_report()
     if failures:
-        raise DataValidationError(
-            f"{len(failures)} of {len(results)} data expectations failed:\n" + "\n".join(f"  - {f}" for f in failures)
-        )
+        raise DataValidationError(contract.contract_broken_message(failures))
 
     ds.write_jsonl(loaded["train"].rows, ctx.out / "train.jsonl")
     eval_rows = []
@@ -530,8 +602,9 @@ def run(ctx: StepContext) -> dict[str, Any]:
         prompt, reference = ds.prompt_and_reference(row["messages"])
         eval_rows.append({"id": row["id"], "messages": prompt, "reference": reference})
     ds.write_jsonl(eval_rows, ctx.out / "eval.jsonl")
+    passed = len(results) - len(warnings)
     ctx.progress(
-        f"all {len(results)} expectations passed in {gx_seconds:.2f} s "
+        f"{passed} of {len(results)} expectations passed, {len(warnings)} warning(s), in {gx_seconds:.2f} s "
         f"({gx_import_seconds:.2f} s of it importing Great Expectations); longest example {max_seen} tokens"
     )
     return {
@@ -539,7 +612,10 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "eval_rows": stats["eval"]["rows"],
         "expectations": len(results),
         "failed": 0,
+        "warnings": len(warnings),
+        "warned_rules": report["warned_rules"],
         "max_tokens_seen": max_seen,
+        "data_docs": f"{DATA_DOCS}/index.html",
     }
 
 

@@ -14,6 +14,8 @@ from loraflow import artifacts, gcs
 from loraflow.errors import ArtifactError
 from loraflow.launch import step_environment
 
+REPO = Path(__file__).resolve().parents[2]
+
 # A tiny step program using the real harness: three output files, then commit.
 STEP = """
 import sys
@@ -51,3 +53,39 @@ def test_killed_commit_leaves_no_artifact_and_the_retry_completes(gcs_bucket: st
 
 def test_without_the_variables_nothing_is_injected(gcs_bucket: str, tmp_path: Path) -> None:
     assert run_toy(f"{gcs_bucket}/p/run/toy", "", tmp_path) == 0
+
+
+def test_one_variable_arms_several_stages_each_killed_once(gcs_bucket: str, tmp_path: Path) -> None:
+    """``STAGE:POINT`` entries fire only in the step writing that stage, once each per state dir."""
+    fault = "other:mid_upload,toy:before_manifest,toy:mid_upload@2"
+    out = f"{gcs_bucket}/p/run/toy"
+    assert run_toy(out, fault, tmp_path) == -9  # the second upload of toy: mid_upload@2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.mid_upload"]
+    assert run_toy(out, fault, tmp_path) == -9  # then before_manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.before_manifest", "toy.mid_upload"]
+    assert run_toy(out, fault, tmp_path) == 0  # other:mid_upload never fires in toy
+    assert sorted(artifacts.read_manifest(out).files) == ["part-0.bin", "part-1.bin", "part-2.bin"]
+    # In another stage's step the other entry fires, once.
+    other = f"{gcs_bucket}/p/run/other"
+    assert run_toy(other, fault, tmp_path) == -9
+    assert run_toy(other, fault, tmp_path) == 0
+
+
+def test_a_stage_name_only_matches_the_last_segment_of_the_output(gcs_bucket: str, tmp_path: Path) -> None:
+    # evaluate_base and evaluate_tuned run the same program; the output prefix tells them apart.
+    assert run_toy(f"{gcs_bucket}/p/evaluate_tuned/evaluate_base", "evaluate_tuned:mid_upload", tmp_path) == 0
+    assert run_toy(f"{gcs_bucket}/p/run/evaluate_tuned", "evaluate_tuned:mid_upload", tmp_path) == -9
+
+
+def test_the_retry_policy_fails_refusals_at_once_and_retries_crashes() -> None:
+    from loraflow.errors import SpecError, StepError
+    from loraflow.launch import StepRefused
+    from loraflow.spec import load_spec
+    from operators.dag_factory import retry_args
+
+    args = retry_args(load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml"))
+    assert args["retries"] == 2 and args["retry_exponential_backoff"] == 2.0
+    policy = args["retry_policy"]
+    assert policy.evaluate(StepRefused("bad data"), 1, 3).action.value == "fail"
+    assert policy.evaluate(SpecError("x", [("a", "b")]), 1, 3).action.value == "fail"
+    assert policy.evaluate(StepError("killed by signal 9"), 1, 3).action.value == "default"

@@ -199,3 +199,51 @@ def test_config_needs_a_model(tmp_path: Path, make_ctx: Callable) -> None:
     )
     with pytest.raises(LoraflowError, match="model_manifest is required"):
         publish.run(ctx)
+
+
+def test_vertex_model_registry_mirrors_versions_and_the_champion_alias(
+    gcs_bucket: str, tmp_path: Path, make_ctx: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.vertex_standin import VertexStandIn
+
+    vertex_cfg = {"project": "p1", "region": "us-east5", "serving_container_image": "us-docker.pkg.dev/p1/s/vllm:1"}
+
+    def run(model: artifacts.Manifest, run_id: str) -> tuple[dict, dict]:
+        config = {"registry_uri": f"{gcs_bucket}/_registry", "pipeline": "tiny", "run_id": run_id,
+                  "vertex_model_registry": vertex_cfg}  # fmt: skip
+        ctx = make_ctx("publish", {"decision": decision_dir(tmp_path, True, f"d-{run_id}")}, config, {"model": model})
+        summary = publish.run(ctx)
+        return summary, json.loads((ctx.out / "registry_entry.json").read_text())
+
+    with VertexStandIn({}, tmp_path / "vertex") as standin:
+        monkeypatch.setenv("LORAFLOW_VERTEX_ENDPOINT", standin.url)
+        first = committed_model(gcs_bucket, tmp_path, "run-1", b"one")
+        second = committed_model(gcs_bucket, tmp_path, "run-2", b"two")
+        summary, entry = run(first, "run-1")
+        name = "projects/p1/locations/us-east5/models/loraflow-tiny"
+        assert summary["vertex_model"] == f"{name}@1"
+        assert entry["vertex_model_registry"]["artifact_uri"] == first.prefix  # the merged checkpoint's prefix
+        assert entry["vertex_model_registry"]["labels"]["loraflow-run"] == "run-1"
+        summary, entry = run(second, "run-2")
+        assert summary["version"] == 2 and summary["vertex_model"] == f"{name}@2"
+        aliases = {v["versionId"]: v["versionAliases"] for v in standin.models.versions(name)}
+        assert aliases == {"1": [], "2": ["champion", "default"]}  # moved with the GCS alias, v1 kept
+        assert read(f"{gcs_bucket}/_registry/tiny/aliases/champion.json")["version"] == 2
+        run(second, "run-2")  # a retried publish: nothing uploaded twice
+        assert len(standin.models.uploads) == 2
+
+
+def test_vertex_model_registry_without_a_project_registers_nothing(
+    gcs_bucket: str, tmp_path: Path, make_ctx: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loraflow.errors import LoraflowError
+
+    monkeypatch.delenv("LORAFLOW_VERTEX_PROJECT", raising=False)
+    monkeypatch.delenv("GOOGLE_CLOUD_PROJECT", raising=False)
+    model = committed_model(gcs_bucket, tmp_path)
+    config = {"registry_uri": f"{gcs_bucket}/_registry", "pipeline": "tiny", "run_id": "run-1",
+              "vertex_model_registry": {"serving_container_image": "i"}}  # fmt: skip
+    ctx = make_ctx("publish", {"decision": decision_dir(tmp_path, True)}, config, {"model": model})
+    with pytest.raises(LoraflowError, match="needs a project"):
+        publish.run(ctx)
+    assert publish.Registry(f"{gcs_bucket}/_registry", "tiny").versions() == {}

@@ -129,6 +129,13 @@ def test_report_has_every_section_and_is_self_contained() -> None:
     assert "beats it" in page  # the champion compared against
 
 
+def test_report_names_the_vertex_model_version() -> None:
+    vertex = {"model": "projects/p/locations/l/models/loraflow-tiny", "version_id": "3",
+              "version_aliases": ["champion", "default"]}  # fmt: skip
+    page = report.render(constructed() | {"publish": constructed()["publish"] | {"vertex_model_registry": vertex}})
+    assert "projects/p/locations/l/models/loraflow-tiny@3</code> (aliases: champion, default)" in page
+
+
 def test_report_of_a_run_the_gate_did_not_promote() -> None:
     data = constructed() | {
         "decision": DECISION | {"promote": False, "reason": "less than the required +0.300; not promoted"},
@@ -251,3 +258,126 @@ def test_report_step_on_a_run_that_was_not_published(
     report_step.run(ctx)
     page = (ctx.out / "report.html").read_text()
     assert "NOT PROMOTED" in page and "not run" in page  # publish was skipped
+
+
+REJECTED_REPORT = {
+    "success": False,
+    "failed_rules": ["no_empty_strings", "duplicates"],
+    "failures": [
+        "train: 1 row has an empty completion (line 4 of train.jsonl); write the text or drop those rows",
+        "train: 1 row repeats an earlier example exactly (12 = 11), a share of 0.005 > max_fraction 0.0; "
+        "drop the repeats or raise data.expectations.duplicates.max_fraction",
+    ],
+    "warnings": ["train: 1 row has a prompt or completion with fewer than 1 letter(s) or digit(s) (line 7)"],
+    "data_docs": "data_docs/index.html",
+    "expectations": [
+        {"dataset": "train", "rule": "no_empty_strings", "level": "fail", "outcome": "fail",
+         "check": "completion not empty", "type": "expect_column_values_to_not_match_regex",
+         "observed": "1 of 2000 rows (0.1%)", "success": False},
+        {"dataset": "train", "rule": "near_empty", "level": "warn", "outcome": "warn",
+         "check": "prompt and completion hold text", "type": "expect_column_values_to_be_between",
+         "observed": "1 of 2000 rows (0.1%)", "success": False},
+        {"dataset": "eval", "rule": "leakage", "level": "fail", "outcome": "pass",
+         "check": "no prompt shared with train", "type": "expect_column_values_to_not_be_in_set",
+         "observed": "0 of 400 rows (0.0%)", "success": True},
+    ],
+    "statistics": {"evaluated_expectations": 3, "successful_expectations": 1, "warned_expectations": 1,
+                   "train": {"rows": 2000, "format": "prompt_completion", "file": "train.jsonl"}},
+}  # fmt: skip
+
+
+def rows_of(page: str, section: str) -> list[list[str]]:
+    """The cells (text only) of every table row in one section of the page."""
+    body = page.split(f'<section id="{section}">', 1)[1].split("</section>", 1)[0]
+    return [
+        [re.sub(r"<[^>]+>", "", cell) for cell in re.findall(r"<td>(.*?)</td>", row)]
+        for row in re.findall(r"<tr>(.*?)</tr>", body)
+    ]
+
+
+def test_report_shows_each_expectation_with_rule_level_observed_and_outcome() -> None:
+    page = report.render(constructed() | {"data_report": REJECTED_REPORT | {"success": True, "failures": []}})
+    rows = [r for r in rows_of(page, "data") if len(r) == 7]
+    assert ["train", "near_empty", "warn", "prompt and completion hold text",
+            "expect_column_values_to_be_between", "1 of 2000 rows (0.1%)", "WARN"] in rows  # fmt: skip
+    assert ["eval", "leakage", "fail", "no prompt shared with train",
+            "expect_column_values_to_not_be_in_set", "0 of 400 rows (0.0%)", "pass"] in rows  # fmt: skip
+    assert "1 warned" in page and "warning: train: 1 row has a prompt or completion" in page
+
+
+def test_report_step_on_a_run_whose_data_was_rejected(gcs_bucket: str, make_ctx: Callable) -> None:
+    import os
+
+    run = f"{gcs_bucket}/arts/tiny/run-3"
+    # validate_data's evidence of the rejection: beside its prefix, never committed (no manifest).
+    artifacts.write_json(gcs.join(run, "validate_data", "_rejected", "data_report.json"), REJECTED_REPORT)
+    host = os.environ["STORAGE_EMULATOR_HOST"].rstrip("/")  # the session's emulator (tests/conftest.py)
+    ctx = report_ctx(make_ctx, {}, run)
+    summary = report_step.run(ctx)
+    assert summary["failed_stage"] == "validate_data" and summary["promote"] is None
+    page = (ctx.out / "report.html").read_text()
+    verdict = page.split('<section id="verdict">', 1)[1].split("</section>", 1)[0]
+    assert "RUN FAILED" in verdict and "<code>validate_data</code>" in verdict
+    assert "the data contract is broken: 2 rule(s) failed (no_empty_strings, duplicates)" in verdict
+    assert "line 4 of train.jsonl" in verdict and "raise data.expectations.duplicates.max_fraction" in verdict
+    assert "Nothing was converted or trained" in verdict
+    stages = {r[0]: r[1] for r in rows_of(page, "stages") if r}
+    assert stages["validate_data"] == "rejected" and stages["lora_sft"] == "no output"
+    assert stages["publish"] == "not run"
+    bucket, path = gcs.split_uri(gcs.join(run, "validate_data", "_rejected", "data_docs", "index.html"))
+    assert f'href="{host}/{bucket}/{path}"' in page  # GX's data docs of the rejected data
+
+
+def test_report_step_on_a_run_where_training_failed(
+    committed_run: Callable, make_ctx: Callable, gcs_bucket: str
+) -> None:
+    manifests = committed_run(False)
+    kept = {s: m for s, m in manifests.items() if s in ("validate_data", "convert_checkpoint", "evaluate_base")}
+    ctx = report_ctx(make_ctx, kept, f"{gcs_bucket}/arts/tiny/run-2")
+    summary = report_step.run(ctx)
+    assert summary["failed_stage"] == "lora_sft"
+    page = (ctx.out / "report.html").read_text()
+    assert "RUN FAILED" in page
+    assert "no committed output from lora_sft, merge_adapter, evaluate_tuned, gate" in page
+    assert "2000" in page  # the dataset summary is still there
+
+
+def test_data_docs_urls_keep_the_path_for_relative_links() -> None:
+    uri = report.data_docs_uri("gs://bucket/arts/tiny/run-1/validate_data", rejected=True)
+    assert uri == "gs://bucket/arts/tiny/run-1/validate_data/_rejected/data_docs/index.html"
+    assert report.site_url(uri, "127.0.0.1:9023") == (
+        "http://127.0.0.1:9023/bucket/arts/tiny/run-1/validate_data/_rejected/data_docs/index.html"
+    )
+    assert report.site_url(uri) == report.browser_url(uri)
+
+
+def test_only_the_report_runs_without_its_upstream_outputs() -> None:
+    from loraflow import runner
+    from loraflow.errors import LoraflowError
+    from loraflow.plan import stage_plans
+    from loraflow.spec import load_spec
+
+    plans = stage_plans(load_spec(Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"))
+    got = runner.resolve_inputs(plans["report"], {"validate_data": "gs://b/arts/tiny/run-1/validate_data"})
+    assert got == {"validate_data": "gs://b/arts/tiny/run-1/validate_data/_MANIFEST.json"}
+    with pytest.raises(LoraflowError, match="lora_sft needs the output of validate_data, which did not run"):
+        runner.resolve_inputs(plans["lora_sft"], {"convert_checkpoint": "gs://b/arts/tiny/run-1/convert_checkpoint"})
+
+
+def test_the_report_task_runs_after_a_failure_and_keeps_the_run_failed() -> None:
+    import yaml
+
+    from operators.stages import ReportOperator
+
+    class TI:
+        dag_id, run_id, task_id = "tiny", "r1", "report"
+
+        def get_task_states(self, dag_id: str, run_ids: list[str]) -> dict[str, dict[str, str]]:
+            assert (dag_id, run_ids) == ("tiny", ["r1"])
+            return {"r1": {"validate_data": "failed", "lora_sft": "upstream_failed", "publish": "upstream_failed",
+                           "evaluate_base": "success", "report": "running"}}  # fmt: skip
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml").read_text())
+    op = ReportOperator.for_spec(data)
+    assert op.trigger_rule == "all_done"  # it runs whatever happened before it
+    assert op.failed_tasks({"ti": TI()}) == ["lora_sft", "publish", "validate_data"]  # type: ignore[arg-type]

@@ -50,7 +50,11 @@ def test_every_problem_is_reported_at_once() -> None:
         (lambda d: d.update(schedule="every day"), "schedule", "five fields"),
         (lambda d: d.update(schedule={"asset": "s3://x/y"}), "schedule", "gs://"),
         (lambda d: d.update(artifact_root="gs://bucket/../other"), "artifact_root", "'..'"),
-        (lambda d: d["data"].update(min_rows=0), "data.min_rows", "greater than or equal to 1"),
+        (
+            lambda d: d["data"]["expectations"]["row_count"].update(min=0),
+            "data.expectations.row_count.min",
+            "greater than or equal to 1",
+        ),
         (
             lambda d: d["evaluation"].update(answer_pattern="(unclosed"),
             "evaluation.answer_pattern",

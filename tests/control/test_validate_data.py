@@ -19,6 +19,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def contract(**rules: dict) -> dict:
+    """The stage config for these data.expectations rules (the rest keep their defaults)."""
+    return {"expectations": rules}
+
+
 PARITY_TRAIN = read_jsonl(PARITY / "train.jsonl")
 PARITY_EVAL = read_jsonl(PARITY / "eval.jsonl")
 
@@ -62,7 +67,7 @@ def test_parity_data_passes_and_is_normalised(tmp_path: Path, tokenizer_dir: Pat
     for split in ("train", "eval"):
         inputs[split].mkdir()
         shutil.copy(PARITY / f"{split}.jsonl", inputs[split])
-    ctx = make_ctx("validate_data", inputs, {"min_rows": 1000, "max_tokens": 32})
+    ctx = make_ctx("validate_data", inputs, contract(row_count={"min": 1000}, token_length={"max": 32}))
     summary = validate_data.run(ctx)
 
     assert summary["train_rows"] == 2000 and summary["eval_rows"] == 400
@@ -109,8 +114,7 @@ def test_chat_parquet_input(run_step: Callable) -> None:
         [chat(r) for r in PARITY_TRAIN[:30]],
         [chat(r) for r in PARITY_EVAL[:5]],
         fmt="parquet",
-        min_rows=30,
-        required_roles=["system", "user", "assistant"],
+        **contract(row_count={"min": 30}, format={"required_roles": ["system", "user", "assistant"]}),
     )
     assert not isinstance(summary, Exception), summary
     assert summary["train_rows"] == 30
@@ -138,64 +142,71 @@ FAILURES: dict[str, tuple[list[dict], list[dict], dict, list[str]]] = {
     "null_completion": (
         _with(_train(), {3: {"completion": None}, 8: {"completion": None}}),
         _eval(),
-        {"min_rows": 20},
+        contract(row_count={"min": 20}),
         ["train: 2 rows have no completion (null)", "lines 4, 9 of train.jsonl"],
     ),
     "empty_prompt": (
         _with(_train(), {5: {"prompt": "   "}}),
         _eval(),
-        {"min_rows": 20},
+        contract(row_count={"min": 20}),
         ["train: 1 row has an empty prompt", "line 6 of train.jsonl"],
     ),
     "empty_completion_in_eval": (
         _train(),
         _with(_eval(), {1: {"completion": ""}}),
-        {"min_rows": 20},
+        contract(row_count={"min": 20}),
         ["eval: 1 row has an empty completion", "line 2 of eval.jsonl"],
     ),
     "too_long": (
         _with(_train(), {4: {"prompt": "Is 1 even or odd? " * 20}, 16: {"prompt": "Is 2 even or odd? " * 30}}),
         _eval(),
-        {"min_rows": 20, "max_tokens": 32},
-        ["train: 2 rows have more than 32 tokens", "lines 5, 17 of train.jsonl", "raise max_tokens or shorten them"],
+        contract(row_count={"min": 20}, token_length={"max": 32}),
+        [
+            "train: 2 rows have more than 32 tokens",
+            "lines 5, 17 of train.jsonl",
+            "raise data.expectations.token_length.max or shorten them",
+        ],
     ),
     "too_short": (
         _train(),
         _eval(),
-        {"min_rows": 20, "min_tokens": 17, "max_tokens": 64},
-        ["train: 20 rows have fewer than 17 tokens", "lower min_tokens"],
+        contract(row_count={"min": 20}, token_length={"min": 17, "max": 64}),
+        ["train: 20 rows have fewer than 17 tokens", "lower data.expectations.token_length.min"],
     ),
     "duplicates": (
         _with(_train(), {7: PARITY_TRAIN[2], 11: PARITY_TRAIN[2]}),
         _eval(),
-        {"min_rows": 20},
-        ["train: 2 rows repeat an earlier example exactly (8 = 3, 12 = 3)", "raise max_duplicate_fraction"],
+        contract(row_count={"min": 20}),
+        [
+            "train: 2 rows repeat an earlier example exactly (8 = 3, 12 = 3)",
+            "raise data.expectations.duplicates.max_fraction",
+        ],
     ),
     "too_few_rows": (
         _train(10),
         _eval(),
-        {"min_rows": 100},
-        ["train: 10 rows, fewer than the 100 required", "add examples or lower min_rows"],
+        contract(row_count={"min": 100}),
+        ["train: 10 rows, fewer than the 100 required", "add examples or lower data.expectations.row_count.min"],
     ),
     "train_eval_overlap": (
         _train(),
         _with(_eval(), {0: PARITY_TRAIN[6], 3: {"prompt": PARITY_TRAIN[9]["prompt"].upper()}}),
-        {"min_rows": 20},
+        contract(row_count={"min": 20}),
         ["eval: 2 prompts also appear in train", "lines 1, 4 of eval.jsonl", "remove them from eval"],
     ),
     "duplicate_ids": (
         [dict(r, id="x" if i in (2, 5) else f"r{i}") for i, r in enumerate(_train())],
         _eval(),
-        {"min_rows": 20},
+        contract(row_count={"min": 20}),
         ["train: 2 rows share their id", "lines 3, 6 of train.jsonl", "make ids unique"],
     ),
     "missing_required_role": (
         _train(),
         _eval(),
-        {"min_rows": 20, "required_roles": ["system", "user", "assistant"]},
+        contract(row_count={"min": 20}, format={"required_roles": ["system", "user", "assistant"]}),
         [
             "train: 20 rows have no system turn",
-            "remove 'system' from required_roles",
+            "remove 'system' from data.expectations.format.required_roles",
             "eval: 5 rows have no system turn",
         ],
     ),
@@ -216,7 +227,7 @@ FAILURES: dict[str, tuple[list[dict], list[dict], dict, list[str]]] = {
             {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
             for r in _eval()
         ],
-        {"min_rows": 20},
+        contract(row_count={"min": 20}),
         [
             "train: 1 row does not end with an assistant turn",
             "line 20 of train.jsonl",
@@ -226,7 +237,7 @@ FAILURES: dict[str, tuple[list[dict], list[dict], dict, list[str]]] = {
     "unreadable_eval_file": (
         _train(),
         '{"prompt": "x", "completion": "y"}\n{"prompt": \n',
-        {"min_rows": 20},
+        contract(row_count={"min": 20}),
         ["the dataset cannot be read", "eval:", "eval.jsonl", "line 2", "invalid JSON"],
     ),
 }
@@ -240,15 +251,23 @@ def test_failures_name_the_problem_and_rows(run_step: Callable, case: str) -> No
     message = str(result)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in:\n{message}"
-    # The evidence is written before the error, and nothing else is.
+    # The evidence is written before the error (the report, GX's data docs once GX ran), and nothing else is.
     report = json.loads((ctx.out / "data_report.json").read_text())
     assert report["success"] is False
-    assert sorted(p.name for p in ctx.out.iterdir()) == ["data_report.json"]
+    written = sorted(p.name for p in ctx.out.iterdir())
+    if "load_problems" in report:
+        assert written == ["data_report.json"]
+    else:
+        assert written == ["data_docs", "data_report.json"]
+        assert (ctx.out / "data_docs" / "index.html").is_file()
+        assert message.startswith("the data contract is broken")
+        for rule in report["failed_rules"]:
+            assert f"[{rule}]" in message
 
 
 def test_report_lists_every_expectation_with_examples(run_step: Callable) -> None:
     train = _with(_train(), {4: {"prompt": "Is 1 even or odd? " * 20}})
-    result, ctx = run_step(train, _eval(), min_rows=20, max_tokens=32)
+    result, ctx = run_step(train, _eval(), **contract(row_count={"min": 20}, token_length={"max": 32}))
     assert isinstance(result, DataValidationError)
     report = json.loads((ctx.out / "data_report.json").read_text())
     failed = [e for e in report["expectations"] if not e["success"]]
@@ -262,7 +281,7 @@ def test_report_lists_every_expectation_with_examples(run_step: Callable) -> Non
 
 def test_duplicates_within_the_allowed_fraction_pass(run_step: Callable) -> None:
     train = _with(_train(), {7: PARITY_TRAIN[2]})
-    summary, _ = run_step(train, _eval(), min_rows=20, max_duplicate_fraction=0.1)
+    summary, _ = run_step(train, _eval(), **contract(row_count={"min": 20}, duplicates={"max_fraction": 0.1}))
     assert not isinstance(summary, Exception), summary
 
 
@@ -271,3 +290,110 @@ def test_unknown_config_key_is_refused(run_step: Callable) -> None:
 
     with pytest.raises(LoraflowError, match="unknown config key"):
         run_step(_train(), _eval(), max_token=32)
+    with pytest.raises(LoraflowError, match=r"data.max_tokens moved: write data.expectations.token_length.max"):
+        run_step(_train(), _eval(), max_tokens=32)
+    with pytest.raises(LoraflowError, match=r"expectations.leakage.level: Input should be 'fail' or 'warn'"):
+        run_step(_train(), _eval(), **contract(leakage={"level": "error"}))
+
+
+def test_one_error_names_every_failed_rule_and_its_fix(run_step: Callable) -> None:
+    train = _with(_train(), {3: {"completion": ""}, 10: PARITY_TRAIN[11]})
+    result, ctx = run_step(train, _eval(), **contract(row_count={"min": 50}))
+    assert isinstance(result, DataValidationError)
+    message = str(result)
+    assert message.startswith("the data contract is broken: 3 rule(s) failed (row_count, no_empty_strings, duplicates)")
+    assert "[row_count] train: 20 rows, fewer than the 50 required" in message
+    assert "[no_empty_strings] train: 1 row has an empty completion (line 4 of train.jsonl)" in message
+    assert "[duplicates] train: 1 row repeats an earlier example exactly (12 = 11)" in message
+    assert "set data.expectations.RULE.level: warn" in message
+    report = json.loads((ctx.out / "data_report.json").read_text())
+    assert report["failed_rules"] == ["row_count", "no_empty_strings", "duplicates"]
+    outcomes = {
+        (e["dataset"], e["check"]): (e["rule"], e["level"], e["outcome"], e["observed"]) for e in report["expectations"]
+    }
+    assert outcomes[("train", "completion not empty")] == ("no_empty_strings", "fail", "fail", "1 of 20 rows (5.0%)")
+    assert outcomes[("train", "row count")] == ("row_count", "fail", "fail", "20")
+    assert outcomes[("train", "prompt and completion hold text")][2] == "pass"  # a blank is reported once
+    assert outcomes[("eval", "row count")] == ("row_count", "fail", "pass", "5")
+
+
+def test_warn_level_rules_are_recorded_and_the_data_is_accepted(run_step: Callable) -> None:
+    train = _with(_train(), {2: {"completion": "..."}, 10: PARITY_TRAIN[11]})
+    eval_ = _with(_eval(), {0: PARITY_TRAIN[6]})
+    # near_empty warns by default; duplicates and leakage are lowered to warn here.
+    summary, ctx = run_step(
+        train, eval_, **contract(row_count={"min": 20}, duplicates={"level": "warn"}, leakage={"level": "warn"})
+    )
+    assert not isinstance(summary, Exception), summary
+    assert summary["warnings"] == 3 and summary["warned_rules"] == ["near_empty", "duplicates", "leakage"]
+    assert len(read_jsonl(ctx.out / "train.jsonl")) == 20  # accepted as given
+    report = json.loads((ctx.out / "data_report.json").read_text())
+    assert report["success"] is True and report["failures"] == []
+    assert any("line 3 of train.jsonl" in w and "fewer than 1 letter(s) or digit(s)" in w for w in report["warnings"])
+    assert any(w.startswith("eval: 1 prompt also appears in train") for w in report["warnings"])
+    warned = {e["rule"] for e in report["expectations"] if e["outcome"] == "warn"}
+    assert warned == {"near_empty", "duplicates", "leakage"}
+    assert report["statistics"]["warned_expectations"] == 3
+
+
+def test_near_empty_at_fail_level_stops_the_run(run_step: Callable) -> None:
+    train = _with(_train(), {5: {"prompt": "? ?"}})
+    result, _ = run_step(
+        train, _eval(), **contract(row_count={"min": 20}, near_empty={"level": "fail", "min_chars": 2})
+    )
+    assert isinstance(result, DataValidationError)
+    assert "(near_empty)" in str(result) and "line 6 of train.jsonl" in str(result)
+
+
+def test_data_docs_are_built_by_great_expectations(run_step: Callable) -> None:
+    train = _with(_train(), {4: {"prompt": "Is 1 even or odd? " * 20}})
+    _, ctx = run_step(train, _eval(), **contract(row_count={"min": 20}, token_length={"max": 32}))
+    docs = ctx.out / "data_docs"
+    index = (docs / "index.html").read_text()
+    assert "train_dataset" in index and "eval_dataset" in index
+    pages = sorted(docs.glob("validations/**/*.html"))
+    assert len(pages) == 2, pages  # one validation result page per suite
+    train_page = next(p for p in pages if "train_dataset" in str(p)).read_text()
+    assert "n_tokens" in train_page and "Failed" in train_page
+
+
+class _TI:
+    """The bits of a task instance the operator uses."""
+
+    def __init__(self) -> None:
+        self.pushed: dict[str, object] = {}
+
+    def xcom_push(self, key: str, value: object) -> None:
+        self.pushed[key] = value
+
+
+def test_the_task_links_the_data_docs_of_the_accepted_or_the_rejected_data(
+    gcs_bucket: str,
+) -> None:
+    import os
+
+    import yaml
+
+    from loraflow import artifacts, gcs, report
+    from loraflow.plan import output_prefix
+    from loraflow.spec import validate_spec
+    from operators.stages import DataDocsLink, ValidateDataOperator
+
+    assert "Data docs" in [link.name for link in ValidateDataOperator.operator_extra_links]
+    data = yaml.safe_load((PARITY.parents[1] / "tiny-llama-lora.yaml").read_text()) | {"artifact_root": gcs_bucket}
+    op = ValidateDataOperator.for_spec(data)
+    host = os.environ["STORAGE_EMULATOR_HOST"]  # the session's emulator (tests/conftest.py)
+    ti = _TI()
+    context = {"ti": ti, "run_id": "manual__2026-12-03T01:00:00+00:00", "params": {}}
+    rejected = gcs.join(output_prefix(validate_spec(data, "t"), context["run_id"], "validate_data"), "_rejected")
+
+    op.link_data_docs(context, committed=None)  # the data could not even be read: no docs, no link
+    assert DataDocsLink().xcom_key not in ti.pushed
+    artifacts.write_json(gcs.join(rejected, "data_docs", "index.html"), {})  # stands in for GX's page
+    op.link_data_docs(context, committed=None)
+    assert ti.pushed[DataDocsLink().xcom_key] == report.site_url(gcs.join(rejected, "data_docs", "index.html"), host)
+    op.link_data_docs(context, committed=f"{gcs_bucket}/tiny-llama-lora/run-0/validate_data")  # a cache hit
+    assert ti.pushed[DataDocsLink().xcom_key] == (
+        f"{host.rstrip('/')}/{gcs.split_uri(gcs_bucket)[0]}/{gcs.split_uri(gcs_bucket)[1]}"
+        "/tiny-llama-lora/run-0/validate_data/data_docs/index.html"
+    )

@@ -173,3 +173,55 @@ def test_the_request_is_what_aiplatform_builds_offline() -> None:
     # and the body parses strictly (no unknown field) into the v1 message the launcher sends
     message = json_format.ParseDict(ours, CustomJob.pb(CustomJob()))
     assert message.job_spec.worker_pool_specs[0].machine_spec.tpu_topology == "4x4"
+
+
+def test_network_reservation_and_spot_reach_the_request_as_the_v1_proto_has_them() -> None:
+    from google.cloud.aiplatform_v1.types import CustomJob, CustomJobSpec, ReservationAffinity, Scheduling
+    from google.protobuf import json_format
+
+    reservation = "projects/acme-ml/zones/us-central1-a/reservations/v5e-16"
+    network = "projects/123456789/global/networks/ml-vpc"
+    reserved = ComputeSpec(
+        launcher="vertex",
+        image="i",
+        machine_type="ct5lp-hightpu-4t",
+        tpu_topology="4x4",
+        hosts=4,
+        network=network,
+        reserved_ip_ranges=["vertex-range"],
+        reservation=reservation,
+    )
+    identity = vertex.JobIdentity("d", "r", "lora_sft", "k")
+    body = vertex.custom_job(reserved, identity, ["python", "-m", "x"], "gs://b/p")
+    message = CustomJob.wrap(json_format.ParseDict(body, CustomJob.pb(CustomJob())))  # strict: no unknown field
+    assert message.job_spec.network == network and list(message.job_spec.reserved_ip_ranges) == ["vertex-range"]
+    affinity = message.job_spec.worker_pool_specs[0].machine_spec.reservation_affinity
+    assert affinity.reservation_affinity_type == ReservationAffinity.Type.SPECIFIC_RESERVATION
+    assert affinity.key == vertex.RESERVATION_KEY and list(affinity.values) == [reservation]
+    assert "scheduling" not in body["jobSpec"]
+
+    spot = reserved.model_copy(update={"reservation": None, "spot": True})
+    spec = CustomJobSpec.pb(CustomJobSpec())
+    json_format.ParseDict(vertex.custom_job(spot, identity, ["python", "-m", "x"], "gs://b/p")["jobSpec"], spec)
+    assert spec.scheduling.strategy == Scheduling.Strategy.SPOT
+    plain = vertex.custom_job(
+        ComputeSpec(launcher="vertex", image="i", machine_type="n2-standard-4"),
+        identity,
+        ["python", "-m", "x"],
+        "gs://b",
+    )
+    assert not {"network", "reservedIpRanges", "scheduling"} & set(plain["jobSpec"])
+    assert "reservationAffinity" not in plain["jobSpec"]["workerPoolSpecs"][0]["machineSpec"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"reserved_ip_ranges": ["r"]}, "reserved_ip_ranges need a network"),
+        ({"reservation": "projects/p/zones/z/reservations/r", "spot": True}, "Spot capacity cannot consume"),
+        ({"reservation": "my-reservation"}, "is not projects/PROJECT/zones/ZONE/reservations/NAME"),
+    ],
+)
+def test_network_options_that_cannot_work_are_refused(fields: dict, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        ComputeSpec(launcher="vertex", image="i", machine_type="n2-standard-4", **fields)

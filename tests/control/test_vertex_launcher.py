@@ -7,7 +7,6 @@ emulator end to end through the runner.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ from loraflow.launch import KillSwitch
 from loraflow.launch_vertex import VertexLauncher
 from loraflow.spec import ComputeSpec
 from loraflow.vertex import JobIdentity
-from tests.vertex_standin import VertexStandIn
+from tests.vertex_standin import VertexStandIn, endpoint_env, replica_env
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "us-docker.pkg.dev/acme-ml/loraflow/control:test"
@@ -32,13 +31,15 @@ IMAGE = "us-docker.pkg.dev/acme-ml/loraflow/control:test"
 def standin(
     tmp_path: Path, gcs_emulator: local_gcs.Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[VertexStandIn]:
-    host_env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
-    host_env |= gcs_emulator.env() | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    server = VertexStandIn({IMAGE: sys.executable}, tmp_path / "vertex", host_env, state_delay=0.1)
-    with server:
-        monkeypatch.setenv("LORAFLOW_VERTEX_ENDPOINT", server.url)
-        monkeypatch.setenv("LORAFLOW_VERTEX_POLL_SECONDS", "0.1")
-        monkeypatch.setenv("LORAFLOW_VERTEX_PROJECT", "loraflow-local")
+    yield from serve(tmp_path, gcs_emulator, monkeypatch)
+
+
+def serve(tmp_path: Path, gcs_emulator: local_gcs.Emulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[VertexStandIn]:
+    """The stand-in running the control env's Python as IMAGE, with loraflow pointed at it (also test_triggers)."""
+    host_env = replica_env(REPO, gcs_emulator.env())
+    with VertexStandIn({IMAGE: sys.executable}, tmp_path / "vertex", host_env, state_delay=0.1) as server:
+        for key, value in endpoint_env(server, 0.1).items():
+            monkeypatch.setenv(key, value)
         yield server
 
 

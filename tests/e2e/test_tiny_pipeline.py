@@ -4,6 +4,7 @@ against the GCS emulator: every stage runs its real library. Takes several minut
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,13 @@ def bad_data_spec(folder: Path, data_dir: Path) -> Path:
     (data_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     shutil.copy(REPO / "pipelines/data/parity/eval.jsonl", data_dir / "eval.jsonl")
     return path
+
+
+def last_log(airflow: LocalAirflow, dag_id: str, run_id: str, task_id: str) -> str:
+    """The log of the task's last try (a retried try's log, when a crash made Airflow retry it)."""
+    status, ti = airflow.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}")
+    tries = int(ti.get("try_number") or 1) if status == 200 and isinstance(ti, dict) else 1
+    return airflow.task_log(dag_id, run_id, task_id, max(tries, 1))
 
 
 class Runs:
@@ -106,6 +114,11 @@ def test_first_run_writes_its_report(runs: Runs) -> None:
     assert v["report_url"].startswith("http://") and "alt=media" in v["report_url"]
     link = runs.airflow.call("GET", f"/dags/tiny-llama-lora/dagRuns/{runs.results['first']}/taskInstances/report/links")
     assert link[0] == 200 and v["report_url"] in json.dumps(link[1]), link
+    docs = runs.airflow.call(
+        "GET", f"/dags/tiny-llama-lora/dagRuns/{runs.results['first']}/taskInstances/validate_data/links"
+    )
+    assert docs[0] == 200 and "/validate_data/data_docs/index.html" in json.dumps(docs[1]), docs
+    assert "Data docs" in json.dumps(docs[1])
 
 
 def test_rerun_of_unchanged_pipeline_recomputes_nothing_heavy(runs: Runs) -> None:
@@ -133,10 +146,39 @@ def test_bad_dataset_stops_the_run_before_conversion(runs: Runs) -> None:
     states = runs.airflow.task_states("tiny-bad-data", runs.results["bad_data_run"])
     assert states["validate_data"] == "failed"
     assert states["convert_checkpoint"] == states["lora_sft"] == "upstream_failed"
-    log = runs.airflow.task_log("tiny-bad-data", runs.results["bad_data_run"], "validate_data")
+    log = last_log(runs.airflow, "tiny-bad-data", runs.results["bad_data_run"], "validate_data")
     assert "empty" in log.lower() and "duplicate" in log.lower()
+    assert "the data contract is broken: 2 rule(s) failed (no_empty_strings, duplicates)" in log
     spec = load_spec(TINY)
     prefix = gcs.join(spec.artifact_root, "tiny-bad-data", artifacts.safe_run_id(runs.results["bad_data_run"]))
     bucket, path = gcs.split_uri(prefix)
     names = [b.name for b in gcs.client().list_blobs(bucket, prefix=path + "/")]
-    assert names and all("/validate_data/_rejected/" in n for n in names), names
+    # Nothing but the rejection evidence (never an artifact: no manifest) and the run's report.
+    assert names and all("/validate_data/_rejected/" in n or "/report/" in n for n in names), names
+    assert not [n for n in names if "/validate_data/" in n and n.endswith("_MANIFEST.json")]
+
+
+def test_a_failed_run_still_writes_a_report_that_says_why(runs: Runs) -> None:
+    import urllib.request
+
+    run_id = runs.results["bad_data_run"]
+    states = runs.airflow.task_states("tiny-bad-data", run_id)
+    assert states["report"] == "failed"  # the report is written, and the run stays failed
+    log = last_log(runs.airflow, "tiny-bad-data", run_id, "report")
+    assert "the run failed" in log and "validate_data" in log
+    spec = load_spec(TINY)
+    page_uri = gcs.join(spec.artifact_root, "tiny-bad-data", artifacts.safe_run_id(run_id), "report", "report.html")
+    bucket, path = gcs.split_uri(page_uri)
+    html = gcs.client().bucket(bucket).blob(path).download_as_bytes().decode()
+    assert "RUN FAILED" in html and "the data contract is broken" in html
+    assert "no_empty_strings" in html and "duplicates" in html and "line 4 of train.jsonl" in html
+    link = runs.airflow.call("GET", f"/dags/tiny-bad-data/dagRuns/{run_id}/taskInstances/report/links")
+    assert link[0] == 200 and "report.html" in json.dumps(link[1]), link
+    # The validate_data task links GX's data docs of the rejected data; the link opens.
+    docs = runs.airflow.call("GET", f"/dags/tiny-bad-data/dagRuns/{run_id}/taskInstances/validate_data/links")
+    assert docs[0] == 200, docs
+    found = re.search(r'"(http[^"]*/validate_data/_rejected/data_docs/index\.html)"', json.dumps(docs[1]))
+    assert found and "Data docs" in json.dumps(docs[1]), docs
+    url = found.group(1)
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200 and "train_dataset" in response.read().decode()

@@ -1,0 +1,47 @@
+"""Operator extra links of the stage tasks: the Vertex AI job and the stage's artifacts.
+
+Like ``ReportLink``, each URL is decided while the task runs and kept in XCom under the link's
+``xcom_key``; Airflow's UI shows it from there. A stage that ran locally has no Vertex AI job link.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from airflow.sdk import BaseOperator, BaseOperatorLink
+
+from loraflow import artifacts, gcs
+from loraflow.report import browser_url
+
+if TYPE_CHECKING:
+    from airflow.sdk.types import TaskInstanceKey
+
+
+class _XComLink(BaseOperatorLink):
+    name = ""
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        from airflow.sdk.bases.xcom import BaseXCom
+
+        url = BaseXCom.get_value(ti_key=ti_key, key=self.xcom_key)  # type: ignore[arg-type]
+        return url if isinstance(url, str) else ""
+
+
+class VertexJobLink(_XComLink):
+    """'Vertex AI job': the job's page in the Cloud console (project, region and job id)."""
+
+    name = "Vertex AI job"
+
+
+class ArtifactsLink(_XComLink):
+    """'Artifacts': the stage's committed manifest (it lists every file with its checksum)."""
+
+    name = "Artifacts"
+
+
+def artifacts_url(prefix: str, emulator_host: str | None) -> str:
+    """Where a browser shows a stage's output: the manifest via the GCS emulator, else the console's browser."""
+    if emulator_host:
+        return browser_url(artifacts.manifest_uri(prefix), emulator_host)
+    bucket, path = gcs.split_uri(prefix)
+    return f"https://console.cloud.google.com/storage/browser/{bucket}/{path}"

@@ -1,0 +1,293 @@
+"""The data-team hand-off: spec rules, which version a run takes (on the GCS emulator), the verdict."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow import artifacts, gcs, handoff
+from loraflow.errors import SpecError
+from loraflow.spec import HandoffSpec, PipelineSpec, load_spec, validate_spec
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
+PARITY = REPO / "pipelines" / "data" / "parity"
+
+
+def tiny_data(**changes: Any) -> dict[str, Any]:
+    data = load_spec(TINY).model_dump(mode="json")
+    data["name"] = "tiny-handoff"
+    data.update(changes)
+    return data
+
+
+def handoff_spec(prefix: str = "gs://team/handoff/parity", **changes: Any) -> PipelineSpec:
+    data = tiny_data(handoff={"prefix": prefix}, **changes)
+    del data["data"]["train"], data["data"]["eval"]
+    return validate_spec(data, "test")
+
+
+# ------------------------------------------------------------------------------------ spec
+
+
+def test_a_handoff_spec_reads_its_dataset_from_the_version_a_run_takes() -> None:
+    spec = handoff_spec()
+    assert spec.data.train == "gs://team/handoff/parity/{version}/train.jsonl"
+    run = handoff.apply_version(spec, "2026-12-03")
+    assert run.data.train == "gs://team/handoff/parity/2026-12-03/train.jsonl"
+    assert run.data.eval == "gs://team/handoff/parity/2026-12-03/eval.jsonl"
+    assert run.data.model_dump(exclude={"train", "eval"}) == spec.data.model_dump(exclude={"train", "eval"})
+    assert run.handoff == spec.handoff
+
+
+def test_a_handoff_spec_with_its_own_dataset_uris_is_refused_naming_the_fix() -> None:
+    data = tiny_data(handoff={"prefix": "gs://team/handoff/parity"})
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "test")
+    assert "data.train is taken from the hand-off" in str(err.value) and "remove data.train" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"prefix": "team/handoff"}, "not a GCS URI"),
+        ({"prefix": "gs://team/h", "train": "sub/train.jsonl"}, "not a file name"),
+        ({"prefix": "gs://team/h", "eval": "_READY"}, "not a file name"),
+    ],
+)
+def test_bad_handoff_sections_are_refused(section: dict[str, Any], expected: str) -> None:
+    data = tiny_data(handoff=section)
+    del data["data"]["train"], data["data"]["eval"]
+    with pytest.raises(SpecError, match=expected):
+        validate_spec(data, "test")
+
+
+def test_handoff_and_notify_cannot_be_overridden_at_trigger_time() -> None:
+    data = tiny_data(params=[{"path": "handoff.prefix"}], handoff={"prefix": "gs://team/h"})
+    del data["data"]["train"], data["data"]["eval"]
+    with pytest.raises(SpecError, match=r"handoff\.prefix cannot be overridden"):
+        validate_spec(data, "test")
+
+
+@pytest.mark.parametrize("version", ["a/b", "..", "", "_READY", "v 1"])
+def test_version_names_that_are_not_one_plain_segment_are_refused(version: str) -> None:
+    with pytest.raises(handoff.HandoffError, match="not a valid name"):
+        handoff.apply_version(handoff_spec(), version)
+
+
+# ------------------------------------------------------------------------------------ choosing (pure)
+
+
+def at(minute: int) -> dt.datetime:
+    return dt.datetime(2026, 12, 3, 1, minute, tzinfo=dt.UTC)
+
+
+def test_candidates_are_ready_unclaimed_unjudged_versions_newest_ready_first() -> None:
+    states = [
+        handoff.VersionState("v1", ready_at=at(1)),
+        handoff.VersionState("v2", ready_at=at(5), claimed=True),
+        handoff.VersionState("v3", ready_at=at(3)),
+        handoff.VersionState("v4"),  # files, no _READY yet
+        handoff.VersionState("v5", ready_at=at(4), judged=True),
+        handoff.VersionState("v0", ready_at=at(3)),
+    ]
+    assert handoff.candidates(states) == ["v3", "v0", "v1"]
+
+
+def test_the_latest_triggering_event_names_the_version() -> None:
+    assert handoff.requested_version([{"version": "v1"}, {"note": "x"}, {"version": 7}]) == "7"
+    assert handoff.requested_version([{}, {"note": "no version"}]) is None
+
+
+# ------------------------------------------------------------------------------------ on GCS
+
+
+@pytest.fixture
+def team(gcs_bucket: str) -> HandoffSpec:
+    return HandoffSpec(prefix=f"{gcs_bucket}/handoff/parity")
+
+
+def drop(team: HandoffSpec, version: str, ready: bool = True) -> None:
+    files = {n: PARITY / n for n in ("train.jsonl", "eval.jsonl")}
+    if ready:
+        handoff.drop_version(team, version, files)
+    else:
+        bucket, path = gcs.split_uri(handoff.version_uri(team, version))
+        gcs.client().bucket(bucket).blob(f"{path}/train.jsonl").upload_from_filename(str(files["train.jsonl"]))
+
+
+def test_a_poll_takes_the_newest_ready_version_and_no_run_takes_it_again(team: HandoffSpec) -> None:
+    drop(team, "v1")
+    drop(team, "v2")
+    drop(team, "v3", ready=False)
+    first = handoff.pick(team, "dag", "run-a")
+    assert first.version == "v2" and first.train == f"{team.prefix}/v2/train.jsonl"
+    second = handoff.pick(team, "dag", "run-b")
+    assert second.version == "v1"
+    third = handoff.pick(team, "dag", "run-c")
+    assert third.version is None and "no ready, untrained dataset version" in third.reason
+    claim = artifacts.read_json(f"{team.prefix}/v2/{handoff.CLAIM}")
+    assert claim["run_id"] == "run-a" and claim["dag_id"] == "dag"
+
+
+def test_a_retried_pick_keeps_the_version_its_first_try_claimed(team: HandoffSpec) -> None:
+    drop(team, "v1")
+    assert handoff.pick(team, "dag", "run-a").version == "v1"
+    drop(team, "v2")
+    again = handoff.pick(team, "dag", "run-a")
+    assert again.version == "v1" and "earlier try" in again.reason
+
+
+def test_a_claim_is_held_by_one_run(team: HandoffSpec) -> None:
+    drop(team, "v1")
+    assert handoff.claim(team, "v1", "dag", "run-a") is True
+    assert handoff.claim(team, "v1", "dag", "run-b") is False
+    assert handoff.claim(team, "v1", "other-dag", "run-a") is False
+    assert handoff.claim(team, "v1", "dag", "run-a") is True
+
+
+def test_a_claim_overwritten_by_a_racing_run_is_lost(team: HandoffSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the create-only precondition is not enforced (the emulator), the read-back decides."""
+    drop(team, "v1")
+    real_read = handoff.read_claim
+    calls = {"n": 0}
+
+    def racing_read(h: HandoffSpec, version: str) -> dict[str, Any] | None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # between our write and our read-back, run-b writes its claim
+            bucket, path = gcs.split_uri(f"{handoff.version_uri(h, version)}/{handoff.CLAIM}")
+            gcs.client().bucket(bucket).blob(path).upload_from_string(json.dumps({"dag_id": "dag", "run_id": "run-b"}))
+        return real_read(h, version)
+
+    monkeypatch.setattr(handoff, "read_claim", racing_read)
+    assert handoff.claim(team, "v1", "dag", "run-a") is False
+
+
+def test_an_event_naming_a_version_takes_exactly_that_version(team: HandoffSpec) -> None:
+    drop(team, "v1")
+    drop(team, "v2")
+    picked = handoff.pick(team, "dag", "run-a", requested="v1")
+    assert picked.version == "v1" and "asset event" in picked.reason
+    again = handoff.pick(team, "dag", "run-b", requested="v1")
+    assert again.version is None and "run-a" in again.reason
+
+
+def test_an_event_naming_a_version_that_is_not_ready_fails_saying_what_to_write(team: HandoffSpec) -> None:
+    drop(team, "v1", ready=False)
+    with pytest.raises(handoff.HandoffError) as err:
+        handoff.pick(team, "dag", "run-a", requested="v1")
+    assert "_READY" in str(err.value) and "train.jsonl" in str(err.value)
+    assert artifacts.read_json(f"{team.prefix}/v1/{handoff.CLAIM}") is None
+
+
+def test_a_judged_version_is_not_taken_even_when_named(team: HandoffSpec) -> None:
+    drop(team, "v1")
+    bucket, path = gcs.split_uri(f"{team.prefix}/v1/{handoff.RESULT}")
+    gcs.client().bucket(bucket).blob(path).upload_from_string("{}")
+    picked = handoff.pick(team, "dag", "run-a", requested="v1")
+    assert picked.version is None and "already judged" in picked.reason
+    assert handoff.pick(team, "dag", "run-a").version is None
+
+
+def test_a_ready_version_missing_a_file_is_refused(team: HandoffSpec) -> None:
+    bucket, path = gcs.split_uri(handoff.version_uri(team, "v1"))
+    b = gcs.client().bucket(bucket)
+    b.blob(f"{path}/train.jsonl").upload_from_filename(str(PARITY / "train.jsonl"))
+    b.blob(f"{path}/{handoff.READY}").upload_from_string(b"")
+    with pytest.raises(handoff.HandoffError, match=r"lacks \['eval.jsonl'\]"):
+        handoff.pick(team, "dag", "run-a", requested="v1")
+
+
+# ------------------------------------------------------------------------------------ the verdict
+
+
+GATE_YES = {"promote": True, "base": 0.5, "tuned": 0.9, "delta": 0.4, "ci": [0.35, 0.45], "reason": "better"}
+GATE_NO = {"promote": False, "base": 0.5, "tuned": 0.52, "reason": "gain +0.02 below min_improvement 0.3"}
+ALL_OK = {"validate_data": "success", "gate": "success", "publish": "success", "report": "success"}
+
+
+def test_judge_accepts_only_a_promoted_model() -> None:
+    verdict, reasons = handoff.judge(ALL_OK, [], GATE_YES, {"promoted": True, "version": 3})
+    assert verdict == "accepted" and reasons == ["better"]
+
+
+def test_judge_rejects_on_the_data_contract_with_each_failed_rule() -> None:
+    states = {"validate_data": "failed", "lora_sft": "upstream_failed"}
+    verdict, reasons = handoff.judge(states, ["train: 1 empty completion", "train: 2 duplicates"], None, None)
+    assert verdict == "rejected"
+    assert reasons == ["data contract: train: 1 empty completion", "data contract: train: 2 duplicates"]
+
+
+def test_judge_rejects_when_the_gate_says_no() -> None:
+    states = {**ALL_OK, "publish": "skipped"}
+    assert handoff.judge(states, [], GATE_NO, None) == ("rejected", [f"quality gate: {GATE_NO['reason']}"])
+
+
+def test_judge_calls_a_broken_run_failed_not_the_datas_fault() -> None:
+    states = {"validate_data": "success", "lora_sft": "failed", "gate": "upstream_failed"}
+    verdict, reasons = handoff.judge(states, [], None, None)
+    assert verdict == "failed" and reasons == ["task lora_sft failed; see its log in Airflow"]
+
+
+def test_the_result_is_written_beside_the_version_with_what_a_data_team_needs(team: HandoffSpec) -> None:
+    spec = handoff_spec(prefix=team.prefix)
+    drop(team, "v1")
+    doc = handoff.result_document(
+        spec,
+        "tiny-handoff",
+        "manual__2026-12-03T01:00:00+00:00",
+        "v1",
+        "accepted",
+        ["better"],
+        {"promoted": True, "version": 3, "model_manifest": "gs://x/merge_adapter/_MANIFEST.json"},
+        GATE_YES,
+        "gs://x/report/report.html",
+        None,
+    )
+    uri = handoff.write_result(spec, "v1", doc)
+    assert uri == f"{team.prefix}/v1/_RESULT.json"
+    stored = artifacts.read_json(uri)
+    assert stored["verdict"] == "accepted" and stored["model"]["version"] == 3
+    assert stored["dataset"] == f"{team.prefix}/v1" and stored["gate"]["ci"] == [0.35, 0.45]
+    assert stored["model"]["registry"] == f"{spec.registry_uri}/tiny-handoff"
+    assert stored["artifacts"].startswith(f"{spec.artifact_root}/tiny-handoff/manual__2026-12-03")
+    extra = handoff.event_extra(stored, uri)
+    assert extra["verdict"] == "accepted" and extra["model_version"] == 3 and extra["result"] == uri
+    assert len(json.dumps(extra)) < 2048
+    # Not ready for another run any more.
+    assert handoff.pick(team, "dag", "run-z").version is None
+
+
+def test_data_failures_come_from_the_rejected_data_report(gcs_bucket: str) -> None:
+    run = f"{gcs_bucket}/artifacts/p/run1"
+    bucket, path = gcs.split_uri(f"{run}/validate_data/_rejected/data_report.json")
+    report = {"success": False, "failures": ["train: 1 row has an empty completion (line 4)"]}
+    gcs.client().bucket(bucket).blob(path).upload_from_string(json.dumps(report))
+    assert handoff.data_failures(run) == ["train: 1 row has an empty completion (line 4)"]
+    assert handoff.data_failures(f"{gcs_bucket}/artifacts/p/run2") == []
+
+
+# ------------------------------------------------------------------------------------ the DAG
+
+
+def test_a_handoff_pipeline_is_wrapped_in_pick_and_verdict(tmp_path: Path) -> None:
+    import yaml
+
+    from operators.dag_factory import load_pipelines
+
+    data = handoff_spec().model_dump(mode="json")
+    del data["data"]["train"], data["data"]["eval"]
+    data["schedule"] = {"asset": "gs://team/handoff/parity"}
+    (tmp_path / "tiny-handoff.yaml").write_text(yaml.safe_dump(data))
+    dag = load_pipelines(tmp_path)["tiny-handoff"]
+    pick, verdict = dag.get_task(handoff.PICK_TASK), dag.get_task(handoff.VERDICT_TASK)
+    assert pick.is_setup and verdict.is_teardown
+    stages = {t.task_id for t in dag.tasks} - {pick.task_id, verdict.task_id}
+    assert verdict.upstream_task_ids == stages | {pick.task_id}
+    assert pick.downstream_task_ids == {"validate_data", verdict.task_id}
+    assert [o.uri for o in verdict.outlets] == ["loraflow://tiny-handoff/verdict"]
+    assert "gs://team/handoff/parity" in str(dag.timetable.asset_condition)

@@ -1,0 +1,134 @@
+"""A person in the Airflow UI: trigger the tiny pipeline from the trigger form with a changed parameter,
+watch it succeed, open the run report from the report task's "Run report" link.
+
+Playwright drives the system Chromium (``apt-get install -y chromium``; ``make test-e2e`` installs it)
+against a real local Airflow and the GCS emulator. Screenshots of every step are kept under
+tests/_artifacts/browser/ (ignored by git); the test prints the folder. About 5 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from loraflow.demo import LocalAirflow, local_stack, prepare
+
+if TYPE_CHECKING:
+    from playwright.sync_api import BrowserContext, Page
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
+DAG = "tiny-llama-lora"
+CHROMIUM = Path(os.environ.get("LORAFLOW_CHROMIUM", "/usr/lib/chromium/chromium"))
+SHOTS = REPO / "tests" / "_artifacts" / "browser"
+STEPS = 50  # changed in the form from the spec's 200: a shorter run that still succeeds (promoted or not)
+UI_TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def shots() -> Path:
+    shutil.rmtree(SHOTS, ignore_errors=True)
+    SHOTS.mkdir(parents=True)
+    print(f"\n[browser test] screenshots in {SHOTS}")
+    return SHOTS
+
+
+def test_trigger_from_the_form_and_open_the_run_report(tmp_path_factory: pytest.TempPathFactory, shots: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM.exists(), f"{CHROMIUM} is missing: install Chromium with `apt-get install -y chromium`"
+    home = tmp_path_factory.mktemp("browser")
+    pipelines = home / "pipelines"
+    pipelines.mkdir()
+    shutil.copy(TINY, pipelines)
+    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow, sync_playwright() as pw:
+        prepare(TINY, home)
+        airflow.wait_for_dag(DAG)
+        airflow.call("PATCH", f"/dags/{DAG}", {"is_paused": False})
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        context.add_cookies([{"name": "_token", "value": airflow.token(), "url": airflow.url}])
+        context.set_default_timeout(UI_TIMEOUT_MS)
+        page = context.new_page()
+        try:
+            run_in_browser(airflow, context, page, shots)
+        except Exception:
+            page.screenshot(path=shots / "failure.png", full_page=True)
+            (shots / "failure.html").write_text(page.content())
+            raise
+        finally:
+            browser.close()
+    assert sorted(p.name for p in shots.iterdir()) == [
+        "1-dag.png",
+        "2-trigger-form.png",
+        "3-run.png",
+        "4-report-task.png",
+        "5-report.png",
+    ]
+
+
+def run_in_browser(airflow: LocalAirflow, context: BrowserContext, page: Page, shots: Path) -> None:
+    """Trigger from the form with a changed parameter, wait for success, open the run report."""
+    from playwright.sync_api import expect
+
+    # The DAG page, then its trigger form with the spec's params.
+    page.goto(f"{airflow.url}/dags/{DAG}")
+    expect(page.get_by_text(DAG).first).to_be_visible()
+    page.screenshot(path=shots / "1-dag.png")
+    page.get_by_role("button", name="Trigger Dag").click()
+    dialog = page.get_by_role("dialog")
+    steps = dialog.get_by_label("training.steps")  # the param's title: its dotted path in the spec
+    expect(steps).to_have_value("200")
+    steps.fill(str(STEPS))
+    dialog.screenshot(path=shots / "2-trigger-form.png")
+    dialog.get_by_role("button", name="Trigger", exact=True).click()
+    expect(page.get_by_text("Dag run has been successfully triggered.")).to_be_visible()
+
+    run_id = latest_run(airflow, DAG)
+    _, run = airflow.call("GET", f"/dags/{DAG}/dagRuns/{run_id}")
+    assert run["conf"]["training_steps"] == STEPS, run["conf"]
+    state = airflow.wait_for_run(DAG, run_id, timeout=900)
+    page.goto(f"{airflow.url}/dags/{DAG}/runs/{run_id}")
+    expect(page.get_by_text(DAG).first).to_be_visible()
+    page.wait_for_load_state("networkidle")
+    page.screenshot(path=shots / "3-run.png", full_page=True)
+    assert state == "success"
+    trained = airflow.xcom(DAG, run_id, "lora_sft")["summary"]
+    assert trained["steps"] == STEPS, trained
+
+    # The report task's extra link opens the run report.
+    page.goto(f"{airflow.url}/dags/{DAG}/runs/{run_id}/tasks/report")
+    link = page.get_by_role("link", name="Run report")
+    expect(link).to_be_visible()
+    page.screenshot(path=shots / "4-report-task.png", full_page=True)
+    _, links = airflow.call("GET", f"/dags/{DAG}/dagRuns/{run_id}/taskInstances/report/links")
+    assert link.get_attribute("href") == links["extra_links"]["Run report"], links
+    if link.get_attribute("target") == "_blank":  # Airflow opens links to other hosts in a new tab
+        with context.expect_page() as opened:
+            link.click()
+        report = opened.value
+    else:
+        link.click()
+        report = page
+    report.wait_for_load_state()
+    expect(report.get_by_text("Sample outputs")).to_be_visible()
+    report.screenshot(path=shots / "5-report.png", full_page=True)
+    assert DAG in report.inner_text("body")
+
+
+def latest_run(airflow: LocalAirflow, dag_id: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, body = airflow.call("GET", f"/dags/{dag_id}/dagRuns?order_by=-run_after&limit=1")
+        runs = body.get("dag_runs", []) if isinstance(body, dict) else []
+        if runs:
+            return str(runs[0]["dag_run_id"])
+        time.sleep(1)
+    raise AssertionError(f"the trigger form started no run of {dag_id}")

@@ -1,0 +1,256 @@
+"""Load: eight concurrent runs of the tiny pipeline on Airflow's LocalExecutor with a PostgreSQL
+metadata database that this module starts on 127.0.0.1 (installing PostgreSQL from Debian packages
+when the machine lacks it). All succeed, no run touches another's artifacts, and runs with identical
+inputs share the cache without corrupting it.
+
+Two copies of the tiny pipeline (a DAG runs at most 4 runs at once) get four runs each with small
+training_steps: six distinct settings, and one pair with identical inputs. validate_data,
+convert_checkpoint and evaluate_base have identical inputs in all eight runs. Takes ~10 minutes on
+2 cores."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow import artifacts, gcs, local_gcs
+from loraflow.demo import local_stack, prepare, say
+from loraflow.spec import STAGES, load_spec
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
+PIPELINES = ("tiny-load-a", "tiny-load-b")
+# (pipeline, trigger conf); the first two runs have identical inputs. gate_min_improvement -1 makes
+# the gate's decision rest on its interval alone, so publish (the shared registry) runs under load too.
+RUNS = [
+    ("tiny-load-a", {"training_steps": 10}),
+    ("tiny-load-a", {"training_steps": 10}),
+    ("tiny-load-a", {"training_steps": 12}),
+    ("tiny-load-a", {"training_steps": 14}),
+    ("tiny-load-b", {"training_steps": 11}),
+    ("tiny-load-b", {"training_steps": 13}),
+    ("tiny-load-b", {"training_steps": 15}),
+    ("tiny-load-b", {"training_steps": 16}),
+]
+CACHED_STAGES = ("validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned")
+# Four tasks at once: at most four vLLM / JAX processes (~1.5 GB each) on the machine.
+PARALLELISM = 4
+
+
+# --------------------------------------------------------------------------------- PostgreSQL
+
+
+def postgres_bin() -> Path:
+    """PostgreSQL's server binaries; installed from the Debian packages when absent (CI runs as root)."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if not found:
+        say("PostgreSQL is not installed: apt-get install -y postgresql")
+        subprocess.run(["apt-get", "update", "-q"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    return Path(found[-1]).parent
+
+
+def as_postgres(argv: list[str]) -> list[str]:
+    """initdb and the server refuse to run as root: run them as the ``postgres`` system user."""
+    return argv if os.geteuid() != 0 else ["runuser", "-u", "postgres", "--", *argv]
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[str]:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 (data and socket in a temp dir); yields its URL."""
+    if importlib.util.find_spec("asyncpg") is None:
+        pytest.fail(
+            "the control environment lacks asyncpg, the async PostgreSQL driver Airflow 3 opens beside "
+            "psycopg2 for a postgresql:// metadata DB; add asyncpg to envs/control.in and re-lock"
+        )
+    bin_dir = postgres_bin()
+    # Outside pytest's tmp dir: that one is readable by root only, and the server runs as postgres.
+    root = Path(tempfile.mkdtemp(prefix="loraflow-pg-"))
+    data, sock = root / "data", root / "sock"
+    sock.mkdir()
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres")
+        shutil.chown(sock, "postgres")
+    port = local_gcs.free_port()
+    pg_ctl = [str(bin_dir / "pg_ctl"), "-D", str(data)]
+    try:
+        subprocess.run(
+            as_postgres([str(bin_dir / "initdb"), "-D", str(data), "-U", "airflow", "--auth=trust", "-E", "UTF8"]),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        options = f"-h 127.0.0.1 -p {port} -k {sock} -c max_connections=200 -c fsync=off"
+        subprocess.run(
+            as_postgres([*pg_ctl, "-l", str(root / "server.log"), "-o", options, "-w", "start"]),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            as_postgres([str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "airflow", "airflow"]),
+            check=True,
+        )
+        say(f"PostgreSQL {bin_dir.parent.name} on 127.0.0.1:{port} (data {data})")
+        yield f"postgresql+psycopg2://airflow@127.0.0.1:{port}/airflow"
+    finally:
+        if (data / "postmaster.pid").exists():
+            subprocess.run(as_postgres([*pg_ctl, "-m", "fast", "-w", "stop"]), stdout=subprocess.DEVNULL)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------- the runs
+
+
+def load_spec_copy(folder: Path, name: str) -> Path:
+    text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {name}")
+    text += "\nretry:\n  retries: 2\n  delay_seconds: 5\n"
+    path = folder / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+class Load:
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, str, dict[str, Any]]] = []  # (dag, run id, conf)
+        self.states: dict[str, str] = {}
+        self.xcoms: dict[str, dict[str, Any]] = {}
+        self.tasks: dict[str, dict[str, str | None]] = {}
+        self.db_url = ""
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory: pytest.TempPathFactory, postgres: str) -> Iterator[Load]:
+    home = tmp_path_factory.mktemp("load-stack")
+    pipelines = home / "pipelines"
+    pipelines.mkdir()
+    paths = [load_spec_copy(pipelines, name) for name in PIPELINES]
+    result = Load()
+    result.db_url = postgres
+    with local_stack(
+        home=home, in_memory=True, pipelines_dir=pipelines, database_url=postgres, parallelism=PARALLELISM
+    ) as airflow:
+        prepare(paths[0], home)  # both copies read the same sources
+        for name in PIPELINES:
+            airflow.wait_for_dag(name)
+        for dag, conf in RUNS:
+            result.runs.append((dag, airflow.trigger(dag, {**conf, "gate_min_improvement": -1}), conf))
+        for dag, run_id, _ in result.runs:
+            result.states[run_id] = airflow.wait_for_run(dag, run_id, timeout=2400, progress=lambda _: None)
+            result.tasks[run_id] = airflow.task_states(dag, run_id)
+            result.xcoms[run_id] = {t: airflow.xcom(dag, run_id, t) for t in result.tasks[run_id]}
+            say(f"{dag} {run_id}: {result.states[run_id]}")
+        assert airflow.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == postgres
+        yield result
+
+
+def run_prefix(dag: str, run_id: str) -> str:
+    return gcs.join(load_spec(TINY).artifact_root, dag, artifacts.safe_run_id(run_id))
+
+
+def test_airflow_ran_on_postgresql(load: Load) -> None:
+    import psycopg2
+
+    dsn = load.db_url.replace("postgresql+psycopg2://", "postgresql://")
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT dag_id, state, count(*) FROM dag_run GROUP BY dag_id, state ORDER BY dag_id")
+        rows = cur.fetchall()
+    assert rows == [("tiny-load-a", "success", 4), ("tiny-load-b", "success", 4)], rows
+
+
+def test_all_eight_concurrent_runs_succeed(load: Load) -> None:
+    assert len(load.runs) == 8
+    assert all(state == "success" for state in load.states.values()), load.tasks
+    for run_id, tasks in load.tasks.items():
+        assert set(tasks) == set(STAGES)
+        assert all(s in ("success", "skipped") for s in tasks.values()), (run_id, tasks)
+
+
+def test_no_run_touched_another_runs_artifacts(load: Load, tmp_path: Path) -> None:
+    bucket_name, _ = gcs.split_uri(load_spec(TINY).artifact_root)
+    for dag, run_id, conf in load.runs:
+        prefix = run_prefix(dag, run_id)
+        listed: set[str] = set()
+        for stage, xcom in load.xcoms[run_id].items():
+            if xcom is None:
+                continue  # publish skipped by the gate
+            manifest = artifacts.read_manifest(xcom["manifest"])
+            artifacts.fetch(manifest, tmp_path / artifacts.safe_run_id(run_id) / stage)  # whole, verified
+            if xcom["cached"]:
+                assert not manifest.prefix.startswith(prefix + "/"), f"{stage} claims a cache hit on its own run"
+            else:
+                assert manifest.prefix == f"{prefix}/{stage}", (stage, manifest.prefix)
+                listed |= {f"{manifest.prefix}/{n}" for n in manifest.files} | {manifest.uri}
+            if stage == "lora_sft":
+                assert manifest.data["config"]["steps"] == conf["training_steps"]
+        # Everything under the run's prefix is this run's own committed output (or lora_sft's checkpoints).
+        base = gcs.split_uri(prefix)[1]
+        stored = {f"gs://{bucket_name}/{b.name}" for b in gcs.client().list_blobs(bucket_name, prefix=base + "/")}
+        foreign = sorted(u for u in stored - listed if "/lora_sft/_checkpoints/" not in u)
+        assert not foreign, f"{run_id}: objects no manifest of this run lists: {foreign}"
+
+
+def test_identical_inputs_share_the_cache_without_corrupting_it(load: Load) -> None:
+    spec = load_spec(TINY)
+    a_run, b_run = load.runs[0][1], load.runs[1][1]
+    a, b = load.xcoms[a_run], load.xcoms[b_run]
+    for stage in CACHED_STAGES:
+        ma, mb = artifacts.read_manifest(a[stage]["manifest"]), artifacts.read_manifest(b[stage]["manifest"])
+        # Same inputs (by fingerprint) and config give the same key. validate_data's output is not
+        # byte-identical when two runs compute it at once (Great Expectations' data docs carry a
+        # timestamp), so downstream keys may differ; they never share a key with different inputs.
+        same_inputs = {n: i["fingerprint"] for n, i in ma.data["inputs"].items()} == {
+            n: i["fingerprint"] for n, i in mb.data["inputs"].items()
+        }
+        assert (ma.data["cache_key"] == mb.data["cache_key"]) == same_inputs, stage
+        # Whether both computed it at once or one reused the other's, the entry leads to one whole manifest.
+        hit = artifacts.cache_lookup(spec.artifact_root, stage, ma.data["cache_key"])
+        assert hit is not None and hit.uri in {ma.uri, mb.uri} | _all_manifests_for(load, stage), stage
+    assert a["evaluate_tuned"]["summary"]["accuracy"] == b["evaluate_tuned"]["summary"]["accuracy"]
+    # Every cache entry of every stage points at a whole manifest with its own key.
+    bucket, base = gcs.split_uri(gcs.join(spec.artifact_root, "_cache"))
+    entries = [blob.name for blob in gcs.client().list_blobs(bucket, prefix=base + "/")]
+    keys: dict[str, set[str]] = {}
+    for name in entries:
+        stage, key = name[len(base) + 1 :].removesuffix(".json").split("/")
+        manifest = artifacts.cache_lookup(spec.artifact_root, stage, key)
+        assert manifest is not None, f"cache entry {name} does not lead to a whole manifest"
+        keys.setdefault(stage, set()).add(key)
+    # One key for the stages whose inputs are the sources themselves, in all eight runs.
+    assert len(keys["validate_data"]) == len(keys["convert_checkpoint"]) == 1, keys
+    say(f"cache keys per stage: { {k: len(v) for k, v in keys.items()} }")
+    computed = sum(1 for _, run_id, _ in load.runs if not load.xcoms[run_id]["convert_checkpoint"]["cached"])
+    say(f"convert_checkpoint computed by {computed} of 8 runs, reused by the others")
+
+
+def _all_manifests_for(load: Load, stage: str) -> set[str]:
+    return {x[stage]["manifest"] for x in load.xcoms.values() if x.get(stage)}
+
+
+def test_the_shared_registry_is_consistent(load: Load) -> None:
+    spec = load_spec(TINY)
+    for dag in PIPELINES:
+        published = {r for d, r, _ in load.runs if d == dag and load.xcoms[r].get("publish")}
+        bucket, base = gcs.split_uri(f"{spec.registry_uri}/{dag}/versions")
+        entries = [json.loads(blob.download_as_bytes()) for blob in gcs.client().list_blobs(bucket, prefix=base + "/")]
+        numbers = sorted(e["version"] for e in entries)
+        assert numbers == list(range(1, len(numbers) + 1)), numbers  # no number taken twice, none lost
+        registered = [e["run_id"] for e in entries]
+        assert sorted(registered) == sorted(artifacts.safe_run_id(r) for r in published), (registered, published)
+        say(f"{dag}: {len(numbers)} version(s) registered by {len(published)} promoted run(s)")
