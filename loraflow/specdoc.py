@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -28,7 +28,8 @@ def _default(field: Any) -> str:
     if field.is_required():
         return "**required**"
     if field.default is PydanticUndefined:
-        return "`{}`" if field.default_factory is dict else "`[]`" if field.default_factory is list else "(see below)"
+        made = field.default_factory()  # type: ignore[call-arg, misc]
+        return "(see below)" if isinstance(made, BaseModel) else f"`{made!r}`"
     if isinstance(field.default, BaseModel):
         return "(see below)"
     return f"`{field.default!r}`" if field.default is not None else "`null`"
@@ -48,13 +49,33 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
+def _nested(annotation: Any, key: str) -> list[tuple[str, type[BaseModel]]]:
+    """The spec sections inside a field's type: a model, an optional model, a list or a dict of them."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(key, annotation)]
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is list:
+        return [found for arg in args for found in _nested(arg, f"{key}[]")]
+    if origin is dict:
+        return [found for arg in args[1:] for found in _nested(arg, f"{key}.<name>")]
+    return [found for arg in args for found in _nested(arg, key)]
+
+
+def _sections(model: type[BaseModel], prefix: str) -> list[str]:
+    """A table for ``model`` and, below it, one section per nested section, depth first."""
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        for key, sub in _nested(field.annotation, f"{prefix}{name}"):
+            if sub in (ComputeSpec, ParamSpec):  # documented with their own prose below
+                continue
+            doc = (sub.__doc__ or "").strip().splitlines()
+            out += ["", f"## `{key}`", *([doc[0], ""] if doc else []), *_table(sub, f"{key}.")]
+            out += _sections(sub, f"{key}.")
+    return out
+
+
 def render() -> str:
-    out = [HEADER, "## Top level", *_table(PipelineSpec, "")]
-    for name, field in PipelineSpec.model_fields.items():
-        model = field.annotation
-        if isinstance(model, type) and issubclass(model, BaseModel):
-            doc = (model.__doc__ or "").strip().splitlines()
-            out += ["", f"## `{name}`", *([doc[0], ""] if doc else []), *_table(model, f"{name}.")]
+    out = [HEADER, "## Top level", *_table(PipelineSpec, ""), *_sections(PipelineSpec, "")]
     out += [
         "",
         "## `compute.<stage>`",
