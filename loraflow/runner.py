@@ -48,6 +48,17 @@ def resolve_inputs(plan: StagePlan, upstream: dict[str, str]) -> dict[str, str]:
     return resolved
 
 
+def commit_prefix(prefix: str, key: str) -> str:
+    """Where a computation with cache key ``key`` commits: the stage's prefix in the run, unless that
+    already holds a commit with another key (the task was cleared and re-run on changed inputs, e.g.
+    the report after a failed stage was retried): then beside it, named by the key. A commit is never
+    overwritten, and the same key always lands in the same place, so a retry still finds its own."""
+    existing = artifacts.read_json(artifacts.manifest_uri(prefix))
+    if existing is None or existing.get("cache_key") == key:
+        return prefix
+    return f"{prefix}-{key[:12]}"
+
+
 def input_fingerprints(inputs: dict[str, str]) -> dict[str, str]:
     out = {}
     for name, uri in inputs.items():
@@ -98,7 +109,9 @@ def prepare_stage(
             sink(f"cache hit for {stage} (key {key}): reusing {hit.uri}; nothing recomputed")
             return StageResult(stage, hit.uri, True, hit.summary)
         sink(f"cache miss for {stage} (key {key}): running it")
-    return PreparedStage(stage, plan, compute, inputs, key, lock, output_prefix(spec, run_id, stage))
+    return PreparedStage(
+        stage, plan, compute, inputs, key, lock, commit_prefix(output_prefix(spec, run_id, stage), key)
+    )
 
 
 def vertex_launcher(

@@ -93,3 +93,20 @@ def test_second_run_of_a_stage_is_a_cache_hit(parity_spec) -> None:
     assert any("cache hit" in line for line in second_log)
     assert not any("launching" in line for line in second_log)
     assert artifacts.read_manifest(first.manifest).prefix.endswith("/run-a/validate_data")
+
+
+def test_a_rerun_on_changed_inputs_in_the_same_run_commits_beside_the_first(parity_spec) -> None:
+    """A task cleared and re-run with other inputs (or config) keeps the first commit untouched."""
+    from loraflow import runner
+    from loraflow.spec import with_overrides
+
+    first = runner.run_stage(parity_spec, "validate_data", "run-c", {}, lambda _: None)
+    before = artifacts.read_manifest(first.manifest).data
+    changed = with_overrides(parity_spec, {"data.expectations.row_count.min": 50})
+    second = runner.run_stage(changed, "validate_data", "run-c", {}, lambda _: None)
+    assert not second.cached and second.manifest != first.manifest
+    key = artifacts.read_manifest(second.manifest).data["cache_key"]
+    assert artifacts.read_manifest(second.manifest).prefix.endswith(f"/run-c/validate_data-{key[:12]}")
+    assert artifacts.read_manifest(first.manifest).data == before
+    again = runner.run_stage(changed, "validate_data", "run-c", {}, lambda _: None)
+    assert again.manifest == second.manifest  # the same key finds its own commit
