@@ -78,11 +78,11 @@ CHROMIUM ?= /usr/lib/chromium/chromium
 $(CHROMIUM):
 	apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)
 
-# CI runs the tiny pipeline's end-to-end module. The others (faults through Airflow retries, eight
-# concurrent runs on PostgreSQL, the Vertex stand-in under Airflow, the data-team hand-off, the
-# browser test) each start their own Airflow and take 5-15 minutes; they join `make test` once
-# each has passed on a fresh clone.
-E2E_CORE     := tests/e2e/test_tiny_pipeline.py
+# CI runs the end-to-end modules that have passed on a fresh clone: the tiny pipeline, every stage
+# killed once and finished by Airflow's retries, the data-team hand-off. The others (eight concurrent
+# runs on PostgreSQL, the Vertex stand-in under Airflow, the browser test) each start their own
+# Airflow and take 5-15 minutes; they join E2E_CORE once each has passed on a fresh clone.
+E2E_CORE     := tests/e2e/test_tiny_pipeline.py tests/e2e/test_faults_airflow.py tests/e2e/test_handoff.py
 E2E_EXTENDED := $(filter-out $(E2E_CORE),$(wildcard tests/e2e/test_*.py))
 
 test-e2e: envs
