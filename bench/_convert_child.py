@@ -17,16 +17,10 @@ T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
-MODEL = "llama3.1-8b"
-OVERRIDES = {
-    "base_emb_dim": 128,
-    "base_num_query_heads": 2,
-    "base_num_kv_heads": 1,
-    "head_dim": 64,
-    "base_mlp_dim": 256,
-    "base_num_decoder_layers": 2,
-    "vocab_size": 512,
-}
+from loraflow import tinymodel  # noqa: E402
+
+MODEL = tinymodel.MAXTEXT_MODEL
+OVERRIDES = tinymodel.MAXTEXT_OVERRIDES
 
 if __name__ == "__main__":
     mode, hf_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-# MaxText's command-line overrides that give ``llama3.1-8b`` these same dimensions.
+# The tiny Llama's dimensions.
 DIMS = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -26,6 +26,18 @@ DIMS = {
     "num_key_value_heads": 1,
     "head_dim": 64,
     "vocab_size": 512,
+}
+# The MaxText model and command-line overrides that give it exactly these dimensions (the tiny
+# spec's base_model section says the same).
+MAXTEXT_MODEL = "llama3.1-8b"
+MAXTEXT_OVERRIDES = {
+    "base_emb_dim": DIMS["hidden_size"],
+    "base_num_query_heads": DIMS["num_attention_heads"],
+    "base_num_kv_heads": DIMS["num_key_value_heads"],
+    "head_dim": DIMS["head_dim"],
+    "base_mlp_dim": DIMS["intermediate_size"],
+    "base_num_decoder_layers": DIMS["num_hidden_layers"],
+    "vocab_size": DIMS["vocab_size"],
 }
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]

@@ -27,15 +27,7 @@ from loraflow.steps._harness import StepContext
 
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ROOT / "pipelines" / "data" / "parity"
-OVERRIDES = {
-    "base_emb_dim": 128,
-    "base_num_query_heads": 2,
-    "base_num_kv_heads": 1,
-    "head_dim": 64,
-    "base_mlp_dim": 256,
-    "base_num_decoder_layers": 2,
-    "vocab_size": 512,
-}
+OVERRIDES = tinymodel.MAXTEXT_OVERRIDES
 SFT = {
     "model_name": "llama3.1-8b",
     "model_overrides": OVERRIDES,
