@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import yaml
 from loraflow import artifacts, gcs, handoff
 from loraflow.demo import LocalAirflow, local_stack, prepare
 from loraflow.spec import load_spec
+from tests.datasets import broken_dataset
 
 pytestmark = pytest.mark.e2e
 
@@ -43,17 +43,6 @@ def handoff_spec(folder: Path, notices: Path) -> Path:
     path = folder / f"{DAG}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def broken_dataset(folder: Path) -> Path:
-    """Parity data with an empty answer and a duplicated row: the data contract refuses it."""
-    rows = [json.loads(line) for line in (PARITY / "train.jsonl").read_text().splitlines()]
-    rows[3]["completion"] = ""
-    rows[10] = rows[11]
-    folder.mkdir()
-    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shutil.copy(PARITY / "eval.jsonl", folder / "eval.jsonl")
-    return folder
 
 
 def asset_id(airflow: LocalAirflow, uri: str) -> int:

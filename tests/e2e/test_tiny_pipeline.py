@@ -14,6 +14,7 @@ import pytest
 from loraflow import artifacts, gcs
 from loraflow.demo import LocalAirflow, local_stack, prepare, verdict
 from loraflow.spec import load_spec
+from tests.datasets import broken_dataset
 
 pytestmark = pytest.mark.e2e
 
@@ -28,12 +29,7 @@ def bad_data_spec(folder: Path, data_dir: Path) -> Path:
     text = text.replace("datasets/parity/", "datasets/bad/")
     path = folder / "tiny-bad-data.yaml"
     path.write_text(text)
-    rows = [json.loads(line) for line in (REPO / "pipelines/data/parity/train.jsonl").read_text().splitlines()]
-    rows[3]["completion"] = ""
-    rows[10] = rows[11]
-    data_dir.mkdir()
-    (data_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shutil.copy(REPO / "pipelines/data/parity/eval.jsonl", data_dir / "eval.jsonl")
+    broken_dataset(data_dir)
     return path
 
 
