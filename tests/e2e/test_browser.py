@@ -105,6 +105,7 @@ def run_in_browser(airflow: LocalAirflow, context: BrowserContext, page: Page, s
 
     # The report task's extra link opens the run report.
     page.goto(f"{airflow.url}/dags/{DAG}/runs/{run_id}/tasks/report")
+    page.get_by_text("Details", exact=True).click()  # extra links are shown on the task's Details tab
     link = page.get_by_role("link", name="Run report")
     expect(link).to_be_visible()
     page.screenshot(path=shots / "4-report-task.png", full_page=True)
