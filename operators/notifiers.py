@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import urllib.request
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def message_for(event: str, spec: PipelineSpec, context: Context) -> notices.Mes
     raise ValueError(f"unknown notice event {event!r}; use failure, promotion or verdict")
 
 
-class LoraflowNotifier(BaseNotifier):
+class LoraflowNotifier(BaseNotifier, ABC):
     """Words the notice with loraflow.notify and hands it to ``send``."""
 
     def __init__(self, *, event: str, spec: dict[str, Any]) -> None:
@@ -67,8 +68,9 @@ class LoraflowNotifier(BaseNotifier):
             self.send(message)
             self.log.info("%s notice sent by %s: %s", self.event, type(self).__name__, message.subject)
 
+    @abstractmethod
     def send(self, message: notices.Message) -> None:
-        raise NotImplementedError
+        """Deliver one notice (a file line, a webhook POST)."""
 
 
 class FileNotifier(LoraflowNotifier):

@@ -65,6 +65,25 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _filter_terms(filter_: str) -> list[tuple[str, str]]:
+    """The ``key="value"`` terms of a list filter joined by AND (all the launcher and registry send)."""
+    terms = []
+    for raw in filter(None, re.split(r"\s+AND\s+", filter_.strip())):
+        m = _TERM.match(raw)
+        if not m:
+            raise ApiError(400, "INVALID_ARGUMENT", f"the stand-in cannot filter on {raw!r}")
+        terms.append(m.groups())
+    return terms
+
+
+def _matches(resource: dict[str, Any], terms: list[tuple[str, str]]) -> bool:
+    for key, value in terms:
+        got = resource.get("labels", {}).get(key[7:]) if key.startswith("labels.") else resource.get("displayName")
+        if got != value:
+            return False
+    return True
+
+
 @dataclass
 class _Job:
     resource: dict[str, Any]
@@ -225,25 +244,13 @@ class VertexStandIn:
         return json.loads(json.dumps(resource))
 
     def _list(self, parent: str, filter_: str) -> dict[str, Any]:
-        terms = []
-        for raw in filter(None, re.split(r"\s+AND\s+", filter_.strip())):
-            m = _TERM.match(raw)
-            if not m:
-                raise ApiError(400, "INVALID_ARGUMENT", f"the stand-in cannot filter on {raw!r}")
-            terms.append(m.groups())
-
-        def matches(r: dict[str, Any]) -> bool:
-            for key, value in terms:
-                got = r.get("labels", {}).get(key[7:]) if key.startswith("labels.") else r.get("displayName")
-                if got != value:
-                    return False
-            return True
+        terms = _filter_terms(filter_)
 
         with self._lock:
             found = [
                 json.loads(json.dumps(j.resource))
                 for j in self._jobs.values()
-                if j.resource["name"].startswith(parent + "/") and matches(j.resource)
+                if j.resource["name"].startswith(parent + "/") and _matches(j.resource, terms)
             ]
         return {"customJobs": found} if found else {}
 
@@ -539,23 +546,14 @@ class ModelRegistryStandIn:
         return json.loads(json.dumps(finished))
 
     def _list(self, parent: str, filter_: str) -> dict[str, Any]:
-        terms = []
-        for raw in filter(None, re.split(r"\s+AND\s+", filter_.strip())):
-            m = _TERM.match(raw)
-            if not m:
-                raise ApiError(400, "INVALID_ARGUMENT", f"the stand-in cannot filter on {raw!r}")
-            terms.append(m.groups())
+        terms = _filter_terms(filter_)
         with self._lock:
             found = []
             for name, versions in self._versions.items():
                 if not name.startswith(parent + "/models/") or not versions:
                     continue
                 default = self._find(name, "")
-                if all(
-                    (default.get("labels", {}).get(k[7:]) if k.startswith("labels.") else default.get("displayName"))
-                    == v
-                    for k, v in terms
-                ):
+                if _matches(default, terms):
                     found.append(json.loads(json.dumps(default)))
         return {"models": found} if found else {}
 
