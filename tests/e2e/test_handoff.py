@@ -21,7 +21,7 @@ import yaml
 from loraflow import artifacts, gcs, handoff
 from loraflow.demo import LocalAirflow, local_stack, prepare
 from loraflow.spec import load_spec
-from tests.datasets import broken_dataset
+from tests.bad_datasets import broken_dataset
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import pytest
 from loraflow import artifacts, gcs
 from loraflow.demo import LocalAirflow, local_stack, prepare, verdict
 from loraflow.spec import load_spec
-from tests.datasets import broken_dataset
+from tests.bad_datasets import broken_dataset
 
 pytestmark = pytest.mark.e2e
 
