@@ -1,7 +1,9 @@
-"""Operator extra links of the stage tasks: the Vertex AI job and the stage's artifacts.
+"""Operator extra links of the stage tasks: the Vertex AI job, the stage's artifacts, the data docs
+and the run report.
 
-Like ``ReportLink``, each URL is decided while the task runs and kept in XCom under the link's
-``xcom_key``; Airflow's UI shows it from there. A stage that ran locally has no Vertex AI job link.
+Each URL is decided while the task runs and kept in XCom under the link's ``xcom_key`` (the
+GCS emulator's download URL locally, the Cloud console's in GCP); Airflow's UI shows it from
+there. A stage that ran locally has no Vertex AI job link.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
 
 
-class _XComLink(BaseOperatorLink):
+class XComLink(BaseOperatorLink):
+    """A link whose URL the task pushed to XCom under ``xcom_key``; empty until it did."""
+
     name = ""
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
@@ -27,16 +31,29 @@ class _XComLink(BaseOperatorLink):
         return url if isinstance(url, str) else ""
 
 
-class VertexJobLink(_XComLink):
+class VertexJobLink(XComLink):
     """'Vertex AI job': the job's page in the Cloud console (project, region and job id)."""
 
     name = "Vertex AI job"
 
 
-class ArtifactsLink(_XComLink):
+class ArtifactsLink(XComLink):
     """'Artifacts': the stage's committed manifest (it lists every file with its checksum)."""
 
     name = "Artifacts"
+
+
+class DataDocsLink(XComLink):
+    """'Data docs' on validate_data: Great Expectations' HTML data docs of the train and eval checks,
+    beside the committed dataset, or beside the rejection evidence when the data broke its contract."""
+
+    name = "Data docs"
+
+
+class ReportLink(XComLink):
+    """'Run report' on the report task: the run's report.html."""
+
+    name = "Run report"
 
 
 def artifacts_url(prefix: str, emulator_host: str | None) -> str:

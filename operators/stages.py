@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
@@ -14,10 +14,7 @@ from loraflow.plan import output_prefix, stage_plans
 from loraflow.report import browser_url, data_docs_uri, site_url
 from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
 from operators.connections import resolve_secrets
-from operators.links import ArtifactsLink, VertexJobLink, _XComLink, artifacts_url
-
-if TYPE_CHECKING:
-    from airflow.sdk.types import TaskInstanceKey
+from operators.links import ArtifactsLink, DataDocsLink, ReportLink, VertexJobLink, artifacts_url
 
 
 def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
@@ -170,13 +167,6 @@ class LoraflowStageOperator(BaseOperator):
             self._kill_switch.kill()
 
 
-class DataDocsLink(_XComLink):
-    """'Data docs' on validate_data: Great Expectations' HTML data docs of the train and eval checks,
-    beside the committed dataset, or beside the rejection evidence when the data broke its contract."""
-
-    name = "Data docs"
-
-
 class ValidateDataOperator(LoraflowStageOperator):
     stage = "validate_data"
     operator_extra_links = (DataDocsLink(), VertexJobLink(), ArtifactsLink())
@@ -251,22 +241,6 @@ class PublishOperator(LoraflowStageOperator):
                 f"not published: the gate did not promote ({summary.get('reason', 'no decision')})"
             )
         return super().execute(context)
-
-
-class ReportLink(BaseOperatorLink):
-    """'Run report' on the report task: opens the run's report.html in the browser.
-
-    The URL is decided when the report is committed (the GCS emulator's download URL locally,
-    the Cloud console's in GCP) and kept in XCom; Airflow shows it from there.
-    """
-
-    name = "Run report"
-
-    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
-        from airflow.sdk.bases.xcom import BaseXCom
-
-        url = BaseXCom.get_value(ti_key=ti_key, key=self.xcom_key)  # type: ignore[arg-type]
-        return url if isinstance(url, str) else ""
 
 
 class ReportOperator(LoraflowStageOperator):

@@ -377,7 +377,8 @@ def test_the_task_links_the_data_docs_of_the_accepted_or_the_rejected_data(
     from loraflow import artifacts, gcs, report
     from loraflow.plan import output_prefix
     from loraflow.spec import validate_spec
-    from operators.stages import DataDocsLink, ValidateDataOperator
+    from operators.links import DataDocsLink
+    from operators.stages import ValidateDataOperator
 
     assert "Data docs" in [link.name for link in ValidateDataOperator.operator_extra_links]
     data = yaml.safe_load((PARITY.parents[1] / "tiny-llama-lora.yaml").read_text()) | {"artifact_root": gcs_bucket}
