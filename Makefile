@@ -18,7 +18,7 @@ TRAINER := $(VENVS)/trainer/bin/python
 SERVING := $(VENVS)/serving/bin/python
 NO_TORCH_EXTRAS := --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
 
-.PHONY: help envs lock demo ui test lint typecheck test-control test-trainer test-serving test-e2e test-e2e-extended clean
+.PHONY: help envs lock demo ui test lint typecheck test-control test-trainer test-serving test-e2e clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -78,20 +78,14 @@ CHROMIUM ?= /usr/lib/chromium/chromium
 $(CHROMIUM):
 	apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)
 
-# CI runs the end-to-end modules that have passed on a fresh clone: the tiny pipeline, every stage
-# killed once and finished by Airflow's retries, the data-team hand-off, lora_sft on the Vertex AI
-# stand-in under a deferring Airflow, the browser test. Each starts its own Airflow (3-7 minutes each).
-# The module not yet in CI (eight concurrent runs on PostgreSQL) joins E2E_CORE once it has passed on a
-# fresh clone.
-E2E_CORE     := tests/e2e/test_tiny_pipeline.py tests/e2e/test_faults_airflow.py tests/e2e/test_handoff.py \
-                tests/e2e/test_vertex_pipeline.py tests/e2e/test_browser.py
-E2E_EXTENDED := $(filter-out $(E2E_CORE),$(wildcard tests/e2e/test_*.py))
+# CI runs every end-to-end module (each starts its own Airflow; 3-10 minutes each on 2 cores): the
+# tiny pipeline, every stage killed once and finished by Airflow's retries, the data-team hand-off,
+# lora_sft on the Vertex AI stand-in under a deferring Airflow, the browser test, and eight concurrent
+# runs on PostgreSQL (installed from Debian packages when missing).
+E2E := $(wildcard tests/e2e/test_*.py)
 
 test-e2e: envs $(CHROMIUM)
-	LORAFLOW_CHROMIUM=$(CHROMIUM) $(CONTROL) -m pytest $(E2E_CORE) -q -s
-
-test-e2e-extended: envs $(CHROMIUM)  ## the end-to-end modules not yet in CI
-	LORAFLOW_CHROMIUM=$(CHROMIUM) $(CONTROL) -m pytest $(E2E_EXTENDED) -q -s $(PYTEST_ARGS)
+	LORAFLOW_CHROMIUM=$(CHROMIUM) $(CONTROL) -m pytest $(E2E) -q -s $(PYTEST_ARGS)
 
 test: lint typecheck test-control test-trainer test-serving test-e2e  ## set up and run every check and test (what CI runs)
 

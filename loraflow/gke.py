@@ -224,3 +224,15 @@ def state(obj: Mapping[str, Any]) -> tuple[str, str]:
 def describe_workload(namespace: str, name: str) -> str:
     """How a person looks at the JobSet (there is no console page for JobSets)."""
     return f"kubectl -n {namespace} get jobset {name}; kubectl -n {namespace} logs -l {POD_LABEL}={name}"
+
+
+def logs_url(namespace: str, name: str, project: str | None) -> str:
+    """The Cloud console's Logs Explorer showing the JobSet's pods' logs (every host's step output)."""
+    import urllib.parse
+
+    query = (
+        f'resource.type="k8s_container"\nresource.labels.namespace_name="{namespace}"\n'
+        f'labels."k8s-pod/jobset_sigs_k8s_io/jobset-name"="{name}"'
+    )
+    url = "https://console.cloud.google.com/logs/query;query=" + urllib.parse.quote(query, safe="")
+    return url + (f"?project={project}" if project else "")

@@ -33,6 +33,22 @@ MAX_POLL_ERRORS = 6
 # How long a failed JobSet may take to disappear before its replacement is created.
 DELETE_WAIT_SECONDS = 300.0
 _TRANSIENT_STATUS = {429, 500, 502, 503, 504}
+# API answers that are the user's to fix (credentials, RBAC, a missing namespace or CRD, a rejected JobSet).
+USERS_STATUSES = {401, 403, 404, 422}
+
+
+def _what(exc: BaseException) -> str:
+    return str(getattr(exc, "status", None) or type(exc).__name__)
+
+
+def poll_backoff(exc: BaseException, errors: int, poll_seconds: float, api_error: type) -> float | None:
+    """Seconds to wait before reading the JobSet again after ``errors`` failed reads in a row, or
+    ``None`` when the failure is not transient (an API answer other than 429/5xx) or lasted too long."""
+    if isinstance(exc, api_error) and getattr(exc, "status", None) not in _TRANSIENT_STATUS:
+        return None
+    if errors > MAX_POLL_ERRORS:
+        return None
+    return min(poll_seconds * 2**errors, 300.0)
 
 
 class GkeLauncher:
@@ -87,16 +103,26 @@ class GkeLauncher:
     # --- the launcher surface -------------------------------------------------------------------
 
     def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
+        """Create (or reattach to) the JobSet and wait in this process until it ends."""
+        self.submit(argv, sink, extra_env)
+        if self._killed.is_set():  # killed while creating
+            self._delete()
+        self._wait(sink)
+
+    def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> str:
+        """Create the JobSet, or reattach to the one this run and stage created before (pending, running
+        or completed); a failed one is deleted and created again. Returns its state once it exists."""
         body = gke.jobset(self.compute, self.identity, argv, extra_env)
         where = f"JobSet {self.namespace}/{self.name}"
         existing = self._poll_get(sink)
+        now = "pending"
         if existing is not None:
             now, message = gke.state(existing)
             if now == "failed":
                 sink(f"earlier attempt {where} failed ({message}); deleting it and creating it again")
                 self._delete()
                 self._wait_gone(sink)
-                existing = None
+                existing, now = None, "pending"
             else:
                 sink(f"reattaching to {where} ({now}), created earlier for this run and stage; not resubmitting")
         if existing is None:
@@ -105,9 +131,15 @@ class GkeLauncher:
             self._create(body, sink)
         self._submitted.set()
         sink(f"{where}: {gke.describe_workload(self.namespace, self.name)}")
-        if self._killed.is_set():  # killed while creating
-            self._delete()
-        self._wait(sink)
+        return now
+
+    def failure(self, message: str) -> StepError:
+        """The error of a failed JobSet: its condition and the failed pod's termination message."""
+        pod = self._failed_pod_message()
+        return StepError(
+            f"JobSet {self.namespace}/{self.name} for stage {self.identity.stage} failed: {message}"
+            + (f"; {pod}" if pod else "")
+        )
 
     def kill(self) -> None:
         """Delete the JobSet and its pods (Airflow's on_kill); run() then raises StepError."""
@@ -180,12 +212,11 @@ class GkeLauncher:
             try:
                 return self._get()
             except Exception as exc:  # ApiException, or urllib3's connection errors (transient)
-                status = exc.status if isinstance(exc, ApiException) else None
                 errors += 1
-                if (isinstance(exc, ApiException) and status not in _TRANSIENT_STATUS) or errors > MAX_POLL_ERRORS:
+                backoff = poll_backoff(exc, errors, self.poll_seconds, ApiException)
+                if backoff is None:
                     raise self._explain("get", exc) from exc
-                backoff = min(self.poll_seconds * 2**errors, 300.0)
-                sink(f"reading JobSet {self.name} failed ({status or type(exc).__name__}); retrying in {backoff:.0f}s")
+                sink(f"reading JobSet {self.name} failed ({_what(exc)}); retrying in {backoff:.0f}s")
                 time.sleep(backoff)
 
     def _wait(self, sink: LineSink) -> None:
@@ -205,10 +236,7 @@ class GkeLauncher:
             if now == "succeeded":
                 return
             if now == "failed":
-                pod = self._failed_pod_message()
-                raise StepError(
-                    f"{where} for stage {self.identity.stage} failed: {message}" + (f"; {pod}" if pod else "")
-                )
+                raise self.failure(message)
             self._killed.wait(min(self.poll_seconds, 2.0) if self._killed.is_set() else self.poll_seconds)
 
     def _failed_pod_message(self) -> str:
@@ -230,10 +258,12 @@ class GkeLauncher:
         return ""
 
     def _explain(self, what: str, exc: Exception) -> StepError:
-        """The API's error, with what to change when it is the user's to fix."""
-        status = getattr(exc, "status", None)
         reason = getattr(exc, "reason", "") or type(exc).__name__
-        body = getattr(exc, "body", "") or ""
+        return self.explain(what, getattr(exc, "status", None), f"{reason} {getattr(exc, 'body', '') or ''}")
+
+    def explain(self, what: str, status: int | None, detail: str) -> StepError:
+        """A failed API call's error, with what to change when it is the user's to fix
+        (``USERS_STATUSES``: retrying cannot help)."""
         stage = self.identity.stage
         hint = {
             401: "no valid cluster credentials on the Airflow worker (gcloud container clusters get-credentials, or run in the cluster)",
@@ -247,5 +277,95 @@ class GkeLauncher:
             ),
             422: f"the cluster rejected the JobSet: check compute.{stage} (image, machine_type, tpu_topology, hosts)",
         }.get(status or 0)
-        text = f"GKE {what} of JobSet {self.namespace}/{self.name} failed for stage {stage}: {status} {reason} {body}".strip()
+        text = f"GKE {what} of JobSet {self.namespace}/{self.name} failed for stage {stage}: {status} {detail}".strip()
         return StepError(f"{text}; {hint}" if hint else text)
+
+
+# --- waiting in Airflow's triggerer ---------------------------------------------------------------
+
+
+class AsyncJobSetClient:
+    """Reads and deletes one JobSet with ``kubernetes_asyncio``, for an asyncio event loop (the
+    triggerer). Credentials as the launcher's: ``endpoint`` (an ``http://`` URL, no credentials), else
+    in-cluster, else the kubeconfig (context ``LORAFLOW_GKE_CONTEXT``)."""
+
+    def __init__(self, namespace: str, name: str, endpoint: str | None = None) -> None:
+        self.namespace, self.name, self.endpoint = namespace, name, endpoint
+
+    async def _api_client(self) -> Any:
+        from kubernetes_asyncio import client, config
+
+        if self.endpoint:
+            configuration = client.Configuration()
+            configuration.host = self.endpoint
+            return client.ApiClient(configuration)
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            await config.load_kube_config(context=os.environ.get("LORAFLOW_GKE_CONTEXT"))
+        return client.ApiClient()
+
+    async def get(self) -> dict[str, Any] | None:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        async with await self._api_client() as api:
+            try:
+                obj: dict[str, Any] = await client.CustomObjectsApi(api).get_namespaced_custom_object(
+                    gke.GROUP, gke.VERSION, self.namespace, gke.PLURAL, self.name
+                )
+                return obj
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+
+    async def delete(self) -> None:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        async with await self._api_client() as api:
+            try:
+                await client.CustomObjectsApi(api).delete_namespaced_custom_object(
+                    gke.GROUP,
+                    gke.VERSION,
+                    self.namespace,
+                    gke.PLURAL,
+                    self.name,
+                    body=client.V1DeleteOptions(propagation_policy="Foreground"),
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+
+async def watch_jobset(jobsets: AsyncJobSetClient, poll_seconds: float, sink: LineSink) -> tuple[str, str]:
+    """Poll until the JobSet ends: (``succeeded`` | ``failed`` | ``deleted``, message). Transient read
+    failures are retried with backoff (``poll_backoff``); any other is raised."""
+    import asyncio
+
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    where = f"JobSet {jobsets.namespace}/{jobsets.name}"
+    errors, last = 0, ""
+    while True:
+        try:
+            obj = await jobsets.get()
+            errors = 0
+        except Exception as exc:
+            errors += 1
+            backoff = poll_backoff(exc, errors, poll_seconds, ApiException)
+            if backoff is None:
+                raise
+            sink(f"reading {where} failed ({_what(exc)}); retrying in {backoff:.0f}s")
+            await asyncio.sleep(backoff)
+            continue
+        if obj is None:
+            return "deleted", f"{where} was deleted by someone else"
+        now, message = gke.state(obj)
+        if now != last:
+            sink(f"{where}: {now}" + (f" ({message})" if message else ""))
+            last = now
+        if now in ("succeeded", "failed"):
+            return now, message
+        await asyncio.sleep(poll_seconds)

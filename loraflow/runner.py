@@ -17,6 +17,7 @@ from loraflow.plan import Source, StagePlan, output_prefix, stage_plans
 from loraflow.spec import ComputeSpec, PipelineSpec
 
 if TYPE_CHECKING:
+    from loraflow.launch_gke import GkeLauncher
     from loraflow.launch_vertex import VertexLauncher
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,14 @@ def vertex_launcher(
     return VertexLauncher(prepared.compute, identity, prepared.prefix)
 
 
+def gke_launcher(spec: PipelineSpec, stage: str, run_id: str, cache_key: str, dag_id: str | None = None) -> GkeLauncher:
+    """The ``GkeLauncher`` of a gke stage; its JobSet is named after dag_id, run_id, stage and cache key."""
+    from loraflow.launch_gke import GkeLauncher
+    from loraflow.vertex import JobIdentity
+
+    return GkeLauncher(spec.compute_for(stage), JobIdentity(dag_id or spec.name, run_id, stage, cache_key))
+
+
 def finish_stage(spec: PipelineSpec, stage: str, prefix: str, cache_key: str) -> StageResult:
     """The last half of ``run_stage``, after the step program ended well: verify its commit, fill the cache."""
     plan = stage_plans(spec)[stage]
@@ -187,10 +196,7 @@ def run_stage(
                 f"stage {stage} runs on GKE, where loraflow does not pass secrets ({', '.join(sorted(secrets))}); "
                 f"use Workload Identity (compute.{stage}.kubernetes_service_account) or limit secrets.*.stages to local stages"
             )
-        from loraflow.launch_gke import GkeLauncher
-        from loraflow.vertex import JobIdentity
-
-        jobset = GkeLauncher(compute, JobIdentity(dag_id or spec.name, run_id, stage, key))
+        jobset = gke_launcher(spec, stage, run_id, key, dag_id)
         if kill_switch is not None:
             kill_switch.arm(jobset)
         argv = plan.argv("python", prefix, inputs, lock, key)

@@ -183,7 +183,7 @@ class ComputeSpec(_Model):
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the step")
     deferrable: bool = Field(
         True,
-        description="vertex: wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)",
+        description="vertex, gke: wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)",
     )
     network: str | None = Field(
         None, description="vertex: VPC network to peer the job with, projects/PROJECT_NUMBER/global/networks/NAME"

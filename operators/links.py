@@ -3,7 +3,7 @@ and the run report.
 
 Each URL is decided while the task runs and kept in XCom under the link's ``xcom_key`` (the
 GCS emulator's download URL locally, the Cloud console's in GCP); Airflow's UI shows it from
-there. A stage that ran locally has no Vertex AI job link.
+there. A stage that ran locally has no remote job link.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ class XComLink(BaseOperatorLink):
         return url if isinstance(url, str) else ""
 
 
-class VertexJobLink(XComLink):
-    """'Vertex AI job': the job's page in the Cloud console (project, region and job id)."""
+class WorkloadLink(XComLink):
+    """'Remote job': where the stage's remote workload is watched. A Vertex AI stage: the CustomJob's
+    page in the Cloud console; a GKE stage: the Logs Explorer on the JobSet's pods."""
 
-    name = "Vertex AI job"
+    name = "Remote job"
 
 
 class ArtifactsLink(XComLink):

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
-from loraflow import artifacts, gcs, handoff, launch_vertex, runner, vertex, vertex_errors
+from loraflow import artifacts, gcs, gke, handoff, launch_gke, launch_vertex, runner, vertex, vertex_errors
 from loraflow.errors import StepError
 from loraflow.launch import KillSwitch
 from loraflow.plan import output_prefix, stage_plans
 from loraflow.report import browser_url, data_docs_uri, site_url
 from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
 from operators.connections import resolve_secrets
-from operators.links import ArtifactsLink, DataDocsLink, ReportLink, VertexJobLink, artifacts_url
+from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
+
+if TYPE_CHECKING:
+    from airflow.triggers.base import BaseTrigger
 
 
 def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
@@ -42,7 +45,7 @@ class LoraflowStageOperator(BaseOperator):
     stage: ClassVar[str]
     default_trigger_rule: ClassVar[str] = "all_success"
     ui_color = "#e8f0fe"
-    operator_extra_links: tuple[BaseOperatorLink, ...] = (VertexJobLink(), ArtifactsLink())
+    operator_extra_links: tuple[BaseOperatorLink, ...] = (WorkloadLink(), ArtifactsLink())
     spec: dict[str, Any]  # the pipeline spec as JSON data, attached by for_spec()
     _kill_switch: KillSwitch | None = None  # made in execute(): operators get deep-copied
 
@@ -70,7 +73,7 @@ class LoraflowStageOperator(BaseOperator):
         spec = run_spec(self.spec, context)
         secrets = resolve_secrets(spec, self.stage)
         compute = spec.compute_for(self.stage)
-        if compute.launcher == "vertex" and compute.deferrable and not secrets:
+        if compute.launcher in ("vertex", "gke") and compute.deferrable and not secrets:
             return self.execute_deferrable(context, spec)
         self._kill_switch = KillSwitch()
         result = runner.run_stage(
@@ -105,62 +108,91 @@ class LoraflowStageOperator(BaseOperator):
         self.outlets = [Asset(manifest.rsplit("/", 1)[0])]
 
     def execute_deferrable(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:
-        """A vertex stage: submit (or reattach to) its job, then wait in the triggerer, not in this worker slot."""
-        from operators.triggers import VertexJobTrigger
+        """A vertex or gke stage: submit (or reattach to) its workload, then wait in the triggerer, not in
+        this worker slot."""
+        from operators.triggers import GkeJobSetTrigger, VertexJobTrigger
 
         prepared = runner.prepare_stage(
             spec, self.stage, context["run_id"], self.upstream_manifests(context, spec), self.log.info
         )
         if isinstance(prepared, runner.StageResult):  # a cache hit: nothing to submit
             return self.done(context, spec, prepared)
-        self._kill_switch = KillSwitch()  # killed before it defers: the launcher cancels the job
-        remote = runner.vertex_launcher(spec, prepared, context["run_id"], self.dag_id)
-        self._kill_switch.arm(remote)
+        self._kill_switch = KillSwitch()  # killed before it defers: the launcher cancels the workload
         compute = prepared.compute
+        where = "GKE" if compute.launcher == "gke" else "Vertex AI"
         self.log.info(
-            "launching %s on Vertex AI (%s x %s), output %s",
+            "launching %s on %s (%s x %s), output %s",
             prepared.plan.module,
+            where,
             compute.machine_type,
             compute.hosts,
             prepared.prefix,
         )
-        job = remote.submit(prepared.argv("python"), self.log.info, compute.env)
-        context["ti"].xcom_push(key=VertexJobLink().xcom_key, value=vertex.console_url(job.name))
-        resume = {"job_name": job.name, "prefix": prepared.prefix, "cache_key": prepared.cache_key}
-        if launch_vertex.state_name(job.state) == launch_vertex.SUCCEEDED:  # reattached to a finished job
-            return self.execute_complete(context, {"status": "success", "state": launch_vertex.SUCCEEDED}, **resume)
-        self.log.info("deferring: the triggerer polls %s every %.0fs", job.name, remote.poll_seconds)
-        self.defer(
-            trigger=VertexJobTrigger(
-                job_name=job.name, endpoint=remote.endpoint, stage=self.stage, poll_seconds=remote.poll_seconds
-            ),
-            method_name="execute_complete",
-            kwargs=resume,
-        )
+        resume = {"prefix": prepared.prefix, "cache_key": prepared.cache_key}
+        trigger: BaseTrigger
+        if compute.launcher == "gke":
+            jobset = runner.gke_launcher(spec, self.stage, context["run_id"], prepared.cache_key, self.dag_id)
+            self._kill_switch.arm(jobset)
+            state = jobset.submit(prepared.argv("python"), self.log.info, compute.env)
+            resume["job_name"] = f"{jobset.namespace}/{jobset.name}"
+            link = gke.logs_url(jobset.namespace, jobset.name, vertex.project_for(compute))
+            finished, poll = state == "succeeded", jobset.poll_seconds
+            trigger = GkeJobSetTrigger(
+                namespace=jobset.namespace,
+                name=jobset.name,
+                stage=self.stage,
+                poll_seconds=poll,
+                endpoint=os.environ.get("LORAFLOW_GKE_ENDPOINT"),
+            )
+        else:
+            remote = runner.vertex_launcher(spec, prepared, context["run_id"], self.dag_id)
+            self._kill_switch.arm(remote)
+            job = remote.submit(prepared.argv("python"), self.log.info, compute.env)
+            resume["job_name"] = job.name
+            link = vertex.console_url(job.name)
+            finished, poll = launch_vertex.state_name(job.state) == launch_vertex.SUCCEEDED, remote.poll_seconds
+            trigger = VertexJobTrigger(job_name=job.name, endpoint=remote.endpoint, stage=self.stage, poll_seconds=poll)
+        context["ti"].xcom_push(key=WorkloadLink().xcom_key, value=link)
+        if finished:  # reattached to a workload that already succeeded
+            return self.execute_complete(context, {"status": "success", "state": "succeeded"}, **resume)
+        self.log.info("deferring: the triggerer polls %s every %.0fs", resume["job_name"], poll)
+        self.defer(trigger=trigger, method_name="execute_complete", kwargs=resume)
 
     def execute_complete(
         self, context: Context, event: dict[str, Any], job_name: str, prefix: str, cache_key: str
     ) -> dict[str, Any]:
-        """Back from the trigger: the job's outcome. Success: verify the manifest, fill the cache."""
-        from airflow.sdk.exceptions import AirflowFailException
-
+        """Back from the trigger: the workload's outcome. Success: verify the manifest, fill the cache."""
         spec = run_spec(self.spec, context)
         if event.get("status") != "success":
-            message = launch_vertex.job_failure_message(
-                spec.compute_for(self.stage),
-                self.stage,
-                job_name,
-                str(event.get("state") or ""),
-                event.get("code"),
-                str(event.get("message", "")),
-            )
-            diagnosis = vertex_errors.classify(event.get("code"), str(event.get("message", "")), job_failed=True)
-            self.log.error("%s", message)
-            if diagnosis.users:  # retrying the same request cannot help: fail without using up retries
-                raise AirflowFailException(message)
-            raise StepError(message)
-        self.log.info("Vertex AI job %s succeeded", job_name)
+            self.fail_workload(context, spec, event, job_name, cache_key)
+        self.log.info("%s succeeded", job_name)
         return self.done(context, spec, runner.finish_stage(spec, self.stage, prefix, cache_key))
+
+    def fail_workload(
+        self, context: Context, spec: PipelineSpec, event: dict[str, Any], job_name: str, cache_key: str
+    ) -> NoReturn:
+        """Raise the workload's own error: ``AirflowFailException`` (no retry) when it is the user's to
+        fix, ``StepError`` (retried) otherwise."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        compute = spec.compute_for(self.stage)
+        code, message, state = event.get("code"), str(event.get("message", "")), str(event.get("state") or "")
+        if compute.launcher == "gke":
+            jobset = runner.gke_launcher(spec, self.stage, context["run_id"], cache_key, self.dag_id)
+            if state == "failed":
+                error = jobset.failure(message)  # with the failed pod's termination message
+            elif state == "deleted":
+                error = StepError(message)
+            else:
+                error = jobset.explain("read", code, message)
+            users = code in launch_gke.USERS_STATUSES
+        else:
+            error = StepError(launch_vertex.job_failure_message(compute, self.stage, job_name, state, code, message))
+            users = vertex_errors.classify(code, message, job_failed=True).users
+        self.log.error("%s", error)
+        if users:  # retrying the same request cannot help: fail without using up retries
+            raise AirflowFailException(str(error))
+        raise error
 
     def on_kill(self) -> None:
         if self._kill_switch is not None:
@@ -169,7 +201,7 @@ class LoraflowStageOperator(BaseOperator):
 
 class ValidateDataOperator(LoraflowStageOperator):
     stage = "validate_data"
-    operator_extra_links = (DataDocsLink(), VertexJobLink(), ArtifactsLink())
+    operator_extra_links = (DataDocsLink(), WorkloadLink(), ArtifactsLink())
 
     def execute(self, context: Context) -> dict[str, Any]:
         try:

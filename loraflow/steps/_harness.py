@@ -141,7 +141,10 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
         for name, uri in refs.items():
             manifest = artifacts.read_manifest(uri)
             ctx.input_manifests[name] = manifest
+            # The cache key stands for the upstream stage in this stage's own key (runner.input_fingerprints).
             fingerprints[name] = {"uri": manifest.uri, "fingerprint": manifest.fingerprint}
+            if manifest.data.get("cache_key"):
+                fingerprints[name]["cache_key"] = manifest.data["cache_key"]
 
         try:
             summary = fn(ctx) or {}

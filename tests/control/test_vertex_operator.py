@@ -13,7 +13,7 @@ import pytest
 from loraflow import artifacts, local_gcs, runner
 from loraflow.errors import StepError
 from loraflow.spec import PipelineSpec, with_overrides
-from operators.links import ArtifactsLink, VertexJobLink
+from operators.links import ArtifactsLink, WorkloadLink
 from operators.stages import OPERATORS
 from operators.triggers import VertexJobTrigger
 from tests.control.test_vertex_launcher import compute, serve
@@ -62,7 +62,7 @@ def test_execute_defers_and_execute_complete_returns_the_same_xcom(standin: Vert
     trigger = defer.trigger
     assert isinstance(trigger, VertexJobTrigger) and defer.method_name == "execute_complete"
     assert trigger.endpoint == standin.url and trigger.job_name.endswith("/customJobs/1001")
-    assert ti.pushed[VertexJobLink().xcom_key].endswith("/training/1001/cpu?project=loraflow-local")
+    assert ti.pushed[WorkloadLink().xcom_key].endswith("/training/1001/cpu?project=loraflow-local")
 
     async def first() -> dict[str, Any]:
         async for event in trigger.run():
