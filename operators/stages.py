@@ -7,17 +7,21 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
-from loraflow import artifacts, gcs, gke, handoff, launch_gke, launch_vertex, runner, vertex, vertex_errors
+from loraflow import artifacts, gcs, handoff
 from loraflow.errors import StepError
-from loraflow.launch import KillSwitch
 from loraflow.plan import output_prefix, stage_plans
 from loraflow.report import browser_url, data_docs_uri, site_url
 from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
-from operators.connections import resolve_secrets
 from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger
+
+    from loraflow import runner
+    from loraflow.launch import KillSwitch
+
+# The launchers, the runner and the clients they use are imported where a task runs, not at DAG
+# parse time (docs/benchmarks.md, section 1).
 
 
 def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
@@ -70,6 +74,10 @@ class LoraflowStageOperator(BaseOperator):
         return out
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from loraflow import runner
+        from loraflow.launch import KillSwitch
+        from operators.connections import resolve_secrets
+
         spec = run_spec(self.spec, context)
         secrets = resolve_secrets(spec, self.stage)
         compute = spec.compute_for(self.stage)
@@ -102,6 +110,8 @@ class LoraflowStageOperator(BaseOperator):
         """Inlets: the stage's inputs (sources, upstream stages' prefixes); outlet: its committed prefix."""
         from airflow.sdk import Asset
 
+        from loraflow import runner
+
         inputs = runner.resolve_inputs(stage_plans(spec)[self.stage], upstream)
         uris = [uri.rsplit("/", 1)[0] if uri.endswith("/" + artifacts.MANIFEST) else uri for uri in inputs.values()]
         self.inlets = [Asset(uri) for uri in dict.fromkeys(uris)]
@@ -110,6 +120,8 @@ class LoraflowStageOperator(BaseOperator):
     def execute_deferrable(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:
         """A vertex or gke stage: submit (or reattach to) its workload, then wait in the triggerer, not in
         this worker slot."""
+        from loraflow import gke, launch_vertex, runner, vertex
+        from loraflow.launch import KillSwitch
         from operators.triggers import GkeJobSetTrigger, VertexJobTrigger
 
         prepared = runner.prepare_stage(
@@ -162,6 +174,8 @@ class LoraflowStageOperator(BaseOperator):
         self, context: Context, event: dict[str, Any], job_name: str, prefix: str, cache_key: str
     ) -> dict[str, Any]:
         """Back from the trigger: the workload's outcome. Success: verify the manifest, fill the cache."""
+        from loraflow import runner
+
         spec = run_spec(self.spec, context)
         if event.get("status") != "success":
             self.fail_workload(context, spec, event, job_name, cache_key)
@@ -174,6 +188,8 @@ class LoraflowStageOperator(BaseOperator):
         """Raise the workload's own error: ``AirflowFailException`` (no retry) when it is the user's to
         fix, ``StepError`` (retried) otherwise."""
         from airflow.sdk.exceptions import AirflowFailException
+
+        from loraflow import launch_gke, launch_vertex, runner, vertex_errors
 
         compute = spec.compute_for(self.stage)
         code, message, state = event.get("code"), str(event.get("message", "")), str(event.get("state") or "")
