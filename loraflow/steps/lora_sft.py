@@ -174,8 +174,6 @@ def _shortest_example(train_file: Path, tokenizer_dir: Path, sample: int = 512) 
 
 
 def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: list[tuple[int, float, float]]):
-    import jax.numpy as jnp
-
     t_start = time.monotonic()
 
     class LoraflowHooks(base_cls):  # type: ignore[misc, valid-type]
@@ -186,7 +184,7 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
                 syncer.poll()  # the previous step's checkpoint, once Orbax has finalised it
             super().on_train_step_start(train_ctx)
             batch = train_ctx.data_hooks.train_batch
-            self._lf_tokens = int(jnp.sum(batch["inputs_segmentation"] != 0)) if batch is not None else 0
+            self._lf_tokens = _tokens_in(batch["inputs_segmentation"]) if batch is not None else 0
             self._lf_t0 = time.perf_counter()
 
         def on_train_step_end(self, train_ctx, train_step, train_loss, step_time=0.0):
@@ -202,6 +200,18 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
                 )
 
     return LoraflowHooks
+
+
+def _tokens_in(segmentation: Any) -> int:
+    """Non-padding tokens of a batch: counted on the host when this process holds the whole batch (no
+    device computation to dispatch and wait for), else on the devices (a multi-host global array)."""
+    import numpy as np
+
+    if getattr(segmentation, "is_fully_addressable", True):
+        return int(np.count_nonzero(np.asarray(segmentation)))
+    import jax.numpy as jnp
+
+    return int(jnp.sum(segmentation != 0))
 
 
 def _skip_trained_batches(trainer, n: int, ctx: StepContext) -> None:
