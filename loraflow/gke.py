@@ -226,6 +226,11 @@ def describe_workload(namespace: str, name: str) -> str:
     return f"kubectl -n {namespace} get jobset {name}; kubectl -n {namespace} logs -l {POD_LABEL}={name}"
 
 
+def object_ref(namespace: str, name: str) -> tuple[str, str, str, str, str]:
+    """(group, version, namespace, plural, name): how the Kubernetes clients' custom-object calls name a JobSet."""
+    return GROUP, VERSION, namespace, PLURAL, name
+
+
 def logs_url(namespace: str, name: str, project: str | None) -> str:
     """The Cloud console's Logs Explorer showing the JobSet's pods' logs (every host's step output)."""
     import urllib.parse

@@ -157,7 +157,7 @@ class GkeLauncher:
 
         try:
             obj: dict[str, Any] = self._objects().get_namespaced_custom_object(
-                gke.GROUP, gke.VERSION, self.namespace, gke.PLURAL, self.name
+                *gke.object_ref(self.namespace, self.name)
             )
             return obj
         except ApiException as exc:
@@ -183,11 +183,7 @@ class GkeLauncher:
 
         try:
             self._objects().delete_namespaced_custom_object(
-                gke.GROUP,
-                gke.VERSION,
-                self.namespace,
-                gke.PLURAL,
-                self.name,
+                *gke.object_ref(self.namespace, self.name),
                 body=client.V1DeleteOptions(propagation_policy="Foreground"),
             )
         except ApiException as exc:
@@ -312,7 +308,7 @@ class AsyncJobSetClient:
         async with await self._api_client() as api:
             try:
                 obj: dict[str, Any] = await client.CustomObjectsApi(api).get_namespaced_custom_object(
-                    gke.GROUP, gke.VERSION, self.namespace, gke.PLURAL, self.name
+                    *gke.object_ref(self.namespace, self.name)
                 )
                 return obj
             except ApiException as exc:
@@ -327,11 +323,7 @@ class AsyncJobSetClient:
         async with await self._api_client() as api:
             try:
                 await client.CustomObjectsApi(api).delete_namespaced_custom_object(
-                    gke.GROUP,
-                    gke.VERSION,
-                    self.namespace,
-                    gke.PLURAL,
-                    self.name,
+                    *gke.object_ref(self.namespace, self.name),
                     body=client.V1DeleteOptions(propagation_policy="Foreground"),
                 )
             except ApiException as exc:

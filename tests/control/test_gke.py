@@ -374,16 +374,33 @@ def test_transient_api_errors_are_retried_and_lasting_ones_explained(standin: Gk
         _launcher("run-2").run(ARGV, lines.append)
 
 
-def test_runner_sends_a_gke_stage_to_the_cluster_end_to_end(standin: GkeStandIn, parity_spec, gcs_emulator) -> None:
-    """The runner creates validate_data's JobSet; the test plays the cluster (it runs the pod's
-    container command with the pod's env, as Kubernetes would, then marks the JobSet completed) and
-    the runner returns the committed manifest."""
+def play_the_pod(js: dict[str, Any], emulator: Any) -> None:
+    """What the cluster would do with the JobSet's pod: run its container command with its environment."""
     import os
     import subprocess
     import sys
 
-    from loraflow import artifacts, runner
     from loraflow.environments import REPO_ROOT
+
+    [container] = _pod_spec(js)["containers"]
+    pod_env = {e["name"]: e["value"] for e in container["env"]} | {"JOB_COMPLETION_INDEX": "0"}
+    image_env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, *container["args"]],
+        env=image_env | emulator.env() | pod_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_runner_sends_a_gke_stage_to_the_cluster_end_to_end(standin: GkeStandIn, parity_spec, gcs_emulator) -> None:
+    """The runner creates validate_data's JobSet; the test plays the cluster (it runs the pod's
+    container command with the pod's env, as Kubernetes would, then marks the JobSet completed) and
+    the runner returns the committed manifest."""
+
+    from loraflow import artifacts, runner
     from loraflow.spec import with_overrides
 
     spec = with_overrides(
@@ -405,17 +422,7 @@ def test_runner_sends_a_gke_stage_to_the_cluster_end_to_end(standin: GkeStandIn,
     assert errors == []
     [((namespace, name), js)] = standin.jobsets.items()
     assert namespace == "ml" and js["metadata"]["labels"]["loraflow-dag"] == spec.name
-    [container] = _pod_spec(js)["containers"]
-    pod_env = {e["name"]: e["value"] for e in container["env"]} | {"JOB_COMPLETION_INDEX": "0"}
-    image_env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [sys.executable, *container["args"]],
-        env=image_env | gcs_emulator.env() | pod_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    play_the_pod(js, gcs_emulator)
     standin.set_status(namespace, name, COMPLETED)
     thread.join(30)
     assert errors == [] and len(results) == 1

@@ -5,22 +5,18 @@ reattaches, a failure carries the pod's message, a user's action deletes the Job
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from loraflow import artifacts, local_gcs
-from loraflow.environments import REPO_ROOT
+from loraflow import artifacts
 from loraflow.errors import StepError
 from loraflow.spec import PipelineSpec, with_overrides
 from operators.links import WorkloadLink
 from operators.stages import OPERATORS
 from operators.triggers import GkeJobSetTrigger
-from tests.control.test_gke import COMPLETED, COMPUTE, FAILED, RUNNING, _pod_spec
+from tests.control.test_gke import COMPLETED, COMPUTE, FAILED, RUNNING, play_the_pod
 from tests.control.test_vertex_operator import FakeTI, deferred
 from tests.gke_standin import GkeStandIn, serve
 
@@ -53,21 +49,6 @@ async def _first_event(trigger: GkeJobSetTrigger) -> dict[str, Any]:
     raise AssertionError("the trigger ended without an event")
 
 
-def _play_the_pod(js: dict[str, Any], emulator: local_gcs.Emulator) -> None:
-    """What the cluster would do: run the pod's container command with the pod's environment."""
-    [container] = _pod_spec(js)["containers"]
-    pod_env = {e["name"]: e["value"] for e in container["env"]} | {"JOB_COMPLETION_INDEX": "0"}
-    image_env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [sys.executable, *container["args"]],
-        env=image_env | emulator.env() | pod_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-
-
 def test_serialize_is_pinned_and_round_trips() -> None:
     trigger = GkeJobSetTrigger(namespace="ml", name="lf-x", stage="lora_sft", poll_seconds=5, endpoint=None)
     classpath, kwargs = trigger.serialize()
@@ -97,7 +78,7 @@ def test_execute_defers_and_the_completed_jobset_resumes_to_the_same_xcom(
     retry = deferred(_op(spec), _ctx("run-g"))
     assert retry.trigger.name == trigger.name and standin.creates() == 1
 
-    _play_the_pod(js, gcs_emulator)
+    play_the_pod(js, gcs_emulator)
     standin.set_status("ml", trigger.name, RUNNING)
     standin.set_status("ml", trigger.name, COMPLETED)
     event = asyncio.run(_first_event(trigger))
