@@ -76,7 +76,8 @@ test-serving: envs
 CHROMIUM ?= /usr/lib/chromium/chromium
 
 $(CHROMIUM):
-	apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
 # CI runs every end-to-end module (each starts its own Airflow; 3-10 minutes each on 2 cores): the
 # tiny pipeline, every stage killed once and finished by Airflow's retries, the data-team hand-off,
