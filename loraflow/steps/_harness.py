@@ -84,6 +84,15 @@ def _parse_inputs(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _upstream_record(manifest: artifacts.Manifest) -> dict[str, str]:
+    """How a manifest records an upstream stage it used: its URI, its bytes' fingerprint, and its cache
+    key, which is what stands for it in this stage's own cache key (``runner.input_fingerprints``)."""
+    record = {"uri": manifest.uri, "fingerprint": manifest.fingerprint}
+    if manifest.data.get("cache_key"):
+        record["cache_key"] = manifest.data["cache_key"]
+    return record
+
+
 def run_step(stage: str, fn: StepFn, argv: list[str] | None = None) -> int:
     # The task log shows loraflow's progress and the libraries' warnings; their INFO chatter (Orbax,
     # absl, vLLM) only with LORAFLOW_LOG_LEVEL=INFO (or DEBUG).
@@ -131,7 +140,7 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
                 manifest = artifacts.read_manifest(uri)
                 artifacts.fetch(manifest, dest)
                 ctx.input_manifests[name] = manifest
-                fingerprints[name] = {"uri": uri, "fingerprint": manifest.fingerprint}
+                fingerprints[name] = _upstream_record(manifest)
             else:
                 files = artifacts.fetch_source(uri, dest)
                 ctx.input_manifests[name] = None
@@ -141,10 +150,7 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
         for name, uri in refs.items():
             manifest = artifacts.read_manifest(uri)
             ctx.input_manifests[name] = manifest
-            # The cache key stands for the upstream stage in this stage's own key (runner.input_fingerprints).
-            fingerprints[name] = {"uri": manifest.uri, "fingerprint": manifest.fingerprint}
-            if manifest.data.get("cache_key"):
-                fingerprints[name]["cache_key"] = manifest.data["cache_key"]
+            fingerprints[name] = _upstream_record(manifest)
 
         try:
             summary = fn(ctx) or {}

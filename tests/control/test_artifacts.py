@@ -130,6 +130,29 @@ def test_harness_fetches_runs_and_commits(gcs_bucket: str) -> None:
     assert run_step("echo", _echo_step, [*argv[:-4], "--cache-key", "K2"]) == 2
 
 
+def _count_step(ctx: StepContext) -> dict:
+    return {"files": sorted(p.name for p in ctx.inputs["data"].iterdir())}
+
+
+def test_a_manifest_records_each_upstream_by_uri_fingerprint_and_cache_key(gcs_bucket: str) -> None:
+    """The cache key is what stands for an upstream stage in a downstream key (runner.input_fingerprints):
+    the downstream manifest records it, so two manifests tell whether they were computed from the same inputs."""
+    blob(f"{gcs_bucket}/src/in.txt").upload_from_string(b"abc")
+    up = f"{gcs_bucket}/p/r/echo"
+    assert (
+        run_step("echo", _echo_step, ["--output", up, "--input", f"data={gcs_bucket}/src/in.txt", "--cache-key", "K1"])
+        == 0
+    )
+    upstream = artifacts.read_manifest(up)
+    down = f"{gcs_bucket}/p/r/count"
+    assert (
+        run_step("count", _count_step, ["--output", down, "--input", f"data={upstream.uri}", "--cache-key", "K2"]) == 0
+    )
+    m = artifacts.read_manifest(down)
+    assert m.summary["files"] == ["out.txt"]
+    assert m.data["inputs"]["data"] == {"uri": upstream.uri, "fingerprint": upstream.fingerprint, "cache_key": "K1"}
+
+
 def test_a_rejected_step_keeps_evidence_but_commits_nothing(gcs_bucket: str) -> None:
     out = f"{gcs_bucket}/p/r/validate"
     assert run_step("validate", _rejecting_step, ["--output", out]) != 0
