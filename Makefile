@@ -23,10 +23,18 @@ NO_TORCH_EXTRAS := --no-emit-package torchvision --no-emit-package torchaudio --
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
 
+# The native merge kernel (loraflow/native): a C compiler builds it; Debian's gcc is installed if there is none.
+NATIVE := loraflow/native/libloraflow_merge.so
+
+$(NATIVE): loraflow/native/merge_rows.c loraflow/native/build.sh
+	@command -v $${CC:-cc} >/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev))
+	loraflow/native/build.sh
+
 $(VENVS)/.uv/bin/uv:
 	python3 -m venv $(VENVS)/.uv && $(VENVS)/.uv/bin/pip install -q uv
 
-envs: $(VENVS)/control/.synced $(VENVS)/trainer/.synced $(VENVS)/serving/.synced  ## create the three environments from their lock files
+envs: $(VENVS)/control/.synced $(VENVS)/trainer/.synced $(VENVS)/serving/.synced $(NATIVE)  ## create the three environments from their lock files, build the merge kernel
 
 $(VENVS)/control/.synced: envs/control.lock pyproject.toml | $(UV)
 	$(UV) venv -q --allow-existing $(VENVS)/control --python $(PY312)

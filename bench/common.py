@@ -74,9 +74,13 @@ def run(
 
 
 def run_timed(argv: list[str], **kw: Any) -> dict[str, Any]:
-    """:func:`run` under /usr/bin/time -v: adds peak_rss_mib (max RSS of the process it ran)."""
+    """:func:`run` under /usr/bin/time -v: adds peak_rss_mib (max RSS of the process it ran).
+
+    Dirty pages are flushed first: otherwise the writeback of what the previous method wrote
+    (gigabytes, for the merge) runs during this one and takes its CPU."""
     tfile = WORK / f".time-{os.getpid()}-{time.monotonic_ns()}"
     WORK.mkdir(parents=True, exist_ok=True)
+    os.sync()
     res = run(["/usr/bin/time", "-v", "-o", str(tfile), *argv], **kw)
     try:
         for line in tfile.read_text().splitlines():

@@ -9,6 +9,10 @@ COPY envs/trainer.lock envs/trainer.lock
 RUN uv venv /opt/venv && uv pip sync -p /opt/venv envs/trainer.lock
 COPY envs/ envs/
 COPY loraflow/ loraflow/
+# The native merge kernel (merge_adapter); the compiler is removed once it is built.
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev \
+    && loraflow/native/build.sh \
+    && apt-get purge -y -q gcc libc6-dev && apt-get autoremove -y -q && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/opt/loraflow \
     PYTHONUNBUFFERED=1 \

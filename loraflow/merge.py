@@ -14,29 +14,32 @@ with ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` when ``use_rslora``), 
 
 The pure pieces (:func:`lora_scale`, :func:`merge_lora`, :func:`peft_module`, :func:`plan_merge`)
 are separate from the streaming driver :func:`merge_checkpoint`, which holds at most a few tensors
-in memory (the one being merged and its merged copy, the next one read ahead, the previous one being
-written; copied tensors stream in chunks). Everything that can be checked before writing is
-checked first, and all problems are reported together, each with its fix.
+in memory (the one being merged and the next one, both mapped from the file rather than copied;
+merged rows go to the output file a block at a time; tensors without an update are copied file to
+file). The arithmetic runs on the native kernel (:mod:`loraflow.merge_kernel`) where it is built, else on
+numpy, with the same bits. Everything that can be checked before writing is checked first, and all
+problems are reported together, each with its fix.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import shutil
 import sys
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loraflow import faults
+from loraflow import faults, merge_kernel
 from loraflow.errors import LoraflowError
-from loraflow.safetensors_io import INDEX_FILE, Checkpoint, ShardedWriter, TensorInfo
+from loraflow.safetensors_io import INDEX_FILE, Checkpoint, ShardedWriter, TensorInfo, pwrite_all
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -46,6 +49,7 @@ FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 # the *unmerged* base weights next to the merged ones.
 WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf"}
 BLOCK_ELEMS = 1 << 16  # merge this many elements at a time (1 MiB of float32 scratch per buffer and thread)
+KERNEL_BLOCKS = 4  # the native kernel merges blocks this many times larger (1 MiB of BF16 per thread)
 
 _PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
 _LAYER = re.compile(r"^(?P<group>.*?\.(?:layers|h|blocks)\.\d+)\.")
@@ -184,36 +188,60 @@ def merge_lora(
             f"shapes do not compose: weight {list(weight.shape)}, lora_A {list(lora_a.shape)}, lora_B {list(lora_b.shape)} "
             f"(need A [r, in], B [out, r], weight {'[in, out]' if fan_in_fan_out else '[out, in]'} = {list(expected)})"
         )
-    return _merge_blocks(weight, lora_a, lora_b, scale, fan_in_fan_out, block_elems)[0]
+    out = np.empty_like(weight)
+
+    def keep(lo: int, block: np.ndarray) -> None:
+        out[lo : lo + len(block)] = block
+
+    _merge_blocks(weight, lora_a, lora_b, scale, fan_in_fan_out, keep, block_elems)
+    return out
+
+
+Emit = Callable[[int, np.ndarray], None]
+"""Receives merged rows: ``emit(first_row, block)``; called from several threads, on disjoint rows."""
 
 
 def _merge_blocks(
-    weight: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float, fan_in_fan_out: bool, block_elems: int
-) -> tuple[np.ndarray, float, bool]:
-    """:func:`merge_lora` (shapes already checked), plus max |scale · B @ A| and whether any stored value changed.
+    weight: np.ndarray,
+    lora_a: np.ndarray,
+    lora_b: np.ndarray,
+    scale: float,
+    fan_in_fan_out: bool,
+    emit: Emit,
+    block_elems: int = BLOCK_ELEMS,
+) -> tuple[float, bool]:
+    """:func:`merge_lora` (shapes already checked) handing each block of merged rows to ``emit``.
 
-    The rows are split between :data:`MERGE_THREADS` threads (numpy releases the GIL in its loops),
-    each working through blocks of ``block_elems`` elements in scratch buffers of its own that are
-    reused from block to block. Same arithmetic, same bits as merging the whole tensor at once.
+    The rows are split between :data:`MERGE_THREADS` threads, each working through blocks of about
+    ``block_elems`` elements in scratch buffers of its own, reused from block to block: on the
+    native kernel (:mod:`loraflow.merge_kernel`, one pass per row) where it serves the dtype, else
+    on numpy. Same bits either way, and the same as merging the whole tensor at once.
+
+    Returns:
+        max |scale · B @ A| and whether any stored value changed.
     """
     compute = np.float64 if weight.dtype == np.float64 else np.float32
     a: np.ndarray[Any, np.dtype[np.floating[Any]]] = lora_a.astype(compute)
     b: np.ndarray[Any, np.dtype[np.floating[Any]]] = lora_b.astype(compute)
     if fan_in_fan_out:  # W[in, out] += scale · (B @ A)ᵀ = scale · Aᵀ @ Bᵀ
         a, b = b.T, a.T
-    out = np.empty_like(weight)
+    merge_rows: Callable[..., tuple[float, bool]] = _merge_rows
+    if merge_kernel.usable(weight.dtype):
+        weight, a, b = np.ascontiguousarray(weight), np.ascontiguousarray(a), np.ascontiguousarray(b)
+        merge_rows = functools.partial(_kernel_rows, a_tiles=merge_kernel.pack(a))
+        block_elems *= KERNEL_BLOCKS  # one pass instead of a dozen: larger blocks stay in cache
     n_rows = weight.shape[0]
     rows = max(1, block_elems // max(1, weight.shape[1]))
     parts = min(MERGE_THREADS, -(-n_rows // rows))
     if parts <= 1:
-        return (out, *_merge_rows(weight, out, a, b, scale, 0, n_rows, rows))
+        return merge_rows(weight, a, b, scale, 0, n_rows, rows, emit)
     step = -(-n_rows // parts)
     futures = [
-        _pool().submit(_merge_rows, weight, out, a, b, scale, lo, min(lo + step, n_rows), rows)
+        _pool().submit(merge_rows, weight, a, b, scale, lo, min(lo + step, n_rows), rows, emit)
         for lo in range(0, n_rows, step)
     ]
     results = [f.result() for f in futures]  # the first error, if any, is raised here
-    return out, max(r[0] for r in results), any(r[1] for r in results)
+    return max(r[0] for r in results), any(r[1] for r in results)
 
 
 MERGE_THREADS = 2
@@ -228,16 +256,44 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _merge_rows(
-    weight: np.ndarray, out: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float, start: int, stop: int, rows: int
+def _kernel_rows(
+    weight: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    scale: float,
+    start: int,
+    stop: int,
+    rows: int,
+    emit: Emit,
+    *,
+    a_tiles: np.ndarray,
 ) -> tuple[float, bool]:
-    """Merge rows ``start:stop`` of ``weight`` into ``out``, ``rows`` at a time; (max |update|, changed)."""
+    """:func:`_merge_rows` on the native kernel: one pass per row."""
+    block = np.empty((min(rows, stop - start), weight.shape[1]), weight.dtype)
+    max_update, changed = 0.0, False
+    for lo in range(start, stop, rows):
+        hi = min(lo + rows, stop)
+        top, diff, bad = merge_kernel.merge_rows(weight[lo:hi], block, a, a_tiles, b[lo:hi], scale)
+        if bad is not None:
+            raise MergeError(f"non-finite merged values in row {lo + bad}: the base weight holds NaN/Inf")
+        emit(lo, block[: hi - lo])
+        max_update, changed = max(max_update, top), changed or diff
+    return max_update, changed
+
+
+def _merge_rows(
+    weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float, start: int, stop: int, rows: int, emit: Emit
+) -> tuple[float, bool]:
+    """Merge rows ``start:stop`` of ``weight``, ``rows`` at a time, into ``emit``; (max |update|, changed).
+
+    The numpy path, and the reference the native kernel is tested against."""
     n_cols = weight.shape[1]
     k = min(rows, stop - start)
     block = np.empty((k, n_cols), a.dtype)
+    merged = np.empty((k, n_cols), weight.dtype)
     bf16 = weight.dtype.name == "bfloat16"
     if bf16:  # bf16 <-> f32 by bit operations: exact, and far faster than an element-wise cast
-        w_bits, out_bits = weight.view(np.uint16), out.view(np.uint16)
+        w_bits, out_bits = weight.view(np.uint16), merged.view(np.uint16)
         w32 = np.empty((k, n_cols), np.uint32)
         rounding = np.empty((k, n_cols), np.uint32)
     bits = np.dtype(f"u{weight.dtype.itemsize}")
@@ -248,7 +304,7 @@ def _merge_rows(
     max_update, changed = 0.0, False
     for lo in range(start, stop, rows):
         hi = min(lo + rows, stop)
-        blk = block[: hi - lo]
+        blk, out = block[: hi - lo], merged[: hi - lo]
         for g in range(lo, hi, gemm_rows):
             np.matmul(b[g : min(g + gemm_rows, hi)], a, out=blk[g - lo : min(g + gemm_rows, hi) - lo])
         blk *= scale
@@ -269,15 +325,16 @@ def _merge_rows(
             rk &= 1
             rk += 0x7FFF
             rk += u
-            out_bits[lo:hi] = rk.view(np.uint16)[:, _UPPER_HALF::2]
+            out_bits[: hi - lo] = rk.view(np.uint16)[:, _UPPER_HALF::2]
         else:
             with np.errstate(over="ignore"):
-                out[lo:hi] = blk  # rounds to the weight's dtype (nearest even)
-            if weight.dtype == np.float16 and not np.isfinite(out[lo:hi]).all():
+                out[...] = blk  # rounds to the weight's dtype (nearest even)
+            if weight.dtype == np.float16 and not np.isfinite(out).all():
                 raise MergeError(
                     f"merged values overflow float16 in rows {lo}..{hi}: merge into a bf16/f32 copy of the base"
                 )
-        changed = changed or not np.array_equal(out[lo:hi].view(bits), weight[lo:hi].view(bits))
+        changed = changed or not np.array_equal(out.view(bits), weight[lo:hi].view(bits))
+        emit(lo, out)
     return max_update, changed
 
 
@@ -472,44 +529,6 @@ def copy_side_files(base_dir: Path, out_dir: Path) -> tuple[list[str], list[str]
     return copied, skipped
 
 
-class _Pipeline:
-    """One reader and one writer thread beside the merging thread; writes keep their submission order.
-
-    ``read`` and ``write`` each allow one job in flight (the next call waits for the previous one),
-    which bounds memory; leaving the block waits for both, so nothing is still writing when the
-    writer is closed or aborted. An error in a job is raised by the call that waits for it.
-    """
-
-    def __init__(self) -> None:
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="loraflow-merge-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="loraflow-merge-write")
-        self._read: Future[Any] | None = None
-        self._write: Future[Any] | None = None
-
-    def read(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        if self._read is not None:
-            self._read.result()
-        self._read = self._reader.submit(fn, *args)
-        return self._read
-
-    def write(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self._write is not None:
-            self._write.result()
-        self._write = self._writer.submit(fn, *args)
-
-    def drain(self) -> None:
-        for job in (self._read, self._write):
-            if job is not None:
-                job.result()
-
-    def __enter__(self) -> _Pipeline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
-
-
 def merge_checkpoint(
     base_dir: str | Path,
     adapter_dir: str | Path,
@@ -551,7 +570,8 @@ def merge_checkpoint(
     check_finite(adapter)
     say(
         f"{len(targets)} of {len(base)} base tensors get a LoRA update (r={cfg.r}, alpha={cfg.lora_alpha:g}, "
-        f"scale={lora_scale(cfg.r, cfg.lora_alpha, cfg.use_rslora):g}); writing shards of <= {shard_bytes / 2**20:g} MiB"
+        f"scale={lora_scale(cfg.r, cfg.lora_alpha, cfg.use_rslora):g}); writing shards of <= {shard_bytes / 2**20:g} MiB; "
+        + merge_kernel.status()
     )
 
     report = MergeReport()
@@ -561,28 +581,29 @@ def merge_checkpoint(
         if group is not None:
             say(f"{group}: {g_tensors} tensor(s), {g_merged} merged, max |update| {g_delta:.3g}")
 
-    # Three things overlap: reading the next tensor, merging this one, writing the previous one
-    # (file I/O and numpy both release the GIL). At most one tensor is read ahead and one is
-    # being written, so memory stays a few of the largest merged tensors, whatever the model size.
+    # Two things overlap: paging in the next base tensor (mapped, not copied) and merging this
+    # one (the native kernel, numpy and file I/O release the GIL). The merge threads write each
+    # block of merged rows straight to its place in the output file while it is still in cache;
+    # tensors without an update are copied file to file. Memory: two mapped tensors and a few
+    # blocks per thread, whatever the model size.
     order = [t for path in base.files for t in base.tensors.values() if t.file == path]
     plan = [t.spec for t in base.tensors.values()]
-    with ShardedWriter(out_dir, plan, shard_bytes, base.metadata) as writer, _Pipeline() as io:
+    with (
+        ShardedWriter(out_dir, plan, shard_bytes, base.metadata) as writer,
+        ThreadPoolExecutor(1, thread_name_prefix="loraflow-merge-read") as reader,
+    ):
 
         def load(info: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
             target = targets.get(info.name)
             if target is None:
                 return None
-            return base.read(info.name), adapter.read(target.lora_a), adapter.read(target.lora_b)
+            return base.map(info.name), adapter.read(target.lora_a), adapter.read(target.lora_b)
 
-        def write_merged(name: str, merged: np.ndarray) -> None:
-            writer.write(name, merged)
-            faults.point("mid_merge")
-
-        ahead = io.read(load, order[0]) if order else None
+        ahead = reader.submit(load, order[0]) if order else None
         for i, info in enumerate(order):
             assert ahead is not None
             loaded = ahead.result()
-            ahead = io.read(load, order[i + 1]) if i + 1 < len(order) else None
+            ahead = reader.submit(load, order[i + 1]) if i + 1 < len(order) else None
             if _group(info.name) != group:
                 flush()
                 group, g_tensors, g_merged, g_delta = _group(info.name), 0, 0, 0.0
@@ -590,20 +611,25 @@ def merge_checkpoint(
             report.tensors += 1
             report.bytes += info.nbytes
             if loaded is None:
-                io.write(writer.write_bytes, info.name, base.copy_raw(info.name))
+                writer.copy_tensor(info.name, base)
                 continue
             target = targets[info.name]
             weight, lora_a, lora_b = loaded
             del loaded
+            fd, offset = writer.reserve(info.name)
+            row_bytes = info.nbytes // max(1, weight.shape[0])
+
+            def to_file(
+                lo: int, block: np.ndarray, fd: int = fd, offset: int = offset, row_bytes: int = row_bytes
+            ) -> None:
+                pwrite_all(fd, block, offset + lo * row_bytes)
+
             try:
-                merged, delta, changed = _merge_blocks(
-                    weight, lora_a, lora_b, target.scale, cfg.fan_in_fan_out, BLOCK_ELEMS
-                )
+                delta, changed = _merge_blocks(weight, lora_a, lora_b, target.scale, cfg.fan_in_fan_out, to_file)
             except MergeError as exc:
                 raise MergeError(f"{info.name} (adapter key {target.lora_a!r}): {exc}") from None
             del weight
-            io.write(write_merged, info.name, merged)
-            del merged
+            faults.point("mid_merge")
             report.merged += 1
             g_merged += 1
             g_delta = max(g_delta, delta)
@@ -612,7 +638,6 @@ def merge_checkpoint(
                 report.changed += 1
             else:
                 report.unchanged_targets.append(info.name)
-        io.drain()
         flush()
     assert writer.result is not None
     report.files = [p.name for p in writer.result.files]

@@ -8,9 +8,12 @@ N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__me
   (``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``).
   Opening it reads headers only; :meth:`Checkpoint.read` reads one tensor with seek + readinto, and
   :meth:`Checkpoint.copy_raw` streams one tensor's bytes in bounded chunks without decoding them.
+  Reading into a caller's buffer (``into=``) lets a loop reuse its memory tensor after tensor;
+  :meth:`Checkpoint.map` gives a tensor over the file's own pages, without a copy.
 * :class:`ShardedWriter` writes a checkpoint whose tensor names, dtypes and shapes are known up front
   (a *plan*): the shard layout and every header are computed from the plan before any data exists,
-  so each tensor is written as soon as it is produced, and never held with the others.
+  so each tensor is written as soon as it is produced, and never held with the others;
+  :meth:`ShardedWriter.copy_tensor` copies an unchanged tensor file to file inside the kernel.
 
 Peak memory is the largest tensor read or written plus a constant. ``ml_dtypes`` is imported only
 when a BF16 or F8 tensor is decoded (the serving image does not ship it).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +39,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the official library's own limit
 COPY_CHUNK_BYTES = 16 * 1024 * 1024
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it only if its headers did
 
 # safetensors dtype -> numpy dtype name; names prefixed "ml:" come from ml_dtypes.
 _DTYPES: dict[str, str] = {
@@ -251,21 +256,44 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def read(self, name: str, f: BinaryIO | None = None) -> np.ndarray:
-        """One tensor as a fresh numpy array (not a view of the file).
+    def read(self, name: str, f: BinaryIO | None = None, into: np.ndarray | None = None) -> np.ndarray:
+        """One tensor as a numpy array of its own (not a view of the file).
 
         Args:
             name: tensor name.
             f: optionally, an already open handle of the tensor's file (saves an open per tensor).
+            into: optionally, a uint8 buffer of at least the tensor's size to read into (reusing
+                buffers spares the page faults of fresh memory); the result is a view of it.
         """
         t = self.tensors[name]
-        buf = np.empty(t.nbytes, np.uint8)
+        buf = np.empty(t.nbytes, np.uint8) if into is None else into[: t.nbytes]
         if f is None:
             with open(t.file, "rb") as fh:
                 _readinto(fh, t, buf)
         else:
             _readinto(f, t, buf)
         return buf.view(numpy_dtype(t.dtype)).reshape(t.shape)
+
+    def map(self, name: str) -> np.ndarray:
+        """One tensor as a read-only array over the file's pages (no copy); unmapped when dropped.
+
+        The pages are faulted in here, so that whoever uses the array next does not wait for the
+        disk. The file must not change while the array is alive.
+        """
+        t = self.tensors[name]
+        begin = t.start - t.start % mmap.ALLOCATIONGRANULARITY
+        with open(t.file, "rb") as f:
+            if os.fstat(f.fileno()).st_size < t.start + t.nbytes:
+                raise SafetensorsError(f"{t.file}: unexpected end of file inside tensor {name!r}")
+            if t.nbytes == 0:
+                return np.empty(t.shape, numpy_dtype(t.dtype))
+            mm = mmap.mmap(f.fileno(), t.start + t.nbytes - begin, offset=begin, access=mmap.ACCESS_READ)
+        try:
+            mm.madvise(_MADV_POPULATE_READ)
+        except (OSError, ValueError):  # kernels before 5.14: ask for read-ahead instead
+            mm.madvise(mmap.MADV_WILLNEED)
+        raw = np.frombuffer(mm, np.uint8, t.nbytes, t.start - begin)
+        return raw.view(numpy_dtype(t.dtype)).reshape(t.shape)
 
     def copy_raw(self, name: str, f: BinaryIO | None = None, chunk_bytes: int = COPY_CHUNK_BYTES) -> Iterator[bytes]:
         """A tensor's raw bytes in chunks of at most ``chunk_bytes`` (memory stays bounded)."""
@@ -291,6 +319,23 @@ class Checkpoint:
                 for t in self.tensors.values():
                     if t.file == path:
                         yield t.name, self.read(t.name, f)
+
+
+def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
+    """``f.write`` on an unbuffered file may write less than asked (one write() is capped near 2 GiB)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view) :]
+
+
+def pwrite_all(fd: int, data: np.ndarray | bytes | memoryview, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``data`` is at ``offset`` (one call may write less)."""
+    if isinstance(data, np.ndarray):  # as bytes: numpy cannot export ml_dtypes' BF16 as a buffer
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _readinto(f: BinaryIO, t: TensorInfo, buf: np.ndarray) -> None:
@@ -400,8 +445,8 @@ class ShardedWriter:
         if si != self._shard:
             self._finish_shard()
             self._shard = si
-            self._f = open(self._partial(si), "wb")
-            self._f.write(_header_bytes(self.shards[si], self.metadata))
+            self._f = open(self._partial(si), "wb", buffering=0)
+            _write_all(self._f, _header_bytes(self.shards[si], self.metadata))
         self._next += 1
         return spec
 
@@ -424,20 +469,58 @@ class ShardedWriter:
             array = array.astype(array.dtype.newbyteorder("<"))
         array = np.ascontiguousarray(array)
         assert self._f is not None
-        self._f.write(memoryview(array.reshape(-1).view(np.uint8)))
+        _write_all(self._f, memoryview(array.reshape(-1).view(np.uint8)))
+
+    def reserve(self, name: str) -> tuple[int, int]:
+        """Start the next tensor of the plan and return ``(fd, offset)``: its bytes go at
+        ``offset`` of file descriptor ``fd`` (``os.pwrite``, from any thread), all of them before the
+        writer's next call. A tensor can so be written in parts, in any order, as they are produced."""
+        spec = self._expect(name)
+        assert self._f is not None
+        offset = self._f.tell()
+        self._f.seek(offset + spec.nbytes)
+        return self._f.fileno(), offset
 
     def write_bytes(self, name: str, chunks: Iterable[bytes]) -> None:
         """Write the next tensor of the plan from its raw little-endian bytes (e.g. :meth:`Checkpoint.copy_raw`)."""
-        spec = self._expect(name)
+        self._write_chunks(self._expect(name), chunks)
+
+    def copy_tensor(self, name: str, source: Checkpoint) -> None:
+        """Write the next tensor of the plan as a byte copy of the same tensor in ``source``.
+
+        The kernel copies file to file (``copy_file_range``), the bytes never passing through this
+        process; where the file systems refuse that, the tensor is streamed instead.
+        """
+        t, spec = source.tensors[name], self._expect(name)
+        if (t.dtype, t.shape) != (spec.dtype, spec.shape):
+            raise SafetensorsError(
+                f"tensor {name!r} is {t.dtype}{list(t.shape)} but the plan says {spec.dtype}{list(spec.shape)}"
+            )
+        assert self._f is not None
+        with open(t.file, "rb", buffering=0) as src:
+            begin, done = self._f.tell(), 0
+            try:
+                while done < t.nbytes:
+                    n = os.copy_file_range(src.fileno(), self._f.fileno(), t.nbytes - done, t.start + done)
+                    if n == 0:
+                        raise SafetensorsError(f"{t.file}: unexpected end of file inside tensor {name!r}")
+                    done += n
+                return
+            except OSError:  # EXDEV, EOPNOTSUPP...: undo, then stream
+                self._f.truncate(begin)
+                self._f.seek(begin)
+            self._write_chunks(spec, source.copy_raw(name, src))
+
+    def _write_chunks(self, spec: TensorSpec, chunks: Iterable[bytes]) -> None:
         assert self._f is not None
         written = 0
         for chunk in chunks:
             written += len(chunk)
             if written > spec.nbytes:
                 break
-            self._f.write(chunk)
+            _write_all(self._f, chunk)
         if written != spec.nbytes:
-            raise SafetensorsError(f"tensor {name!r}: got {written}+ bytes, the plan says {spec.nbytes}")
+            raise SafetensorsError(f"tensor {spec.name!r}: got {written}+ bytes, the plan says {spec.nbytes}")
 
     def close(self) -> WriteResult:
         """Finish the last shard and write the index; fails if planned tensors were never written."""
@@ -449,8 +532,8 @@ class ShardedWriter:
             raise SafetensorsError(f"{len(missing)} planned tensor(s) were never written, e.g. {missing[:3]}")
         if self._shard < 0:  # an empty plan still yields a valid (header-only) file
             self._shard = 0
-            self._f = open(self._partial(0), "wb")
-            self._f.write(_header_bytes([], self.metadata))
+            self._f = open(self._partial(0), "wb", buffering=0)
+            _write_all(self._f, _header_bytes([], self.metadata))
         self._finish_shard()
         total = sum(s.nbytes for shard in self.shards for s in shard)
         index = None

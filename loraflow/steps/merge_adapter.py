@@ -7,7 +7,9 @@ Inputs: ``base`` (HF checkpoint directory: config.json, tokenizer, ``model*.safe
 Output: a checkpoint transformers and vLLM load as is: ``model.safetensors`` or
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``, plus every non-weight file
 of the base. The merge streams one tensor at a time (``loraflow.merge``): memory stays around the
-largest adapted tensor, whatever the model size. Needs numpy (+ ml_dtypes for bf16 weights) only.
+largest adapted tensor, whatever the model size. Needs numpy (+ ml_dtypes for bf16 weights); runs
+on the native kernel (``loraflow/native``, built by ``make envs`` and the trainer image) where it
+is built, else on numpy with the same result, and says which in the log.
 Fails (NoOpMergeError) when no stored weight changed: an adapter that did nothing is never passed on.
 """
 
