@@ -28,9 +28,13 @@ LOAD_AT_IMPORT = os.getloadavg()  # a comparison's driver imports this first: it
 
 
 def env(**extra: str) -> dict[str, str]:
+    """A child's environment. Compiled bytecode is kept (under WORK/pycache) whatever the caller's
+    PYTHONDONTWRITEBYTECODE says: a deployed Airflow or step image imports compiled modules, it does
+    not compile every module on every start."""
     e = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
         "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
+        "PYTHONPYCACHEPREFIX": str(WORK / "pycache"),
         "JAX_PLATFORMS": "cpu",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
