@@ -16,8 +16,10 @@ The pure pieces (:func:`lora_scale`, :func:`merge_lora`, :func:`peft_module`, :f
 are separate from the streaming driver :func:`merge_checkpoint`, which holds at most a few tensors
 in memory (the one being merged and the next one, both mapped from the file rather than copied;
 merged rows go to the output file a block at a time; tensors without an update are copied file to
-file). The arithmetic runs on the native kernel (:mod:`loraflow.merge_kernel`) where it is built, else on
-numpy, with the same bits. Everything that can be checked before writing is checked first, and all
+file). The arithmetic runs on the native kernel (:mod:`loraflow.merge_kernel`) where it is built,
+else on numpy: the same float32 arithmetic, and the same bits up to rank 16 (at higher ranks BLAS
+may sum an element's rank products in another order: one unit in the last place apart at most,
+rarely). Everything that can be checked before writing is checked first, and all
 problems are reported together, each with its fix.
 """
 
@@ -215,7 +217,8 @@ def _merge_blocks(
     The rows are split between :data:`MERGE_THREADS` threads, each working through blocks of about
     ``block_elems`` elements in scratch buffers of its own, reused from block to block: on the
     native kernel (:mod:`loraflow.merge_kernel`, one pass per row) where it serves the dtype, else
-    on numpy. Same bits either way, and the same as merging the whole tensor at once.
+    on numpy (see the module docstring for how their bits compare). Block sizes and threads do not
+    change a bit of the result.
 
     Returns:
         max |scale · B @ A| and whether any stored value changed.

@@ -9,7 +9,7 @@ Output: a checkpoint transformers and vLLM load as is: ``model.safetensors`` or
 of the base. The merge streams one tensor at a time (``loraflow.merge``): memory stays around the
 largest adapted tensor, whatever the model size. Needs numpy (+ ml_dtypes for bf16 weights); runs
 on the native kernel (``loraflow/native``, built by ``make envs`` and the trainer image) where it
-is built, else on numpy with the same result, and says which in the log.
+is built, else on numpy (same arithmetic), and says which in the log.
 Fails (NoOpMergeError) when no stored weight changed: an adapter that did nothing is never passed on.
 """
 
