@@ -117,89 +117,64 @@ AVX512 static inline void tile_avx512(const float *at, const float *const brow[2
     }
 }
 
-/* Rows i, i+1 of B (an odd last row is paired with itself and its twin's result dropped). */
-#define ROW_PAIR(i) {b + (i) * r, b + ((i) + 1 < n_rows ? (i) + 1 : (i)) * r}
-
-AVX512 static void rows_bf16_avx512(const uint16_t *w, uint16_t *out, const float *a, const float *ap, const float *b,
-                                    int64_t n_rows, int64_t n_cols, int64_t r, float scale, state_t *st,
-                                    int64_t *first_bad) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512i exp_bits = _mm512_set1_epi32((int)EXP_BITS), half = _mm512_set1_epi32(0x7FFF);
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i top = _mm512_setzero_si512();
-    __mmask16 diff = 0;
-    for (int64_t i = 0; i < n_rows && *first_bad < 0; i += 2) {
-        __mmask16 bad[2] = {0, 0};
-        const float *const brow[2] = ROW_PAIR(i);
-        const int rows = i + 1 < n_rows ? 2 : 1;
-        int64_t j0 = 0;
-        for (; j0 + TILE <= n_cols; j0 += TILE) {
-            __m512 upd[2][8];
-            tile_avx512(ap + j0 * r, brow, r, vscale, upd, &top);
-            for (int h = 0; h < rows; h++) {
-                const uint16_t *wi = w + (i + h) * n_cols + j0;
-                uint16_t *oi = out + (i + h) * n_cols + j0;
-                for (int q = 0; q < 8; q++) {
-                    const __m512i wv = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wi + 16 * q)));
-                    const __m512i sb = _mm512_castps_si512(
-                        _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), upd[h][q]));
-                    bad[h] |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(sb, exp_bits), exp_bits);
-                    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(sb, 16), one);
-                    const __m512i o = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(sb, half), lsb), 16);
-                    diff |= _mm512_cmpneq_epi32_mask(o, wv);
-                    _mm256_storeu_si256((__m256i *)(oi + 16 * q), _mm512_cvtepi32_epi16(o));
-                }
-            }
-        }
-        for (int h = 0; h < rows; h++) {
-            cols_bf16_scalar(w + (i + h) * n_cols, out + (i + h) * n_cols, a, brow[h], n_cols, r, j0, scale, st);
-            if (*first_bad < 0 && (bad[h] || st->bad)) *first_bad = i + h;
-        }
-    }
-    const uint32_t t = _mm512_reduce_max_epu32(top);
-    st->top = t > st->top ? t : st->top;
-    st->diff |= diff != 0;
-    st->bad |= *first_bad >= 0;
-}
-
-AVX512 static void rows_f32_avx512(const float *w, float *out, const float *a, const float *ap, const float *b,
-                                   int64_t n_rows, int64_t n_cols, int64_t r, float scale, state_t *st,
-                                   int64_t *first_bad) {
-    const __m512 vscale = _mm512_set1_ps(scale);
+/* 16 columns of the result from the weight at w and the update u, stored at o: BF16 or F32.
+ * *bad gets the lanes holding Inf/NaN, *diff the lanes whose stored value changed. */
+AVX512 static inline void bf16_x16(const uint16_t *w, uint16_t *o, __m512 u, __mmask16 *bad, __mmask16 *diff) {
     const __m512i exp_bits = _mm512_set1_epi32((int)EXP_BITS);
-    __m512i top = _mm512_setzero_si512();
-    __mmask16 diff = 0;
-    for (int64_t i = 0; i < n_rows && *first_bad < 0; i += 2) {
-        __mmask16 bad[2] = {0, 0};
-        const float *const brow[2] = ROW_PAIR(i);
-        const int rows = i + 1 < n_rows ? 2 : 1;
-        int64_t j0 = 0;
-        for (; j0 + TILE <= n_cols; j0 += TILE) {
-            __m512 upd[2][8];
-            tile_avx512(ap + j0 * r, brow, r, vscale, upd, &top);
-            for (int h = 0; h < rows; h++) {
-                const float *wi = w + (i + h) * n_cols + j0;
-                float *oi = out + (i + h) * n_cols + j0;
-                for (int q = 0; q < 8; q++) {
-                    const __m512 wv = _mm512_loadu_ps(wi + 16 * q);
-                    const __m512 s = _mm512_add_ps(wv, upd[h][q]);
-                    const __m512i sb = _mm512_castps_si512(s);
-                    bad[h] |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(sb, exp_bits), exp_bits);
-                    diff |= _mm512_cmpneq_epi32_mask(sb, _mm512_castps_si512(wv));
-                    _mm512_storeu_ps(oi + 16 * q, s);
-                }
-            }
-        }
-        for (int h = 0; h < rows; h++) {
-            cols_f32_scalar(w + (i + h) * n_cols, out + (i + h) * n_cols, a, brow[h], n_cols, r, j0, scale, st);
-            if (*first_bad < 0 && (bad[h] || st->bad)) *first_bad = i + h;
-        }
-    }
-    const uint32_t t = _mm512_reduce_max_epu32(top);
-    st->top = t > st->top ? t : st->top;
-    st->diff |= diff != 0;
-    st->bad |= *first_bad >= 0;
+    const __m512i wv = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
+    const __m512i sb = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), u));
+    *bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(sb, exp_bits), exp_bits);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(sb, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(sb, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    *diff |= _mm512_cmpneq_epi32_mask(r, wv);
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(r));
 }
+
+AVX512 static inline void f32_x16(const float *w, float *o, __m512 u, __mmask16 *bad, __mmask16 *diff) {
+    const __m512i exp_bits = _mm512_set1_epi32((int)EXP_BITS);
+    const __m512 wv = _mm512_loadu_ps(w);
+    const __m512 s = _mm512_add_ps(wv, u);
+    const __m512i sb = _mm512_castps_si512(s);
+    *bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(sb, exp_bits), exp_bits);
+    *diff |= _mm512_cmpneq_epi32_mask(sb, _mm512_castps_si512(wv));
+    _mm512_storeu_ps(o, s);
+}
+
+/* The row loop, once per weight type: rows two at a time (an odd last row is paired with itself
+ * and its twin's result dropped), whole tiles in registers, the tail columns on the scalar path. */
+#define ROWS_AVX512(NAME, W_T, X16, COLS_SCALAR)                                                           \
+    AVX512 static void NAME(const W_T *w, W_T *out, const float *a, const float *ap, const float *b,     \
+                            int64_t n_rows, int64_t n_cols, int64_t r, float scale, state_t *st,         \
+                            int64_t *first_bad) {                                                        \
+        const __m512 vscale = _mm512_set1_ps(scale);                                                     \
+        __m512i top = _mm512_setzero_si512();                                                            \
+        __mmask16 diff = 0;                                                                              \
+        for (int64_t i = 0; i < n_rows && *first_bad < 0; i += 2) {                                      \
+            __mmask16 bad[2] = {0, 0};                                                                   \
+            const float *const brow[2] = {b + i * r, b + (i + 1 < n_rows ? i + 1 : i) * r};             \
+            const int rows = i + 1 < n_rows ? 2 : 1;                                                     \
+            int64_t j0 = 0;                                                                              \
+            for (; j0 + TILE <= n_cols; j0 += TILE) {                                                    \
+                __m512 upd[2][8];                                                                        \
+                tile_avx512(ap + j0 * r, brow, r, vscale, upd, &top);                                    \
+                for (int h = 0; h < rows; h++)                                                           \
+                    for (int q = 0; q < 8; q++)                                                          \
+                        X16(w + (i + h) * n_cols + j0 + 16 * q, out + (i + h) * n_cols + j0 + 16 * q,    \
+                            upd[h][q], &bad[h], &diff);                                                  \
+            }                                                                                            \
+            for (int h = 0; h < rows; h++) {                                                             \
+                COLS_SCALAR(w + (i + h) * n_cols, out + (i + h) * n_cols, a, brow[h], n_cols, r, j0, scale, st); \
+                if (*first_bad < 0 && (bad[h] || st->bad)) *first_bad = i + h;                           \
+            }                                                                                            \
+        }                                                                                                \
+        const uint32_t t = _mm512_reduce_max_epu32(top);                                                 \
+        st->top = t > st->top ? t : st->top;                                                             \
+        st->diff |= diff != 0;                                                                           \
+        st->bad |= *first_bad >= 0;                                                                      \
+    }
+
+ROWS_AVX512(rows_bf16_avx512, uint16_t, bf16_x16, cols_bf16_scalar)
+ROWS_AVX512(rows_f32_avx512, float, f32_x16, cols_f32_scalar)
 
 /* ---- AVX2: a tile in two halves of 8 accumulators of 8 ---- */
 
@@ -228,82 +203,56 @@ AVX2 static inline uint32_t reduce_max_avx2(__m256i v) {
     return t;
 }
 
-AVX2 static void rows_bf16_avx2(const uint16_t *w, uint16_t *out, const float *a, const float *ap, const float *b,
-                                int64_t n_rows, int64_t n_cols, int64_t r, float scale, state_t *st,
-                                int64_t *first_bad) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    const __m256i exp_bits = _mm256_set1_epi32((int)EXP_BITS), half = _mm256_set1_epi32(0x7FFF);
-    const __m256i one = _mm256_set1_epi32(1);
-    __m256i top = _mm256_setzero_si256(), bad = _mm256_setzero_si256(), same = _mm256_set1_epi32(-1);
-    for (int64_t i = 0; i < n_rows; i++) {
-        const uint16_t *wi = w + i * n_cols;
-        uint16_t *oi = out + i * n_cols;
-        const float *brow = b + i * r;
-        int64_t j0 = 0;
-        for (; j0 + TILE <= n_cols; j0 += TILE) {
-            for (int h = 0; h < TILE; h += 64) {
-                __m256 upd[8];
-                half_avx2(ap + j0 * r + h, brow, r, vscale, upd, &top);
-                for (int q = 0; q < 8; q++) {
-                    const int64_t j = j0 + h + 8 * q;
-                    const __m256i wv = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wi + j)));
-                    const __m256i sb = _mm256_castps_si256(
-                        _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), upd[q]));
-                    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(sb, exp_bits), exp_bits));
-                    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(sb, 16), one);
-                    const __m256i o = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(sb, half), lsb), 16);
-                    same = _mm256_and_si256(same, _mm256_cmpeq_epi32(o, wv));
-                    const __m128i packed =
-                        _mm_packus_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
-                    _mm_storeu_si128((__m128i *)(oi + j), packed);
-                }
-            }
-        }
-        cols_bf16_scalar(wi, oi, a, brow, n_cols, r, j0, scale, st);
-        if ((!_mm256_testz_si256(bad, bad) || st->bad) && *first_bad < 0) *first_bad = i;
-        if (*first_bad >= 0) break;
-    }
-    const uint32_t t = reduce_max_avx2(top);
-    st->top = t > st->top ? t : st->top;
-    st->diff |= _mm256_movemask_epi8(same) != -1;
-    st->bad |= !_mm256_testz_si256(bad, bad);
+/* 8 columns, as bf16_x16 / f32_x16; *bad collects Inf/NaN lanes, *same clears lanes that changed. */
+AVX2 static inline void bf16_x8(const uint16_t *w, uint16_t *o, __m256 u, __m256i *bad, __m256i *same) {
+    const __m256i exp_bits = _mm256_set1_epi32((int)EXP_BITS);
+    const __m256i wv = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
+    const __m256i sb = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), u));
+    *bad = _mm256_or_si256(*bad, _mm256_cmpeq_epi32(_mm256_and_si256(sb, exp_bits), exp_bits));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(sb, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(sb, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    *same = _mm256_and_si256(*same, _mm256_cmpeq_epi32(r, wv));
+    _mm_storeu_si128((__m128i *)o, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-AVX2 static void rows_f32_avx2(const float *w, float *out, const float *a, const float *ap, const float *b,
-                               int64_t n_rows, int64_t n_cols, int64_t r, float scale, state_t *st,
-                               int64_t *first_bad) {
-    const __m256 vscale = _mm256_set1_ps(scale);
+AVX2 static inline void f32_x8(const float *w, float *o, __m256 u, __m256i *bad, __m256i *same) {
     const __m256i exp_bits = _mm256_set1_epi32((int)EXP_BITS);
-    __m256i top = _mm256_setzero_si256(), bad = _mm256_setzero_si256(), same = _mm256_set1_epi32(-1);
-    for (int64_t i = 0; i < n_rows; i++) {
-        const float *wi = w + i * n_cols;
-        float *oi = out + i * n_cols;
-        const float *brow = b + i * r;
-        int64_t j0 = 0;
-        for (; j0 + TILE <= n_cols; j0 += TILE) {
-            for (int h = 0; h < TILE; h += 64) {
-                __m256 upd[8];
-                half_avx2(ap + j0 * r + h, brow, r, vscale, upd, &top);
-                for (int q = 0; q < 8; q++) {
-                    const int64_t j = j0 + h + 8 * q;
-                    const __m256 wv = _mm256_loadu_ps(wi + j);
-                    const __m256 s = _mm256_add_ps(wv, upd[q]);
-                    const __m256i sb = _mm256_castps_si256(s);
-                    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(sb, exp_bits), exp_bits));
-                    same = _mm256_and_si256(same, _mm256_cmpeq_epi32(sb, _mm256_castps_si256(wv)));
-                    _mm256_storeu_ps(oi + j, s);
-                }
-            }
-        }
-        cols_f32_scalar(wi, oi, a, brow, n_cols, r, j0, scale, st);
-        if ((!_mm256_testz_si256(bad, bad) || st->bad) && *first_bad < 0) *first_bad = i;
-        if (*first_bad >= 0) break;
-    }
-    const uint32_t t = reduce_max_avx2(top);
-    st->top = t > st->top ? t : st->top;
-    st->diff |= _mm256_movemask_epi8(same) != -1;
-    st->bad |= !_mm256_testz_si256(bad, bad);
+    const __m256 wv = _mm256_loadu_ps(w);
+    const __m256 s = _mm256_add_ps(wv, u);
+    const __m256i sb = _mm256_castps_si256(s);
+    *bad = _mm256_or_si256(*bad, _mm256_cmpeq_epi32(_mm256_and_si256(sb, exp_bits), exp_bits));
+    *same = _mm256_and_si256(*same, _mm256_cmpeq_epi32(sb, _mm256_castps_si256(wv)));
+    _mm256_storeu_ps(o, s);
 }
+
+#define ROWS_AVX2(NAME, W_T, X8, COLS_SCALAR)                                                              \
+    AVX2 static void NAME(const W_T *w, W_T *out, const float *a, const float *ap, const float *b,       \
+                          int64_t n_rows, int64_t n_cols, int64_t r, float scale, state_t *st,           \
+                          int64_t *first_bad) {                                                          \
+        const __m256 vscale = _mm256_set1_ps(scale);                                                     \
+        __m256i top = _mm256_setzero_si256(), bad = _mm256_setzero_si256(), same = _mm256_set1_epi32(-1); \
+        for (int64_t i = 0; i < n_rows && *first_bad < 0; i++) {                                         \
+            const W_T *wi = w + i * n_cols;                                                              \
+            W_T *oi = out + i * n_cols;                                                                  \
+            const float *brow = b + i * r;                                                               \
+            int64_t j0 = 0;                                                                              \
+            for (; j0 + TILE <= n_cols; j0 += TILE)                                                      \
+                for (int h = 0; h < TILE; h += 64) {                                                     \
+                    __m256 upd[8];                                                                       \
+                    half_avx2(ap + j0 * r + h, brow, r, vscale, upd, &top);                              \
+                    for (int q = 0; q < 8; q++) X8(wi + j0 + h + 8 * q, oi + j0 + h + 8 * q, upd[q], &bad, &same); \
+                }                                                                                        \
+            COLS_SCALAR(wi, oi, a, brow, n_cols, r, j0, scale, st);                                      \
+            if (!_mm256_testz_si256(bad, bad) || st->bad) *first_bad = i;                                \
+        }                                                                                                \
+        const uint32_t t = reduce_max_avx2(top);                                                         \
+        st->top = t > st->top ? t : st->top;                                                             \
+        st->diff |= _mm256_movemask_epi8(same) != -1;                                                    \
+        st->bad |= *first_bad >= 0;                                                                      \
+    }
+
+ROWS_AVX2(rows_bf16_avx2, uint16_t, bf16_x8, cols_bf16_scalar)
+ROWS_AVX2(rows_f32_avx2, float, f32_x8, cols_f32_scalar)
 
 static int best_isa(void) {
     __builtin_cpu_init();
