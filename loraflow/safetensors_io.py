@@ -8,7 +8,6 @@ N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__me
   (``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``).
   Opening it reads headers only; :meth:`Checkpoint.read` reads one tensor with seek + readinto, and
   :meth:`Checkpoint.copy_raw` streams one tensor's bytes in bounded chunks without decoding them.
-  Reading into a caller's buffer (``into=``) lets a loop reuse its memory tensor after tensor;
   :meth:`Checkpoint.map` gives a tensor over the file's own pages, without a copy.
 * :class:`ShardedWriter` writes a checkpoint whose tensor names, dtypes and shapes are known up front
   (a *plan*): the shard layout and every header are computed from the plan before any data exists,
@@ -256,17 +255,15 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def read(self, name: str, f: BinaryIO | None = None, into: np.ndarray | None = None) -> np.ndarray:
-        """One tensor as a numpy array of its own (not a view of the file).
+    def read(self, name: str, f: BinaryIO | None = None) -> np.ndarray:
+        """One tensor as a fresh numpy array (not a view of the file).
 
         Args:
             name: tensor name.
             f: optionally, an already open handle of the tensor's file (saves an open per tensor).
-            into: optionally, a uint8 buffer of at least the tensor's size to read into (reusing
-                buffers spares the page faults of fresh memory); the result is a view of it.
         """
         t = self.tensors[name]
-        buf = np.empty(t.nbytes, np.uint8) if into is None else into[: t.nbytes]
+        buf = np.empty(t.nbytes, np.uint8)
         if f is None:
             with open(t.file, "rb") as fh:
                 _readinto(fh, t, buf)
