@@ -14,7 +14,7 @@ DEFAULT_DIR = REPO_ROOT / "pipelines"
 
 
 def _specs(paths: list[Path]) -> list[Path]:
-    from loraflow.spec import discover
+    from loraflow.spec_cache import discover
 
     if not paths:
         return discover(DEFAULT_DIR)

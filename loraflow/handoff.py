@@ -27,11 +27,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraflow import artifacts, gcs
 from loraflow.errors import LoraflowError
-from loraflow.spec import HandoffSpec, PipelineSpec, with_overrides
+
+if TYPE_CHECKING:  # the DAG file imports this module for its task names; the spec models load at run time
+    from loraflow.spec import HandoffSpec, PipelineSpec
 
 READY = "_READY"
 CLAIM = "_CLAIM"
@@ -61,9 +63,9 @@ def version_uri(handoff: HandoffSpec, version: str) -> str:
     return gcs.join(handoff.prefix, check_version(version))
 
 
-def verdict_asset_uri(spec: PipelineSpec) -> str:
-    """The Asset the verdict is announced on; data teams schedule their DAGs on it."""
-    return f"loraflow://{spec.name}/verdict"
+def verdict_asset_uri(pipeline: str) -> str:
+    """The Asset the verdict of pipeline ``pipeline`` is announced on; data teams schedule their DAGs on it."""
+    return f"loraflow://{pipeline}/verdict"
 
 
 def apply_version(spec: PipelineSpec, version: str) -> PipelineSpec:
@@ -72,6 +74,8 @@ def apply_version(spec: PipelineSpec, version: str) -> PipelineSpec:
         raise LoraflowError(f"pipeline {spec.name} has no handoff section; there is no dataset version to apply")
     base = version_uri(spec.handoff, version)
     overrides = {"data.train": gcs.join(base, spec.handoff.train), "data.eval": gcs.join(base, spec.handoff.eval)}
+    from loraflow.spec import with_overrides
+
     return with_overrides(spec, overrides, source=f"dataset version {base}")
 
 

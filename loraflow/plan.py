@@ -215,7 +215,7 @@ def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
             "last": {
                 "task": handoff.VERDICT_TASK,
                 "writes": f"{base}/{handoff.RESULT}",
-                "asset": handoff.verdict_asset_uri(spec),
+                "asset": handoff.verdict_asset_uri(spec.name),
             },
         }
     return described

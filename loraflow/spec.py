@@ -496,6 +496,28 @@ def param_name(path: str) -> str:
     return path.replace(".", "_")
 
 
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def trigger_fields(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+    """The spec's overridable settings as trigger-form fields, by Param name: the current value
+    (``default``), ``title``, ``description`` and the JSON schema (type, bounds, choices)."""
+    fields = {}
+    for p in spec.params:
+        default = get_path(spec, p.path)
+        schema: dict[str, Any] = {"type": _JSON_TYPES.get(type(default), "string")}
+        if p.minimum is not None:
+            schema["minimum"] = p.minimum
+        if p.maximum is not None:
+            schema["maximum"] = p.maximum
+        if p.enum is not None:
+            schema["enum"] = p.enum
+        bounds = ", ".join(f"{k} {schema[k]}" for k in ("minimum", "maximum") if k in schema)
+        description = (p.description or f"overrides {p.path}") + (f" ({bounds})" if bounds else "")
+        fields[param_name(p.path)] = {"default": default, "title": p.path, "description": description, **schema}
+    return fields
+
+
 def with_overrides(spec: PipelineSpec, overrides: dict[str, Any], source: str = "trigger parameters") -> PipelineSpec:
     """Apply ``{dotted.path: value}`` and validate the result as a whole spec."""
     data = spec.model_dump(mode="json")
@@ -547,18 +569,21 @@ def validate_spec(data: Any, source: str) -> PipelineSpec:
 def load_spec(path: str | Path) -> PipelineSpec:
     path = Path(path)
     try:
-        data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
+        text = path.read_bytes()
     except FileNotFoundError:
         raise SpecError(str(path), [("(file)", "does not exist")]) from None
+    return parse_spec(text, path)
+
+
+def parse_spec(text: bytes | str, path: Path) -> PipelineSpec:
+    """The spec in ``text``, the contents of the spec file ``path`` (its name must be the spec's)."""
+    try:
+        data = yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(yaml)"
-        raise SpecError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from None
+        raise SpecError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
     spec = validate_spec(data, str(path))
     if spec.name != path.stem:
         raise SpecError(str(path), [("name", f"is {spec.name!r} but the file is {path.name}; make them match")])
     return spec
-
-
-def discover(folder: str | Path) -> list[Path]:
-    return sorted(Path(folder).glob("*.yaml"))

@@ -1,4 +1,5 @@
-"""Build one Airflow DAG per pipeline spec. Reads YAML; imports nothing heavy."""
+"""Build one Airflow DAG per pipeline spec. Imports nothing heavy; an unchanged spec is read back
+from the spec cache (loraflow/spec_cache.py) as plain data, without validating it again."""
 
 from __future__ import annotations
 
@@ -9,32 +10,15 @@ from typing import Any
 from airflow.sdk import DAG, Asset, Param
 
 from loraflow.errors import SpecError
-from loraflow.plan import stage_plans
-from loraflow.spec import PipelineSpec, discover, get_path, load_spec, param_name
+from loraflow.spec_cache import CompiledSpec, compiled, discover
 from operators.handoff import wrap_in_handoff
 from operators.notifiers import attach_notifiers
 from operators.stages import OPERATORS
 
-_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
-
-def trigger_params(spec: PipelineSpec) -> dict[str, Param]:
+def trigger_params(fields: dict[str, dict[str, Any]]) -> dict[str, Param]:
     """The spec's overridable settings as Airflow Params (the trigger form shows and checks them)."""
-    params = {}
-    for p in spec.params:
-        default = get_path(spec, p.path)
-        kind = _JSON_TYPES.get(type(default), "string")
-        schema: dict[str, Any] = {"type": kind}
-        if p.minimum is not None:
-            schema["minimum"] = p.minimum
-        if p.maximum is not None:
-            schema["maximum"] = p.maximum
-        if p.enum is not None:
-            schema["enum"] = p.enum
-        bounds = ", ".join(f"{k} {schema[k]}" for k in ("minimum", "maximum") if k in schema)
-        description = (p.description or f"overrides {p.path}") + (f" ({bounds})" if bounds else "")
-        params[param_name(p.path)] = Param(default, title=p.path, description=description, **schema)
-    return params
+    return {name: Param(**field) for name, field in fields.items()}
 
 
 # Failures a retry cannot fix: the step refused its input, the spec or trigger parameters are invalid.
@@ -45,54 +29,52 @@ _NOT_RETRIED: list[type[BaseException] | str] = [
 ]
 
 
-def retry_args(spec: PipelineSpec) -> dict[str, Any]:
+def retry_args(retry: dict[str, Any]) -> dict[str, Any]:
     """Every task's retries from the spec's ``retry`` section: crashes are retried with exponential
     backoff, refused input fails at once."""
     from airflow.sdk.definitions.retry_policy import ExceptionRetryPolicy, RetryAction, RetryRule
 
-    r = spec.retry
     return {
-        "retries": r.retries,
-        "retry_delay": dt.timedelta(seconds=r.delay_seconds),
-        "retry_exponential_backoff": r.backoff if r.backoff > 1 else 0,
-        "max_retry_delay": dt.timedelta(seconds=r.max_delay_seconds),
+        "retries": retry["retries"],
+        "retry_delay": dt.timedelta(seconds=retry["delay_seconds"]),
+        "retry_exponential_backoff": retry["backoff"] if retry["backoff"] > 1 else 0,
+        "max_retry_delay": dt.timedelta(seconds=retry["max_delay_seconds"]),
         "retry_policy": ExceptionRetryPolicy(
             [RetryRule(exception=_NOT_RETRIED, action=RetryAction.FAIL, reason="refused input: a retry cannot help")]
         ),
     }
 
 
-def _schedule(spec: PipelineSpec) -> Any:
-    if isinstance(spec.schedule, dict):
-        return [Asset(spec.schedule["asset"])]
-    return spec.schedule
+def _schedule(spec: dict[str, Any]) -> Any:
+    if isinstance(spec["schedule"], dict):
+        return [Asset(spec["schedule"]["asset"])]
+    return spec["schedule"]
 
 
-def build_dag(spec: PipelineSpec, source: Path) -> DAG:
-    plans = stage_plans(spec)
-    doc = f"### {spec.name}\n\n{spec.description}\n\nSpec: `{source.name}`. Run `loraflow plan {source}` to see every step."
+def build_dag(pipeline: CompiledSpec, source: Path) -> DAG:
+    spec = pipeline.spec
+    doc = f"### {spec['name']}\n\n{spec['description']}\n\nSpec: `{source.name}`. Run `loraflow plan {source}` to see every step."
     with DAG(
-        dag_id=spec.name,
-        description=(spec.description.splitlines() or [""])[0][:200],
+        dag_id=spec["name"],
+        description=(spec["description"].splitlines() or [""])[0][:200],
         doc_md=doc,
         schedule=_schedule(spec),
         start_date=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         catchup=False,
         max_active_runs=4,
-        tags=["loraflow", *spec.tags],
-        default_args=retry_args(spec),
+        tags=["loraflow", *spec["tags"]],
+        default_args=retry_args(spec["retry"]),
     ) as dag:
-        spec_data = spec.model_dump(mode="json")
-        tasks = {stage: OPERATORS[stage].for_spec(spec_data) for stage in plans}
-        for stage, plan in plans.items():
-            tasks[stage].set_upstream([tasks[upstream] for upstream in plan.upstream])
-        if spec.handoff is not None:
-            wrap_in_handoff(spec_data, list(tasks.values()))
+        tasks = {stage: OPERATORS[stage].for_spec(spec) for stage in pipeline.upstream}
+        for stage, upstream in pipeline.upstream.items():
+            tasks[stage].set_upstream([tasks[u] for u in upstream])
+        if spec["handoff"] is not None:
+            wrap_in_handoff(spec, list(tasks.values()))
         attach_notifiers(spec, dag)
     # The trigger form's Params go on the DAG after its tasks exist: Airflow deep-copies the DAG's
     # params into every task it constructs (most of the parse time with 50 specs), and a task reads
     # them from its DAG at run time anyway. Assigning runs the DAG's own conversion and validation.
-    dag.params = trigger_params(spec)  # type: ignore[assignment]
+    dag.params = trigger_params(pipeline.params)  # type: ignore[assignment]
     return dag
 
 
@@ -113,14 +95,14 @@ def load_pipelines(folder: Path) -> dict[str, DAG]:
     errors: list[str] = []
     for path in discover(folder):
         try:
-            spec = load_spec(path)
+            pipeline = compiled(path)
         except SpecError as exc:
             errors.append(str(exc))
             continue
-        if spec.name in dags:
-            errors.append(f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique")
+        if pipeline.name in dags:
+            errors.append(f"{path}: pipeline name {pipeline.name!r} is used by another spec; names must be unique")
             continue
-        dags[spec.name] = build_dag(spec, path)
+        dags[pipeline.name] = build_dag(pipeline, path)
     if errors:
         message = "invalid pipeline spec(s); their DAGs are not loaded, the others are:\n" + "\n".join(errors)
         dags["_loraflow_invalid_specs"] = InvalidSpecs(dag_id="_loraflow_invalid_specs", doc_md=message, schedule=None)

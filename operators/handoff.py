@@ -10,16 +10,20 @@ Asset. Being a teardown, it does not decide the run's state: a rejected dataset 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator, Context
 
 from loraflow import artifacts, gcs, handoff
 from loraflow.report import browser_url
-from loraflow.spec import PipelineSpec, validate_spec
+
+if TYPE_CHECKING:
+    from loraflow.spec import PipelineSpec
 
 
 def _spec(data: dict[str, Any]) -> PipelineSpec:
+    from loraflow.spec import validate_spec
+
     spec = validate_spec(data, f"pipeline {data.get('name')}")
     if spec.handoff is None:
         raise ValueError(f"pipeline {spec.name} has no handoff section")
@@ -69,7 +73,7 @@ class HandoffVerdictOperator(BaseOperator):
 
     def __init__(self, *, spec: dict[str, Any], **kwargs: Any) -> None:
         kwargs.setdefault("task_id", handoff.VERDICT_TASK)
-        self.verdict_asset = Asset(handoff.verdict_asset_uri(_spec(spec)))
+        self.verdict_asset = Asset(handoff.verdict_asset_uri(spec["name"]))
         kwargs.setdefault("outlets", [self.verdict_asset])
         super().__init__(**kwargs)
         self.spec = spec

@@ -15,13 +15,15 @@ import json
 import urllib.request
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseNotifier, Context
 
 from loraflow import artifacts, gcs, handoff
 from loraflow import notify as notices
-from loraflow.spec import NotifySpec, PipelineSpec
+
+if TYPE_CHECKING:
+    from loraflow.spec import PipelineSpec
 
 WEBHOOK_TIMEOUT_S = 15
 
@@ -63,6 +65,8 @@ class LoraflowNotifier(BaseNotifier, ABC):
         self.spec = spec
 
     def notify(self, context: Context) -> None:
+        from loraflow.spec import PipelineSpec
+
         message = message_for(self.event, PipelineSpec.model_validate(self.spec), context)
         if message is not None:
             self.send(message)
@@ -117,25 +121,22 @@ class WebhookNotifier(LoraflowNotifier):
             resp.read()
 
 
-def notifiers(spec: PipelineSpec, event: str) -> list[LoraflowNotifier]:
-    """The notifiers of the spec's ``notify`` list that want ``event``."""
-    spec_data = spec.model_dump(mode="json")
+def notifiers(spec: dict[str, Any], event: str) -> list[LoraflowNotifier]:
+    """The notifiers of the spec's ``notify`` list (the spec as JSON data) that want ``event``."""
     out: list[LoraflowNotifier] = []
-    for target in spec.notify:
-        if event in target.events:
-            out.append(_build(target, event, spec_data))
+    for target in spec["notify"]:
+        if event not in target["events"]:
+            continue
+        if target["kind"] == "file":
+            out.append(FileNotifier(path=str(target["path"]), event=event, spec=spec))
+        else:
+            out.append(WebhookNotifier(connection=str(target["connection"]), event=event, spec=spec))
     return out
 
 
-def _build(target: NotifySpec, event: str, spec_data: dict[str, Any]) -> LoraflowNotifier:
-    if target.kind == "file":
-        return FileNotifier(path=str(target.path), event=event, spec=spec_data)
-    return WebhookNotifier(connection=str(target.connection), event=event, spec=spec_data)
-
-
-def attach_notifiers(spec: PipelineSpec, dag: Any) -> None:
+def attach_notifiers(spec: dict[str, Any], dag: Any) -> None:
     """Failure notices on every task; promotion notices on publish; verdict notices on the hand-off verdict."""
-    if not spec.notify:
+    if not spec["notify"]:
         return
     failure = notifiers(spec, "failure")
     for task in dag.tasks:

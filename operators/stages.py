@@ -9,9 +9,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from loraflow import artifacts, gcs, handoff
 from loraflow.errors import StepError
-from loraflow.plan import output_prefix, stage_plans
 from loraflow.report import browser_url, data_docs_uri, site_url
-from loraflow.spec import PipelineSpec, param_name, validate_spec, with_overrides
 from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:
@@ -19,13 +17,16 @@ if TYPE_CHECKING:
 
     from loraflow import runner
     from loraflow.launch import KillSwitch
+    from loraflow.spec import PipelineSpec
 
-# The launchers, the runner and the clients they use are imported where a task runs, not at DAG
-# parse time (docs/benchmarks.md, section 1).
+# The spec models, the planner, the launchers, the runner and the clients they use are imported
+# where a task runs, not at DAG parse time (docs/benchmarks.md, section 1).
 
 
 def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
     """The spec as this run sees it: the DAG's spec with the trigger form's values applied."""
+    from loraflow.spec import param_name, validate_spec, with_overrides
+
     base = validate_spec(spec, f"pipeline {spec.get('name')}")
     overrides = {p.path: params[param_name(p.path)] for p in base.params if param_name(p.path) in params}
     return with_overrides(base, overrides) if overrides else base
@@ -65,6 +66,8 @@ class LoraflowStageOperator(BaseOperator):
         return op
 
     def upstream_manifests(self, context: Context, spec: PipelineSpec) -> dict[str, str]:
+        from loraflow.plan import stage_plans
+
         ti = context["ti"]
         out = {}
         for stage in stage_plans(spec)[self.stage].upstream:
@@ -111,6 +114,7 @@ class LoraflowStageOperator(BaseOperator):
         from airflow.sdk import Asset
 
         from loraflow import runner
+        from loraflow.plan import stage_plans
 
         inputs = runner.resolve_inputs(stage_plans(spec)[self.stage], upstream)
         uris = [uri.rsplit("/", 1)[0] if uri.endswith("/" + artifacts.MANIFEST) else uri for uri in inputs.values()]
@@ -237,6 +241,8 @@ class ValidateDataOperator(LoraflowStageOperator):
     def link_data_docs(self, context: Context, committed: str | None) -> None:
         """Point the 'Data docs' link at the committed artifact's data docs, or the rejected data's."""
         if committed is None:
+            from loraflow.plan import output_prefix
+
             prefix = output_prefix(run_spec(self.spec, context), context["run_id"], self.stage)
             uri = data_docs_uri(prefix, rejected=True)
             bucket, path = gcs.split_uri(uri)

@@ -5,10 +5,21 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from loraflow import local_gcs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spec_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own spec cache (loraflow/spec_cache.py), empty at start, never the user's; every
+    DAG parse of the session, in process or in an Airflow it starts, uses it."""
+    folder = tmp_path_factory.mktemp("spec-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LORAFLOW_SPEC_CACHE_DIR", str(folder))
+        yield folder
 
 
 @pytest.fixture(scope="session")

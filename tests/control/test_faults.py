@@ -83,7 +83,7 @@ def test_the_retry_policy_fails_refusals_at_once_and_retries_crashes() -> None:
     from loraflow.spec import load_spec
     from operators.dag_factory import retry_args
 
-    args = retry_args(load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml"))
+    args = retry_args(load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml").model_dump(mode="json")["retry"])
     assert args["retries"] == 2 and args["retry_exponential_backoff"] == 2.0
     policy = args["retry_policy"]
     assert policy.evaluate(StepRefused("bad data"), 1, 3).action.value == "fail"

@@ -97,9 +97,10 @@ class FakeTI:
         return self.xcoms.get(task_ids)
 
 
-def notify_spec(tmp_path: Path, **target: Any) -> Any:
+def notify_spec(tmp_path: Path, **target: Any) -> dict[str, Any]:
+    """The tiny spec with one notify target, validated, as the JSON data a DAG holds."""
     data = load_spec(TINY).model_dump(mode="json") | {"notify": [target]}
-    return validate_spec(data, "test")
+    return validate_spec(data, "test").model_dump(mode="json")
 
 
 def test_the_file_notifier_appends_one_json_line_per_notice(tmp_path: Path) -> None:
@@ -114,7 +115,7 @@ def test_the_file_notifier_appends_one_json_line_per_notice(tmp_path: Path) -> N
         notifier({"ti": FakeTI(task), "run_id": RUN, "exception": ValueError(f"{task} broke")})
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(n["event"], n["data"]["task"]) for n in lines] == [("failure", "validate_data"), ("failure", "gate")]
-    assert lines[1]["data"]["error"] == "ValueError: gate broke" and lines[1]["pipeline"] == spec.name
+    assert lines[1]["data"]["error"] == "ValueError: gate broke" and lines[1]["pipeline"] == spec["name"]
 
 
 def test_a_promotion_notice_is_sent_only_when_publish_promoted(tmp_path: Path) -> None:
@@ -131,7 +132,7 @@ def test_a_promotion_notice_is_sent_only_when_publish_promoted(tmp_path: Path) -
     (line,) = path.read_text().splitlines()
     notice = json.loads(line)
     assert notice["event"] == "promotion" and notice["data"]["version"] == 2
-    run_prefix = f"{spec.artifact_root}/{spec.name}/{artifacts.safe_run_id(RUN)}"
+    run_prefix = f"{spec['artifact_root']}/{spec['name']}/{artifacts.safe_run_id(RUN)}"
     assert notice["data"]["report"] == f"{run_prefix}/report/report.html"
 
 
@@ -172,7 +173,7 @@ def test_the_webhook_notifier_posts_text_and_fields_to_the_connections_url(
     notifier({"ti": FakeTI("lora_sft"), "run_id": RUN, "exception": RuntimeError("out of memory")})
     (post,) = Receiver.received
     assert post["path"] == "/hooks/loraflow"
-    assert post["body"]["text"].startswith(f"Task lora_sft of {spec.name} failed")
+    assert post["body"]["text"].startswith(f"Task lora_sft of {spec['name']} failed")
     assert post["body"]["loraflow"]["data"]["error"] == "RuntimeError: out of memory"
 
 

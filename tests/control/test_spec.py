@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from loraflow.errors import SpecError
-from loraflow.spec import discover, load_spec, validate_spec, with_overrides
+from loraflow.spec import load_spec, validate_spec, with_overrides
+from loraflow.spec_cache import discover
 
 PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 TINY = PIPELINES / "tiny-llama-lora.yaml"

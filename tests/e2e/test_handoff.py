@@ -130,7 +130,7 @@ def story(tmp_path_factory: pytest.TempPathFactory):
         s.r["repeat_run"] = new_asset_run(airflow, {s.r["v1_run"]})
         s.r["poll_state"] = airflow.wait_for_run(DAG, s.r["poll_run"])
         s.r["repeat_state"] = airflow.wait_for_run(DAG, s.r["repeat_run"])
-        verdict_id = asset_id(airflow, handoff.verdict_asset_uri(spec))
+        verdict_id = asset_id(airflow, handoff.verdict_asset_uri(spec.name))
         _, events = airflow.call("GET", f"/assets/events?asset_id={verdict_id}&limit=50")
         s.r["verdict_events"] = {e["source_run_id"]: e["extra"] for e in events.get("asset_events", [])}
         yield s
