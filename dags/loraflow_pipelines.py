@@ -1,8 +1,8 @@
 """One DAG per pipeline spec in pipelines/ (or $LORAFLOW_PIPELINES_DIR).
 
 An invalid spec becomes an import error of this file that names the spec and every problem in it;
-the DAGs of all valid specs still load. Parsing imports no ML library and does no I/O but reading
-the YAML files.
+the DAGs of all valid specs still load. Parsing imports no ML library; its only I/O is reading the
+spec files and the spec cache (loraflow/spec_cache.py: an unchanged spec is not validated again).
 """
 
 import os

@@ -40,10 +40,8 @@ def test_a_cached_spec_is_the_validated_spec(specs: Path, tmp_path: Path) -> Non
     again = compiled(specs / TINY.name, cache_dir=tmp_path / "c1")  # read back
     uncached = spec_cache.compile_spec(TINY.read_bytes(), specs / TINY.name)
     assert fresh == again == uncached
-    assert list(again.upstream)[0] == "validate_data" and again.upstream["lora_sft"] == [
-        "convert_checkpoint",
-        "validate_data",
-    ]
+    assert next(iter(again.upstream)) == "validate_data"
+    assert again.upstream["lora_sft"] == ["convert_checkpoint", "validate_data"]
     assert again.params["training_steps"]["default"] == again.spec["training"]["steps"]
 
 
@@ -68,7 +66,7 @@ def test_an_edit_that_breaks_a_cached_spec_is_reported(specs: Path, tmp_path: Pa
     path = specs / TINY.name
     compiled(path, cache_dir=tmp_path / "cache")
     path.write_text(TINY.read_text().replace("rank: ", "rank: -", 1))
-    with pytest.raises(SpecError, match="lora.rank"):
+    with pytest.raises(SpecError, match=r"lora\.rank"):
         compiled(path, cache_dir=tmp_path / "cache")
     path.write_bytes(b"name: tiny-llama-lora\n\xff\xfe broken")
     with pytest.raises(SpecError, match="not valid YAML"):
@@ -79,7 +77,7 @@ def test_the_same_bytes_under_another_file_name_are_checked_again(specs: Path, t
     compiled(specs / TINY.name, cache_dir=tmp_path / "cache")
     copy = specs / "copy-of-tiny.yaml"
     shutil.copy(TINY, copy)
-    with pytest.raises(SpecError, match="but the file is copy-of-tiny.yaml"):
+    with pytest.raises(SpecError, match=r"but the file is copy-of-tiny\.yaml"):
         compiled(copy, cache_dir=tmp_path / "cache")
 
 
@@ -121,7 +119,7 @@ print(json.dumps({{m: getattr(mod, "__file__", None) for m, mod in sys.modules.i
     modules = json.loads(out.stdout.strip().splitlines()[-1])
     assert "loraflow.spec" in modules and "loraflow.plan" in modules
     outside = {m: f for m, f in modules.items() if f is None or Path(f).parent != REPO / "loraflow"}
-    assert outside == {"loraflow": str(REPO / "loraflow" / "__init__.py")} or outside == {}
+    assert outside == {}
 
 
 def test_a_damaged_entry_is_replaced(specs: Path, tmp_path: Path) -> None:
