@@ -91,8 +91,13 @@ def default_cache_dir() -> Path | None:
         return None
     if value:
         return Path(value)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "loraflow" / "specs"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "loraflow" / "specs"
+    try:
+        return Path.home() / ".cache" / "loraflow" / "specs"
+    except (RuntimeError, KeyError) as exc:  # no HOME and no passwd entry (an arbitrary container uid)
+        _warn_unwritable(Path("~/.cache/loraflow/specs"), OSError(f"no home directory: {exc}"))
+        return None
 
 
 def cache_key(file_name: str, text: bytes) -> str:

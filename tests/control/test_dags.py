@@ -34,7 +34,8 @@ print(json.dumps({
 """
 
 
-def parse(pipelines: Path, tmp_path: Path) -> dict:
+def parse(pipelines: Path, tmp_path: Path, script: str = PARSE, **env: str) -> dict:
+    """Run ``script`` (a DagBag parse of dags/ that prints JSON last) in a fresh interpreter."""
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(tmp_path / "airflow"),
@@ -42,8 +43,9 @@ def parse(pipelines: Path, tmp_path: Path) -> dict:
         "LORAFLOW_PIPELINES_DIR": str(pipelines),
         "DAGS": str(REPO / "dags"),
         "HEAVY": json.dumps(HEAVY),
+        **env,
     }
-    out = subprocess.run([sys.executable, "-c", PARSE], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 from loraflow import spec_cache
 from loraflow.errors import SpecError
 from loraflow.spec_cache import compiled
+from tests.control.test_dags import parse
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
@@ -152,6 +152,24 @@ def test_where_the_cache_lives(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     monkeypatch.delenv("LORAFLOW_SPEC_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert spec_cache.default_cache_dir() == tmp_path / "xdg" / "loraflow" / "specs"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert spec_cache.default_cache_dir() == tmp_path / "home" / ".cache" / "loraflow" / "specs"
+
+
+def test_without_a_home_directory_specs_are_validated_every_time(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, specs: Path
+) -> None:
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in ("LORAFLOW_SPEC_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with caplog.at_level(logging.WARNING, logger="loraflow.spec_cache"):
+        assert spec_cache.default_cache_dir() is None
+        assert compiled(specs / TINY.name).name == "tiny-llama-lora"
+    assert "no home directory" in caplog.text and "LORAFLOW_SPEC_CACHE_DIR" in caplog.text
 
 
 def test_off_writes_nothing(specs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,20 +198,8 @@ print(json.dumps({
 
 
 def test_a_dag_from_the_cache_is_the_dag_from_the_spec(specs: Path, tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(tmp_path / "airflow"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "LORAFLOW_PIPELINES_DIR": str(specs),
-        "LORAFLOW_SPEC_CACHE_DIR": str(tmp_path / "cache"),
-        "DAGS": str(REPO / "dags"),
-    }
-
-    def parse() -> dict:
-        out = subprocess.run([sys.executable, "-c", PARSE], env=env, capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    first, second = parse(), parse()
+    cache = {"LORAFLOW_SPEC_CACHE_DIR": str(tmp_path / "cache")}
+    first, second = parse(specs, tmp_path, PARSE, **cache), parse(specs, tmp_path, PARSE, **cache)
     assert first["errors"] == {} and first["spec_models_loaded"]
     assert not second["spec_models_loaded"]  # read back: no validation, no pydantic models
     assert (tmp_path / "cache" / "tiny-llama-lora.json").exists()
