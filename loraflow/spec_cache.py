@@ -4,8 +4,8 @@ Airflow parses ``dags/`` again every 30 s in the DAG processor and once more in 
 Validating a spec costs the pydantic models (~50 ms to import), PyYAML's construction and the stage
 planner, yet a DAG needs only plain data from it: the validated spec as JSON and each stage's
 upstream stages (``CompiledSpec``). ``compiled(path)`` reads that data from a cache entry when the
-entry was made from the same spec file (name and bytes), the same loraflow code and the same
-Python and pydantic versions; otherwise it validates the spec and writes the entry. A spec that
+entry was made from the same spec file (name and bytes), the same loraflow code and the same Python,
+pydantic and PyYAML versions; otherwise it validates the spec and writes the entry. A spec that
 fails validation is never cached: it is validated, and reported, on every parse. Nothing here
 imports the spec models unless a spec has to be validated.
 
@@ -109,10 +109,12 @@ def cache_key(file_name: str, text: bytes) -> str:
 @cache
 def code_fingerprint() -> str:
     """What else decides a compiled spec: loraflow's own modules (validation and planning import
-    only top-level ones; a test checks that), the Python and pydantic versions, the entry format."""
-    import pydantic  # loaded by Airflow already
+    only top-level ones; a test checks that), the Python, pydantic and PyYAML versions, the entry format."""
+    import pydantic  # both loaded by Airflow already
+    import yaml
 
-    h = hashlib.sha256(f"{_FORMAT}|{sys.version}|{pydantic.VERSION}".encode())
+    versions = f"{_FORMAT}|{sys.version}|{pydantic.VERSION}|{yaml.__version__}|{yaml.__with_libyaml__}"
+    h = hashlib.sha256(versions.encode())
     for module in sorted(_PACKAGE.glob("*.py")):
         h.update(module.name.encode() + b"\0" + module.read_bytes())
     return h.hexdigest()
