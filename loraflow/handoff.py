@@ -70,12 +70,12 @@ def verdict_asset_uri(pipeline: str) -> str:
 
 def apply_version(spec: PipelineSpec, version: str) -> PipelineSpec:
     """The spec as a run that trains ``version`` sees it: ``data.train``/``data.eval`` point into it."""
+    from loraflow.spec import with_overrides
+
     if spec.handoff is None:
         raise LoraflowError(f"pipeline {spec.name} has no handoff section; there is no dataset version to apply")
     base = version_uri(spec.handoff, version)
     overrides = {"data.train": gcs.join(base, spec.handoff.train), "data.eval": gcs.join(base, spec.handoff.eval)}
-    from loraflow.spec import with_overrides
-
     return with_overrides(spec, overrides, source=f"dataset version {base}")
 
 
