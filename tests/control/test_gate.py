@@ -40,6 +40,26 @@ def test_gain_below_the_threshold_does_not_promote() -> None:
     assert d.delta == pytest.approx(0.2) and d.ci[0] > 0 and not d.promote
 
 
+@pytest.mark.parametrize(
+    ("base_pattern", "tuned_pattern", "min_improvement"),
+    [
+        # base all wrong, tuned right on exactly 30 of 100: the mean of the paired differences is
+        # 30.0 / 100, which rounds to the same double as the literal 0.3
+        ("0" * 100, "1" * 30 + "0" * 70, 0.3),
+        # 16 of 64 fixed on top of 16 right: every figure a power-of-two fraction, exact however computed
+        ("1" * 16 + "0" * 48, "1" * 32 + "0" * 32, 0.25),
+    ],
+    ids=["30-of-100", "16-of-64"],
+)
+def test_gain_exactly_at_the_threshold_promotes(base_pattern: str, tuned_pattern: str, min_improvement: float) -> None:
+    d = decide(outcomes(base_pattern), outcomes(tuned_pattern), min_improvement=min_improvement)
+    assert d.delta == min_improvement  # on the boundary itself, not a rounding error either side of it
+    assert d.ci[0] > 0
+    assert d.promote, d.reason
+    below = decide(outcomes(base_pattern), outcomes(tuned_pattern), min_improvement=min_improvement + 1e-9)
+    assert not below.promote and "less than the required" in below.reason
+
+
 def test_big_gain_on_few_examples_is_noise() -> None:
     # 2 of 5 fixed, 1 broken: delta 0.2 clears a 0.1 threshold, but the interval reaches 0.
     d = decide(outcomes("00010"), outcomes("11000"), min_improvement=0.1)
