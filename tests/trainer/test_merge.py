@@ -18,10 +18,12 @@ from safetensors.numpy import load_file, save_file
 from loraflow import tinymodel
 from loraflow.merge import (
     MergeError,
+    load_adapter_config,
     lora_scale,
     merge_checkpoint,
     merge_lora,
     peft_module,
+    plan_merge,
 )
 from loraflow.safetensors_io import (
     INDEX_FILE,
@@ -314,6 +316,51 @@ def test_untrained_adapter_changes_nothing_and_says_so(base: Path, tmp_path: Pat
     report = merge_checkpoint(base, tmp_path / "adapter", tmp_path / "out", progress=lines.append)
     assert report.merged == 14 and report.changed == 0 and report.max_delta == 0.0
     assert any("WARNING" in line and "lora_B" in line for line in lines)
+
+
+def test_rank_and_alpha_patterns_set_each_modules_scale(base: Path, tmp_path: Path) -> None:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` override r / lora_alpha per module (adapters
+    trained elsewhere use them): each module merges at its own alpha / r, not the global one."""
+    config = {
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": TARGETS,
+        "rank_pattern": {"v_proj": 2, "model.layers.1.mlp.down_proj": 8},
+        "alpha_pattern": {"o_proj": 2, "layers.1.mlp.down_proj": 48, "k_proj": 12},
+    }  # fmt: skip
+
+    def rank_alpha(module: str) -> tuple[int, float]:  # written out by hand, not PEFT's matching
+        kind = module.rsplit(".", 1)[-1]
+        if module == "model.layers.1.mlp.down_proj":
+            return 8, 48.0
+        return {"v_proj": (2, 8.0), "o_proj": (4, 2.0), "k_proj": (4, 12.0)}.get(kind, (4, 8.0))
+
+    rng = np.random.default_rng(3)
+    tensors: dict[str, np.ndarray] = {}
+    scales: dict[str, float] = {}  # base tensor -> alpha / r of its module
+    for name, w in load_file(str(base / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in TARGETS:
+            r, alpha = rank_alpha(module)
+            scales[name] = alpha / r
+            a, b = rng.standard_normal((r, w.shape[1])) * 0.1, rng.standard_normal((w.shape[0], r)) * 0.05
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.astype(np.float32)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.astype(np.float32)
+    write_adapter(tmp_path / "adapter", tensors, config)
+    assert sorted(set(scales.values())) == [0.5, 2.0, 3.0, 4.0, 6.0]  # the global alpha / r is 2.0
+
+    cfg = load_adapter_config(tmp_path / "adapter/peft/adapter_config.json")
+    plan = plan_merge(Checkpoint.open(tmp_path / "adapter/peft").tensors, Checkpoint.open(base).tensors, cfg)
+    assert {n: (t.rank, t.scale) for n, t in plan.items()} == {
+        n: (rank_alpha(n.removesuffix(".weight"))[0], s) for n, s in scales.items()
+    }
+
+    report = merge_checkpoint(base, tmp_path / "adapter", tmp_path / "out")
+    base_t, merged = load_file(str(base / "model.safetensors")), load_all(tmp_path / "out")
+    assert report.merged == report.changed == len(scales) == 14
+    for name, scale in scales.items():
+        module = name.removesuffix(".weight")
+        pair = {k: v for k, v in tensors.items() if k.startswith(f"base_model.model.{module}.lora_")}
+        expected = expected_merge(base_t, pair, scale)[name]
+        np.testing.assert_allclose(merged[name], expected, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 # ------------------------------------------------------------------------------------- failures
