@@ -96,3 +96,27 @@ def test_invalid_spec_is_an_import_error_and_the_others_still_load(tmp_path: Pat
     [message] = result["errors"].values()
     assert "broken-one.yaml" in message
     assert "lora.rank" in message and "training.steps" in message
+
+
+def test_trigger_values_reach_the_resolved_spec() -> None:
+    """What a task runs with: the DAG's spec with the run's trigger values (context["params"]) applied."""
+    from loraflow.errors import SpecError
+    from loraflow.spec import trigger_fields, validate_spec
+    from operators.stages import resolve_spec, run_spec
+
+    data = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
+    base = validate_spec(data, "tiny")
+    params = {"training_steps": 37, "training_learning_rate": 0.0005, "lora_rank": 4, "gate_min_improvement": 0.05}
+    resolved = resolve_spec(data, {**params, "not_a_setting": "ignored"})
+    assert (resolved.training.steps, resolved.training.learning_rate) == (37, 0.0005)
+    assert (resolved.lora.rank, resolved.gate.min_improvement) == (4, 0.05)
+    expected = base.model_dump(mode="json")
+    expected["training"] |= {"steps": 37, "learning_rate": 0.0005}
+    expected["lora"]["rank"], expected["gate"]["min_improvement"] = 4, 0.05
+    assert resolved.model_dump(mode="json") == expected  # the trigger values and nothing else
+    # a task's context: Airflow passes every Param, at its default unless the trigger set it
+    defaults = {name: field["default"] for name, field in trigger_fields(base).items()}
+    assert run_spec(data, {"params": defaults}) == base
+    assert run_spec(data, {"params": {**defaults, "training_steps": 37}}).training.steps == 37
+    with pytest.raises(SpecError, match=r"lora\.rank"):
+        resolve_spec(data, {"lora_rank": 0})
