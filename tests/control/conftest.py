@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,25 @@ def parity_spec(gcs_bucket: str, tokenizer_dir: Path):
     model = spec.base_model.model_copy(update={"tokenizer": f"{gcs_bucket}/model"})
     spec = spec.model_copy(update={"artifact_root": f"{gcs_bucket}/artifacts", "data": data, "base_model": model})
     return with_overrides(spec, {})
+
+
+@pytest.fixture(scope="session")
+def strict_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The endpoint of a fake-gcs-server on 127.0.0.1 that enforces preconditions (tests/strict_gcs.py)."""
+    from tests.strict_gcs import serve
+
+    for server in serve(tmp_path_factory.mktemp("strict-gcs")):
+        yield server.url
+
+
+@pytest.fixture
+def strict_gcs_bucket(strict_gcs: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh ``gs://`` prefix on that server; loraflow's GCS client talks to it for this test only."""
+    from loraflow import gcs
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", strict_gcs)
+    gcs.client.cache_clear()
+    bucket = f"strict-{uuid.uuid4().hex[:12]}"
+    gcs.client().create_bucket(bucket)
+    yield f"gs://{bucket}/t"
+    gcs.client.cache_clear()  # the next test's client is built for the environment it restores

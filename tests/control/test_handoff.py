@@ -167,6 +167,61 @@ def test_a_claim_overwritten_by_a_racing_run_is_lost(team: HandoffSpec, monkeypa
     assert handoff.claim(team, "v1", "dag", "run-a") is False
 
 
+# On fake-gcs-server, which enforces the create-only precondition as GCS does (the emulator above ignores it).
+
+
+@pytest.fixture
+def strict_team(strict_gcs_bucket: str) -> HandoffSpec:
+    return HandoffSpec(prefix=f"{strict_gcs_bucket}/handoff/parity")
+
+
+def test_a_run_that_looked_before_the_claim_landed_cannot_take_it_too(
+    strict_team: HandoffSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run-b found no claim, then run-a claimed, then run-b writes its own: the write itself is
+    refused. Without the precondition run-b would replace run-a's claim and both would train v1."""
+    drop(strict_team, "v1")
+    assert handoff.claim(strict_team, "v1", "dag", "run-a") is True
+    real_read, looks = handoff.read_claim, []
+
+    def looked_too_early(h: HandoffSpec, version: str) -> dict[str, Any] | None:
+        looks.append(version)
+        return None if len(looks) == 1 else real_read(h, version)
+
+    monkeypatch.setattr(handoff, "read_claim", looked_too_early)
+    assert handoff.claim(strict_team, "v1", "dag", "run-b") is False
+    assert looks == ["v1"], "refused by the create-only write, not by reading the claim back"
+    monkeypatch.undo()
+    assert handoff.read_claim(strict_team, "v1")["run_id"] == "run-a"  # type: ignore[index]
+
+
+def test_runs_claiming_one_version_at_once_have_exactly_one_winner(
+    strict_team: HandoffSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four runs look (no claim yet), all four wait until every one has looked, then all write."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    drop(strict_team, "v1")
+    runs = 4
+    all_looked = threading.Barrier(runs)
+    real_read, local = handoff.read_claim, threading.local()
+
+    def look_together(h: HandoffSpec, version: str) -> dict[str, Any] | None:
+        held = real_read(h, version)
+        if not getattr(local, "looked", False):
+            local.looked = True
+            all_looked.wait(timeout=300)  # a guard against a hang, not a measurement
+        return held
+
+    monkeypatch.setattr(handoff, "read_claim", look_together)
+    with ThreadPoolExecutor(runs) as pool:
+        won = list(pool.map(lambda i: handoff.claim(strict_team, "v1", "dag", f"run-{i}"), range(runs)))
+    assert won.count(True) == 1, won
+    monkeypatch.undo()
+    assert handoff.read_claim(strict_team, "v1")["run_id"] == f"run-{won.index(True)}"  # type: ignore[index]
+
+
 def test_an_event_naming_a_version_takes_exactly_that_version(team: HandoffSpec) -> None:
     drop(team, "v1")
     drop(team, "v2")
