@@ -17,9 +17,10 @@ are separate from the streaming driver :func:`merge_checkpoint`, which holds at 
 in memory (the one being merged and the next one, both mapped from the file rather than copied;
 merged rows go to the output file a block at a time; tensors without an update are copied file to
 file). The arithmetic runs on the native kernel (:mod:`loraflow.merge_kernel`) where it is built,
-else on numpy: the same float32 arithmetic, and the same bits up to rank 16 (at higher ranks BLAS
-may sum an element's rank products in another order: one unit in the last place apart at most,
-rarely). Everything that can be checked before writing is checked first, and all
+else on numpy: the same float32 steps, but numpy's BLAS sums each element's rank products in an
+order of its own (which depends on the CPU), so the two agree within the bound of
+:mod:`loraflow.merge_numerics` (the merge's numerics contract), not always to the bit.
+Everything that can be checked before writing is checked first, and all
 problems are reported together, each with its fix.
 """
 
@@ -217,8 +218,8 @@ def _merge_blocks(
     The rows are split between :data:`MERGE_THREADS` threads, each working through blocks of about
     ``block_elems`` elements in scratch buffers of its own, reused from block to block: on the
     native kernel (:mod:`loraflow.merge_kernel`, one pass per row) where it serves the dtype, else
-    on numpy (see the module docstring for how their bits compare). Block sizes and threads do not
-    change a bit of the result.
+    on numpy (see :mod:`loraflow.merge_numerics` for how their bits compare). Block sizes and threads
+    do not change a bit of the kernel's result.
 
     Returns:
         max |scale · B @ A| and whether any stored value changed.
@@ -289,7 +290,7 @@ def _merge_rows(
 ) -> tuple[float, bool]:
     """Merge rows ``start:stop`` of ``weight``, ``rows`` at a time, into ``emit``; (max |update|, changed).
 
-    The numpy path, and the reference the native kernel is tested against."""
+    The numpy path: within :func:`loraflow.merge_numerics.merge_bounds` of the exact reference."""
     n_cols = weight.shape[1]
     k = min(rows, stop - start)
     block = np.empty((k, n_cols), a.dtype)

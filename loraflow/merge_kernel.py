@@ -3,7 +3,8 @@
 One call merges a range of rows, ``out = W + scale · B @ A``, for BF16 and F32 weights, in one
 pass per row where the numpy path in :mod:`loraflow.merge` makes a dozen (AVX-512 or AVX2+FMA).
 Each element of ``B @ A`` is its rank products summed in order with fused multiply-adds, on every
-CPU and instruction set alike; OpenBLAS does the same up to rank 16 (same bits as numpy there).
+CPU and instruction set alike: the bits of :func:`loraflow.merge_numerics.exact_merge` (the numpy
+path agrees within that module's bound).
 
 ``loraflow/native/build.sh`` builds it (``make envs`` does, and the trainer image); where it is not
 built, or the CPU has neither instruction set, :mod:`loraflow.merge` uses its numpy path and says

@@ -1,10 +1,10 @@
 /* loraflow's LoRA merge kernel: out = W + scale * (B @ A) for rows of a BF16 or F32 weight.
  *
- * The numpy path's arithmetic (loraflow/merge.py; bit-identical to PEFT's merge_and_unload in the
- * benchmark): each element of B @ A is a float32 chain of fused multiply-adds over k = 0 .. r-1
- * starting from 0 (the order OpenBLAS uses up to rank 16; same bits there), multiplied by scale in
- * float32, added to the weight in float32, then rounded once to the weight's dtype (BF16: to
- * nearest even). The same bits on every CPU and instruction set.
+ * The arithmetic of loraflow/merge_numerics.py's exact reference: each element of B @ A is a float32
+ * chain of fused multiply-adds over k = 0 .. r-1 starting from 0, multiplied by scale in float32,
+ * added to the weight in float32, then rounded once to the weight's dtype (BF16: to nearest even).
+ * The same bits on every CPU and instruction set. (numpy, PEFT and torch sum the rank products in
+ * their BLAS's order instead, which varies by CPU: they agree within merge_numerics' bound.)
  * Every FMA is explicit (fmaf or an FMA instruction) and the file is compiled with
  * -ffp-contract=off, so no other operation is fused.
  *

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraflow import tinymodel
+from loraflow import merge_kernel, tinymodel
+from loraflow import merge_numerics as contract
 from loraflow.merge import merge_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,3 +79,45 @@ def test_merged_logits_equal_base_plus_lora(base: Path, tmp_path: Path, use_rslo
         "the adapter must move the logits for the test to mean anything"
     )
     torch.testing.assert_close(merged_logits, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_a_naive_torch_merge_agrees_with_loraflow_within_the_contract(base: Path, tmp_path: Path) -> None:
+    """torch's own ``W + scale * B @ A`` (its BLAS, its summation order) lies within the merge
+    contract's bound of the exact reference, and loraflow's merged tensors are that reference
+    itself where the native kernel runs (docs/architecture.md, "The merge's numerics")."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(base / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    adapter = {}
+    for name, w in weights.items():
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in TARGETS:
+            key = "base_model.model." + name.removesuffix(".weight")
+            adapter[f"{key}.lora_A.weight"] = torch.randn(16, w.shape[1], generator=gen) * 0.1
+            adapter[f"{key}.lora_B.weight"] = torch.randn(w.shape[0], 16, generator=gen) * 0.05
+    peft = tmp_path / "adapter" / "peft"
+    peft.mkdir(parents=True)
+    save_file(adapter, str(peft / "adapter_model.safetensors"))
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": TARGETS})
+    )
+    merge_checkpoint(base, tmp_path / "adapter", tmp_path / "merged", shard_bytes=1 << 30)
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    checked = 0
+    for name, w in weights.items():
+        key = "base_model.model." + name.removesuffix(".weight")
+        if f"{key}.lora_A.weight" not in adapter:
+            continue
+        a, b = adapter[f"{key}.lora_A.weight"], adapter[f"{key}.lora_B.weight"]
+        naive = (w.float() + 2.0 * (b @ a)).to(w.dtype)
+        w_np, a_np, b_np = w.numpy(), a.numpy(), b.numpy()
+        lo, hi = contract.merge_bounds(w_np, a_np, b_np, 2.0)
+        inside = contract.within(naive.numpy(), lo, hi)
+        assert inside.all(), f"{name}: {int((~inside).sum())} element(s) of torch's merge outside the bound"
+        if merge_kernel.usable(w_np.dtype):
+            exact = contract.exact_merge(w_np, a_np, b_np, 2.0)
+            assert contract.agreement(merged[name].numpy(), exact)["differing"] == 0, name
+        else:
+            assert contract.within(merged[name].numpy(), lo, hi).all(), name
+        checked += 1
+    assert checked == 14

@@ -15,6 +15,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from loraflow import merge_numerics as contract
 from loraflow import tinymodel
 from loraflow.merge import (
     MergeError,
@@ -290,10 +291,12 @@ def test_merge_checkpoint_bf16_round_trip(base_bf16: Path, tmp_path: Path) -> No
         if name not in expected:
             assert merged[name].tobytes() == w.tobytes()
             continue
-        # same float32 math, rounded once: equal up to 1 bf16 ulp where the float32 sums differ in the last bit
-        got, ref = merged[name].view(np.uint16).astype(np.int32), expected[name].view(np.uint16).astype(np.int32)
-        assert np.abs(got - ref).max() <= 1, name
-        assert (got == ref).mean() > 0.999, name
+        # the merge's numerics contract: within the reordering bound of the exact reference (exactly
+        # it where the native kernel runs); einsum's own sum order is not a reference
+        a = adapter[f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight"].astype(np.float32)
+        b = adapter[f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight"].astype(np.float32)
+        lo, hi = contract.merge_bounds(w, a, b, lora_scale(8, 16, use_rslora=True))
+        assert contract.within(merged[name], lo, hi).all(), name
 
 
 def test_merge_step_run(base: Path, tmp_path: Path) -> None:
