@@ -56,6 +56,7 @@ class GkeStandIn:
         self.jobsets: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[str, list[dict[str, Any]]] = {}
         self.calls: list[tuple[str, str]] = []  # (method, path) of every request
+        self.created = 0  # JobSets stored so far (set_status may be called once this counts them)
         self.deletions: list[dict[str, Any]] = []  # the delete options bodies received
         self.faults: list[int] = []
         self._lock = threading.Lock()
@@ -67,6 +68,7 @@ class GkeStandIn:
     # --- what a test drives ---------------------------------------------------------------------
 
     def creates(self) -> int:
+        """Create requests received (a POST is counted before its JobSet is stored: wait on ``created``)."""
         return sum(1 for method, _ in self.calls if method == "POST")
 
     def set_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -187,6 +189,7 @@ class GkeStandIn:
                 }
                 stored["status"] = {}
                 self.jobsets[(namespace, new_name)] = stored
+                self.created += 1
                 return 201, stored
             if name is None:
                 return 405, _status(405, "MethodNotAllowed", f"{method} on the collection")

@@ -308,7 +308,7 @@ def test_submit_poll_succeed(standin: GkeStandIn) -> None:
 def test_a_retry_reattaches_instead_of_creating_twice(standin: GkeStandIn) -> None:
     first, lines = _launcher(), []
     thread, _ = _run_in_thread(first, lines)
-    _wait_for(lambda: standin.creates() == 1, "the first create")
+    _wait_for(lambda: standin.created == 1, "the first create")
     standin.set_status("ml", first.name, RUNNING)
     # The task is retried (or the worker restarted) while the JobSet runs: same identity, same name.
     retry, retry_lines = _launcher(), []
@@ -323,7 +323,7 @@ def test_a_retry_reattaches_instead_of_creating_twice(standin: GkeStandIn) -> No
 def test_a_failed_jobset_fails_the_stage_with_the_pod_message_and_is_replaced_on_retry(standin: GkeStandIn) -> None:
     launcher, lines = _launcher(), []
     thread, errors = _run_in_thread(launcher, lines)
-    _wait_for(lambda: standin.creates() == 1, "the create")
+    _wait_for(lambda: standin.created == 1, "the create")
     standin.add_pod("ml", launcher.name, 0, 0, "")
     standin.add_pod("ml", launcher.name, 1, 2, "[lora_sft] ERROR: dataset input has no train.jsonl")
     standin.set_status("ml", launcher.name, FAILED)
@@ -336,7 +336,7 @@ def test_a_failed_jobset_fails_the_stage_with_the_pod_message_and_is_replaced_on
 
     retry, retry_lines = _launcher(), []
     thread2, errors2 = _run_in_thread(retry, retry_lines)
-    _wait_for(lambda: standin.creates() == 2, "the re-create")
+    _wait_for(lambda: standin.created == 2, "the re-create")
     assert any("failed" in line and "creating it again" in line for line in retry_lines)
     assert standin.deletions[-1].get("propagationPolicy") == "Foreground"
     standin.set_status("ml", retry.name, COMPLETED)
@@ -363,7 +363,7 @@ def test_kill_deletes_the_jobset(standin: GkeStandIn) -> None:
 def test_transient_api_errors_are_retried_and_lasting_ones_explained(standin: GkeStandIn) -> None:
     launcher, lines = _launcher(), []
     thread, errors = _run_in_thread(launcher, lines)
-    _wait_for(lambda: standin.creates() == 1, "the create")
+    _wait_for(lambda: standin.created == 1, "the create")
     standin.faults += [503, 503]
     standin.set_status("ml", launcher.name, COMPLETED)
     thread.join(30)

@@ -45,7 +45,8 @@ def test_kill_stops_the_step_and_its_children(tmp_path: Path) -> None:
     code = (
         "import subprocess, sys, time\n"
         f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        f"open({str(pid_file)!r} + '.partial', 'w').write(str(child.pid))\n"
+        f"import os; os.replace({str(pid_file)!r} + '.partial', {str(pid_file)!r})\n"
         "print('started', flush=True); time.sleep(600)"
     )
     launcher = LocalLauncher()
@@ -62,6 +63,7 @@ def test_kill_stops_the_step_and_its_children(tmp_path: Path) -> None:
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert pid_file.exists(), "the step program never started its child"
     child = int(pid_file.read_text())
     launcher.kill()
     thread.join(timeout=30)

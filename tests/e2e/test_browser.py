@@ -78,6 +78,7 @@ def run_in_browser(airflow: LocalAirflow, context: BrowserContext, page: Page, s
     """Trigger from the form with a changed parameter, wait for success, open the run report."""
     from playwright.sync_api import expect
 
+    expect.set_options(timeout=UI_TIMEOUT_MS)  # expect() has its own 5 s default, too short for a busy 2-core machine
     # The DAG page, then its trigger form with the spec's params.
     page.goto(f"{airflow.url}/dags/{DAG}")
     expect(page.get_by_text(DAG).first).to_be_visible()
