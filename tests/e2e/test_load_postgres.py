@@ -52,9 +52,15 @@ PARALLELISM = 4
 # --------------------------------------------------------------------------------- PostgreSQL
 
 
+def installed_initdb() -> list[str]:
+    """Every installed PostgreSQL's initdb, oldest major version first (by number: 9.6 before 15)."""
+    found = glob.glob("/usr/lib/postgresql/*/bin/initdb")
+    return sorted(found, key=lambda p: [int(x) for x in Path(p).parts[-3].split(".") if x.isdigit()])
+
+
 def postgres_bin() -> Path:
     """PostgreSQL's server binaries; installed from the Debian packages when absent (CI runs as root)."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    found = installed_initdb()
     if not found:
         say("PostgreSQL is not installed: apt-get install -y postgresql")
         subprocess.run(["apt-get", "update", "-q"], check=True, stdout=subprocess.DEVNULL)
@@ -64,7 +70,7 @@ def postgres_bin() -> Path:
             stdout=subprocess.DEVNULL,
             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
         )
-        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        found = installed_initdb()
     return Path(found[-1]).parent
 
 
