@@ -236,7 +236,12 @@ def compare(a: Path, b: Path) -> None:
         res["elements_differing"] += int((diff > 0).sum())
         res["max_abs_diff"] = max(res["max_abs_diff"], float(diff.max()))
         if x.dtype == torch.bfloat16:
-            ulp = (x.view(torch.int16).int() - y.view(torch.int16).int()).abs().max()
+
+            def ordered(t: torch.Tensor) -> torch.Tensor:  # bf16 bits on a monotone integer line (-0 = +0)
+                v = t.view(torch.int16).int()
+                return torch.where(v < 0, -32768 - v, v)
+
+            ulp = (ordered(x) - ordered(y)).abs().max()
             res["max_ulp_diff"] = max(res["max_ulp_diff"], int(ulp))
     res["identical"] = res["tensors_differing"] == 0 and not res["missing_in_b"] and not res["extra_in_b"]
     emit(res)

@@ -105,6 +105,15 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+# The flags that decide which kernels run (loraflow's merge kernel, OpenBLAS, XLA, vLLM's CPU backend).
+CPU_FLAGS = ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16"]
+
+
+def cpu_line(m: dict[str, Any]) -> str:
+    """``Intel(R) Xeon(R) ... (avx2, fma, avx512f, ...)``: the CPU a result was measured on."""
+    return f"{m.get('cpu_model', '?')} ({', '.join(m.get('cpu_flags', [])) or 'flags not recorded'})"
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     try:
@@ -112,6 +121,9 @@ def machine() -> dict[str, Any]:
         info["memory"] = mem.split(":")[1].strip()
         cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
         info["cpu_model"] = cpu[0].split(":")[1].strip() if cpu else "?"
+        flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), [])  # fmt: skip
+        info["cpu_flags"] = [f for f in CPU_FLAGS if f in flags]
     except OSError:
         pass
     return info

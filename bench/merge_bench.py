@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, QUICK, WORK, median, run, run_timed, save, say
+from common import PY, QUICK, WORK, machine, median, run, run_timed, save, say
 
 CHILD = str(Path(__file__).resolve().parent / "_merge_children.py")
 PEFT_LIB = Path("/tmp/bench-peftlib")  # PEFT + accelerate, installed --target here by bench/setup_peft.sh
@@ -102,6 +102,7 @@ def main() -> None:
             "reps": reps,
             "summary": summary,
             "compare": compare,
+            "machine": machine(),  # agreement with PEFT / torch depends on the CPU their BLAS runs on
             "raw": {
                 k: [{kk: vv for kk, vv in r.items() if kk not in ("stdout_tail",)} for r in v] for k, v in raw.items()
             },

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK, REPO, RESULTS
+from common import QUICK, REPO, RESULTS, cpu_line
 
 DOC = RESULTS / "benchmarks.md" if QUICK else REPO / "docs" / "benchmarks.md"
 IMG = RESULTS / "img" if QUICK else REPO / "docs" / "img"
@@ -202,14 +202,18 @@ def sec_merge(d: dict) -> list[str]:
         ]
     out += [
         "",
-        "Outputs compared tensor by tensor, bit for bit, with loraflow's:",
+        f"Outputs compared tensor by tensor with loraflow's, measured on {cpu_line(d.get('machine') or load('machine') or {})}. "
+        "loraflow's native kernel writes the same bits on every CPU; PEFT and naive torch sum each element's rank "
+        "products in the order their BLAS picks on this CPU, so their agreement with loraflow is a measurement of "
+        "this machine, not a property: the merge's numerics contract (docs/architecture.md) bounds it instead.",
         "",
-        "| comparison | tensors | identical | elements differing | max bf16 ulp |",
-        "| --- | ---: | --- | ---: | ---: |",
+        "| comparison | tensors | elements | elements differing | max ulp apart | identical on this CPU |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for k, c in d["compare"].items():
         out.append(
-            f"| {k} | {c.get('tensors_a')} | {c.get('identical')} | {c.get('elements_differing')} | {c.get('max_ulp_diff')} |"
+            f"| {k} | {c.get('tensors_a')} | {c.get('elements', 0):,} | {c.get('elements_differing')} | "
+            f"{c.get('max_ulp_diff')} | {c.get('identical')} |"
         )
     big = {k.split(": ", 1)[1]: v for k, v in s.items() if k.startswith("big:")}
     out += [
@@ -412,6 +416,8 @@ def measured(d: dict) -> str:
     load = d.get("loadavg_start"), d.get("loadavg_end")
     when = d.get("saved_at") or "in an earlier run (2026-12-02, before results recorded their time)"
     text = f"*Measured {when}"
+    if d.get("machine"):  # a section re-measured on another machine than the header's
+        text += f" on {cpu_line(d['machine'])}"
     loads = [f"{x[0]:.1f} at {w}" for x, w in zip(load, ("start", "end"), strict=True) if x]
     if loads:
         text += "; load average " + ", ".join(loads)
@@ -487,7 +493,7 @@ def main() -> None:
         parts += [
             "## Machine",
             "",
-            f"- {m.get('cpu_model')}, {m.get('cpus')} cores, {m.get('memory')} RAM, no accelerator; {m.get('platform')}",
+            f"- {cpu_line(m)}, {m.get('cpus')} cores, {m.get('memory')} RAM, no accelerator; {m.get('platform')}",
             f"- load average at start {', '.join(f'{x:.2f}' for x in m.get('loadavg_start', []))}, at end "
             f"{', '.join(f'{x:.2f}' for x in m.get('loadavg_end', []))} (other work shares the machine: medians of interleaved runs)",
             f"- control: {v.get('control')}",
