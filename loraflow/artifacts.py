@@ -148,7 +148,8 @@ def commit(
     cache_key: str,
     summary: Mapping[str, Any],
 ) -> Manifest:
-    """Write ``_MANIFEST.json`` last: from this moment the prefix is an artifact."""
+    """Write ``_MANIFEST.json`` last, create-only: from this moment the prefix is an artifact, and no
+    other writer (a retry racing a step that outlived its task) can replace it."""
     uri = gcs.join(prefix, MANIFEST)
     data = {
         "format": MANIFEST_FORMAT,
@@ -162,14 +163,29 @@ def commit(
         "summary": dict(summary),
         "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    write_json(uri, data)
+    from google.api_core.exceptions import PreconditionFailed
+
+    try:
+        write_json(uri, data, create_only=True)  # GCS decides: of two writers of one prefix, one commits
+    except PreconditionFailed:
+        raise ArtifactError(
+            f"{uri} was committed by another writer first (a second attempt of {stage} on the same prefix); "
+            "committed artifacts are never overwritten: this attempt's files are not an artifact; "
+            "the task's next try reuses that commit (same cache key) or commits beside it"
+        ) from None
     return Manifest(uri, data)
 
 
-def write_json(uri: str, data: Any) -> None:
+def write_json(uri: str, data: Any, *, create_only: bool = False) -> None:
+    """Write ``data`` as JSON; with ``create_only`` only if no object of that name exists (else GCS
+    answers 412: ``PreconditionFailed``)."""
     bucket, path = gcs.split_uri(uri)
     blob = gcs.client().bucket(bucket).blob(path)
-    blob.upload_from_string(json.dumps(data, indent=2, sort_keys=True), content_type="application/json")
+    blob.upload_from_string(
+        json.dumps(data, indent=2, sort_keys=True),
+        content_type="application/json",
+        if_generation_match=0 if create_only else None,
+    )
 
 
 def read_json(uri: str) -> Any | None:
