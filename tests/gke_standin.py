@@ -34,8 +34,6 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from loraflow.local_gcs import free_port
-
 _JOBSETS = re.compile(r"^/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?$")
 _PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
 
@@ -60,9 +58,9 @@ class GkeStandIn:
         self.deletions: list[dict[str, Any]] = []  # the delete options bodies received
         self.faults: list[int] = []
         self._lock = threading.Lock()
-        self.port = free_port()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())  # the kernel picks a free port
+        self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     # --- what a test drives ---------------------------------------------------------------------

@@ -120,7 +120,7 @@ class VertexStandIn:
         self.models = ModelRegistryStandIn(state_delay)  # Model Registry: models:upload, get, list, aliases
         self.routes.append((_MODELS, self.models.route))
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), self._handler())
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())  # the kernel picks a free port
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
