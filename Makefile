@@ -101,6 +101,14 @@ test: lint typecheck test-control test-trainer test-serving test-e2e  ## set up 
 clean:  ## remove the demo's state (Airflow DB, emulator data); keeps the environments
 	rm -rf .demo
 
+# mutmut mutates a scratch copy under .mutate/ (never the tree) and runs only each module's fast tests;
+# it is installed on top of the control and trainer envs, their locked versions kept. MUTATE=spec gate_rule: some.
+.PHONY: mutate
+mutate: envs  ## mutation testing of the modules where a silent bug costs most (~20 min; not in CI; docs/mutation.md)
+	$(UV) pip install -q -p $(VENVS)/control -c envs/control.lock -r envs/mutate.txt
+	$(UV) pip install -q -p $(VENVS)/trainer -c envs/trainer.lock -r envs/mutate.txt
+	$(CONTROL) tools/mutate.py $(MUTATE)
+
 .PHONY: bench
 bench: envs  ## benchmarks side by side -> docs/benchmarks.md, bench/results/ (~30 min; BENCH_QUICK=1 for a smoke run)
 	$(CONTROL) bench/run_all.py

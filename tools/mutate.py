@@ -1,0 +1,193 @@
+"""Mutation testing of the modules where a silent bug costs most (``make mutate``; docs/mutation.md).
+
+For each target: a scratch copy of the repository under ``.mutate/<target>/``, mutmut configured
+there (setup.cfg) to mutate the target's files (or only the named functions) and to run only the
+target's fast test files, in the environment those tests need. Then one table of killed / survived
+per target, and every surviving mutant's diff, in ``.mutate/report.md``.
+
+    python tools/mutate.py                 # every target
+    python tools/mutate.py gate_rule spec  # some
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / ".mutate"
+COPY = ["loraflow", "operators", "dags", "pipelines", "tests", "pyproject.toml"]
+
+
+@dataclass(frozen=True)
+class Target:
+    env: str  # control | trainer
+    files: list[str]  # what mutmut mutates
+    tests: list[str]  # the only tests it runs (pytest node ids or files)
+    functions: list[str] = field(default_factory=list)  # mutant name globs; empty: every function of files
+
+
+TARGETS: dict[str, Target] = {
+    "artifacts": Target("control", ["loraflow/artifacts.py"], ["tests/control/test_artifacts.py"]),
+    "spec": Target(
+        "control",
+        ["loraflow/spec.py"],
+        ["tests/control/test_spec.py", "tests/control/test_spec_corpus.py", "tests/control/test_plan_and_cli.py"],
+    ),
+    "gate_rule": Target("control", ["loraflow/gate_rule.py"], ["tests/control/test_gate.py"]),
+    # The planning half of the merge; the numerics (merge_lora, the kernel) have their own reference tests.
+    "merge": Target(
+        "trainer",
+        ["loraflow/merge.py"],
+        ["tests/trainer/test_merge.py"],
+        [
+            "loraflow.merge.x_plan_merge__mutmut_*",
+            "loraflow.merge.x_lora_scale__mutmut_*",
+            "loraflow.merge.x_load_adapter_config__mutmut_*",
+            "loraflow.merge.x__pattern_key__mutmut_*",
+            "loraflow.merge.x_peft_module__mutmut_*",
+            "loraflow.merge.xǁLoraConfigǁ*",
+        ],
+    ),
+    "handoff": Target("control", ["loraflow/handoff.py"], ["tests/control/test_handoff.py"]),
+    "registry": Target(
+        "control", ["loraflow/registry.py", "loraflow/steps/publish.py"], ["tests/control/test_publish.py"]
+    ),
+    "runner": Target("control", ["loraflow/runner.py"], ["tests/control/test_launch_and_runner.py"]),
+    "stages": Target(
+        "control",
+        ["operators/stages.py"],
+        ["tests/control/test_dags.py::test_trigger_values_reach_the_resolved_spec"],
+        ["operators.stages.x_resolve_spec__mutmut_*"],
+    ),
+}
+
+STATUS = re.compile(r"^\s*(\S+): (.+)$")
+
+
+def setup_cfg(target: Target) -> str:
+    def lines(key: str, values: list[str]) -> str:
+        return f"{key} =\n" + "".join(f"    {v}\n" for v in values)
+
+    return (
+        "[mutmut]\n"
+        + lines("source_paths", ["loraflow", "operators"])
+        + lines("only_mutate", target.files)
+        + lines("also_copy", ["pipelines", "dags"])
+        + lines("pytest_add_cli_args_test_selection", target.tests)
+        + lines("pytest_add_cli_args", ["-p", "no:cacheprovider", "-q"])
+    )
+
+
+def stage(name: str, target: Target) -> Path:
+    """A fresh copy of what the tests need; mutmut writes its mutants/ beside it, never in the tree."""
+    root = OUT / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "_artifacts")
+    for item in COPY:
+        src = REPO / item
+        if src.is_dir():
+            shutil.copytree(src, root / item, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, root / item)
+    (root / "mutants").mkdir()
+    (root / "mutants" / ".venvs").symlink_to(REPO / ".venvs")  # the tests run in mutants/ and find the emulator here
+    (root / "setup.cfg").write_text(setup_cfg(target))
+    return root
+
+
+def mutmut(root: Path, target: Target, *args: str, log: Path | None = None) -> str:
+    python = REPO / ".venvs" / target.env / "bin" / "python"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    out = subprocess.run(
+        [str(python), "-m", "mutmut", *args], cwd=root, env=env, capture_output=True, text=True, check=False
+    )
+    if log is not None:
+        log.write_text(out.stdout + out.stderr)
+    return out.stdout
+
+
+def selected(name: str, target: Target) -> bool:
+    return not target.functions or any(fnmatch.fnmatch(name, f) for f in target.functions)
+
+
+def run(name: str, target: Target) -> dict:
+    root = stage(name, target)
+    start = time.monotonic()
+    mutmut(root, target, "run", *target.functions, log=root / "mutmut-run.log")
+    seconds = time.monotonic() - start
+    statuses = {}
+    for line in mutmut(root, target, "results", "--all", "true").splitlines():
+        if m := STATUS.match(line):
+            if selected(m[1], target):
+                statuses[m[1]] = m[2]
+    survivors = {}
+    for mutant, status in statuses.items():
+        if status in ("survived", "no tests"):
+            diff = mutmut(root, target, "show", mutant)
+            survivors[mutant] = (
+                status,
+                [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")],
+            )
+    counts: dict[str, int] = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    return {"name": name, "seconds": seconds, "counts": counts, "survivors": survivors, "total": len(statuses)}
+
+
+def report(results: list[dict], wall: float) -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "unknown CPU")  # fmt: skip
+    out = [
+        f"# make mutate: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({cpu}), {wall / 60:.1f} min",
+        "",
+        "| target | mutants | killed | timeout | survived | no tests | other | minutes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        c = dict(r["counts"])
+        main = [c.pop(k, 0) for k in ("killed", "timeout", "survived", "no tests")]
+        other = ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "0"
+        out.append(
+            f"| {r['name']} | {r['total']} | " + " | ".join(map(str, main)) + f" | {other} | {r['seconds'] / 60:.1f} |"
+        )
+    for r in results:
+        if r["survivors"]:
+            out += ["", f"## {r['name']}: surviving mutants", ""]
+            for mutant, (status, diff) in r["survivors"].items():
+                out += [f"- `{mutant}` ({status})", "  ```diff", *[f"  {ln}" for ln in diff], "  ```"]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", help=f"some of {', '.join(TARGETS)} (default: all)")
+    args = parser.parse_args(argv)
+    names = args.targets or list(TARGETS)
+    if unknown := [n for n in names if n not in TARGETS]:
+        parser.error(f"unknown target(s) {unknown}; choose from {', '.join(TARGETS)}")
+    OUT.mkdir(exist_ok=True)
+    start = time.monotonic()
+    results = []
+    for name in names:
+        print(f"mutate {name} ...", flush=True)
+        r = run(name, TARGETS[name])
+        results.append(r)
+        print(f"  {r['total']} mutants, {r['counts']}, {r['seconds'] / 60:.1f} min", flush=True)
+    text = report(results, time.monotonic() - start)
+    (OUT / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
