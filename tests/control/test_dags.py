@@ -120,3 +120,6 @@ def test_trigger_values_reach_the_resolved_spec() -> None:
     assert run_spec(data, {"params": {**defaults, "training_steps": 37}}).training.steps == 37
     with pytest.raises(SpecError, match=r"lora\.rank"):
         resolve_spec(data, {"lora_rank": 0})
+    # a spec that went bad after the DAG was parsed is reported under its pipeline's name
+    with pytest.raises(SpecError, match=r"^pipeline tiny-llama-lora: 1 problem\(s\)"):
+        resolve_spec({**data, "training": {**data["training"], "steps": -1}}, {})

@@ -60,6 +60,49 @@ def test_gain_exactly_at_the_threshold_promotes(base_pattern: str, tuned_pattern
     assert not below.promote and "less than the required" in below.reason
 
 
+def test_an_interval_touching_zero_does_not_promote() -> None:
+    # 1 of 40 fixed, nothing broken: most resamples hold the fixed example, about a third do not and
+    # gain exactly 0, so the 2.5 % quantile is exactly 0.0: "lower bound > 0" must refuse it.
+    d = decide(outcomes("0" * 40), outcomes("1" + "0" * 39), min_improvement=0.01)
+    assert d.delta == 0.025 and d.ci[0] == 0.0
+    assert d.promote is False and "reaches 0" in d.reason
+
+
+def bootstrap_reference(base: str, tuned: str, samples: int, seed: int, confidence: float) -> tuple[float, float]:
+    """The paired percentile bootstrap written out in one block (the code draws it in chunks)."""
+    import numpy as np
+
+    diff = np.array([int(t) - int(b) for b, t in zip(base, tuned, strict=True)], dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(diff), size=(samples, len(diff)))
+    tail = (1 - confidence) / 2
+    lo, hi = np.quantile(diff[idx].mean(axis=1), [tail, 1 - tail])
+    return float(lo), float(hi)
+
+
+@pytest.mark.parametrize(("samples", "seed", "confidence"), [(2000, 0, 0.95), (500, 7, 0.8), (1, 3, 0.5)])
+def test_the_interval_is_the_paired_percentile_bootstrap(samples: int, seed: int, confidence: float) -> None:
+    base, tuned = "0011010011" * 5, "0111011010" * 5
+    d = decide(outcomes(base), outcomes(tuned), bootstrap_samples=samples, seed=seed, confidence=confidence)
+    assert d.ci == pytest.approx(bootstrap_reference(base, tuned, samples, seed, confidence), abs=1e-12)
+
+
+def test_the_decision_records_its_settings() -> None:
+    d = decide(outcomes("0" * 50 + "1" * 50), outcomes("1" * 100))
+    assert (d.metric, d.min_improvement, d.confidence, d.bootstrap_samples, d.seed) == ("accuracy", 0.3, 0.95, 2000, 0)
+    assert d.promote is True and "95% interval" in d.reason
+    record = json.loads(json.dumps(d.as_dict()))  # what decision.json holds
+    assert record["ci"] == list(d.ci) and record["promote"] is True
+    assert {k: record[k] for k in ("metric", "min_improvement", "confidence", "bootstrap_samples", "seed")} == {
+        "metric": "accuracy", "min_improvement": 0.3, "confidence": 0.95, "bootstrap_samples": 2000, "seed": 0,
+    }  # fmt: skip
+    other = decide(outcomes("0" * 50 + "1" * 50), outcomes("1" * 100), metric="exact_match", min_improvement=0.6,
+                   confidence=0.9, bootstrap_samples=100, seed=5)  # fmt: skip
+    assert (other.metric, other.min_improvement, other.confidence, other.bootstrap_samples, other.seed) == (
+        "exact_match", 0.6, 0.9, 100, 5,
+    )  # fmt: skip
+    assert other.promote is False and "exact_match rose by +0.500" in other.reason
+
+
 def test_big_gain_on_few_examples_is_noise() -> None:
     # 2 of 5 fixed, 1 broken: delta 0.2 clears a 0.1 threshold, but the interval reaches 0.
     d = decide(outcomes("00010"), outcomes("11000"), min_improvement=0.1)
@@ -98,8 +141,12 @@ def test_mismatched_ids_are_refused() -> None:
 def test_empty_and_bad_settings_are_refused() -> None:
     with pytest.raises(GateError, match="no examples"):
         decide({}, {})
-    with pytest.raises(GateError, match="confidence"):
-        decide(outcomes("01"), outcomes("01"), confidence=1.0)
+    for confidence in (0.0, 1.0):
+        with pytest.raises(GateError, match="confidence must lie strictly between 0 and 1"):
+            decide(outcomes("01"), outcomes("01"), confidence=confidence)
+    with pytest.raises(GateError, match=r"bootstrap_samples must be at least 1 \(got 0\)"):
+        decide(outcomes("01"), outcomes("01"), bootstrap_samples=0)
+    assert decide(outcomes("01"), outcomes("11"), bootstrap_samples=1).bootstrap_samples == 1
 
 
 # ------------------------------------------------------------------------------------ the step
