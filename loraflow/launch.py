@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from loraflow.credentials import Redactor
@@ -84,8 +86,16 @@ def step_environment(extra: Mapping[str, str] = {}) -> dict[str, str]:
     return env
 
 
+#: Runs beside every local step and kills its process group when the launching process dies.
+_SUPERVISOR = Path(__file__).with_name("step_supervisor.py")
+
+
 class LocalLauncher:
-    """Runs one step program as a child process group and streams its output line by line."""
+    """Runs one step program as a child process group and streams its output line by line.
+
+    The step never outlives the process that launched it: if that process dies (SIGKILL included:
+    a lost worker, the OOM killer), the step and everything it started are killed with SIGKILL
+    (``loraflow/step_supervisor.py``), so a retry never runs beside a step of the try before."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
@@ -99,26 +109,39 @@ class LocalLauncher:
         ``secrets`` go into the step's environment only; their values are replaced by ``***`` in every
         line passed to ``sink`` and in the error message."""
         redact = Redactor(secrets)
-        with self._lock:
-            self._proc = subprocess.Popen(
-                list(argv),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                bufsize=1,
-                env=step_environment({**extra_env, **secrets}),
-                cwd=str(REPO_ROOT),
-                start_new_session=True,  # its own process group: kill() reaches every child
-            )
-        proc = self._proc
-        assert proc.stdout is not None
-        tail: list[str] = []
-        for line in proc.stdout:
-            line = redact(line.rstrip("\n"))
-            sink(line)
-            tail = ([*tail, line])[-20:]
-        rc = proc.wait()
+        # The tether: only this process holds the write end; when it dies, however it dies, the
+        # supervisor reads end of file and kills the step's process group (loraflow/step_supervisor.py).
+        tether, held = os.pipe()
+        try:
+            with self._lock:
+                self._proc = subprocess.Popen(
+                    [sys.executable or "python3", "-I", "-S", str(_SUPERVISOR), str(tether), "--", *argv],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    bufsize=1,
+                    env=step_environment({**extra_env, **secrets}),
+                    cwd=str(REPO_ROOT),
+                    start_new_session=True,  # its own process group: kill() reaches every child
+                    pass_fds=(tether,),
+                )
+        except BaseException:
+            os.close(held)
+            raise
+        finally:
+            os.close(tether)
+        try:
+            proc = self._proc
+            assert proc.stdout is not None
+            tail: list[str] = []
+            for line in proc.stdout:
+                line = redact(line.rstrip("\n"))
+                sink(line)
+                tail = ([*tail, line])[-20:]
+            rc = proc.wait()
+        finally:
+            os.close(held)  # the step has ended, or this launcher gave up on it: then it ends too
         if rc != 0:
             reason = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
             last = next((t for t in reversed(tail) if "ERROR" in t or "Error" in t), tail[-1] if tail else "")
