@@ -2,6 +2,12 @@
 
 Vertex AI and GKE launchers start the stage's image with the same argv (Vertex AI:
 ``loraflow.launch_vertex``); the local launcher is what runs the tiny pipeline on one machine.
+
+When the task process dies without ``on_kill`` (a lost worker, the OOM killer, SIGKILL): a local step
+dies with it (``loraflow/step_supervisor.py``). A Vertex AI job or GKE JobSet keeps running, since
+nothing is left to cancel it; the task's retry finds it by its deterministic identity
+(``loraflow.vertex.JobIdentity``: DAG, run, stage, cache key) and reattaches instead of submitting a
+second one, so that job stays the stage's only writer. Only a failed or cancelled job is replaced.
 """
 
 from __future__ import annotations
