@@ -10,10 +10,10 @@ class LoraflowError(Exception):
 class SpecError(LoraflowError):
     """A pipeline spec is invalid. ``problems`` lists every one, as ``(key path, message)``."""
 
-    def __init__(self, source: str, problems: list[tuple[str, str]]):
+    def __init__(self, source: str, problems: list[tuple[str, str]], where: str = "the pipeline spec"):
         self.source = source
         self.problems = problems
-        lines = [f"{source}: {len(problems)} problem(s) in the pipeline spec"]
+        lines = [f"{source}: {len(problems)} problem(s) in {where}"]
         lines += [f"  - {path}: {msg}" for path, msg in problems]
         super().__init__("\n".join(lines))
 

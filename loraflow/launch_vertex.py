@@ -25,6 +25,7 @@ from typing import Any
 from loraflow import vertex, vertex_errors
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launch import LineSink
+from loraflow.resource_names import vertex_api_host
 from loraflow.spec import ComputeSpec
 
 SUCCEEDED = "JOB_STATE_SUCCEEDED"
@@ -60,9 +61,7 @@ class VertexLauncher:
         self.output_prefix = output_prefix
         self.location = vertex.location_for(compute)
         self.project = project or vertex.project_for(compute)
-        self.endpoint = (
-            endpoint or os.environ.get("LORAFLOW_VERTEX_ENDPOINT") or f"{self.location}-aiplatform.googleapis.com"
-        )
+        self.endpoint = endpoint or endpoint_for(compute)
         self.credentials = credentials
         self.poll_seconds = poll_seconds or float(os.environ.get("LORAFLOW_VERTEX_POLL_SECONDS", "30"))
         self.job_name: str | None = None
@@ -248,8 +247,9 @@ class VertexApiError(LoraflowError):
 
 
 def endpoint_for(compute: ComputeSpec) -> str:
-    """The API endpoint a stage's jobs live at: ``LORAFLOW_VERTEX_ENDPOINT``, else the region's."""
-    return os.environ.get("LORAFLOW_VERTEX_ENDPOINT") or f"{vertex.location_for(compute)}-aiplatform.googleapis.com"
+    """The API endpoint a stage's jobs live at: ``LORAFLOW_VERTEX_ENDPOINT`` (the deployer's), else the
+    region's, built only from a valid region (``resource_names.vertex_api_host``)."""
+    return os.environ.get("LORAFLOW_VERTEX_ENDPOINT") or vertex_api_host(vertex.location_for(compute))
 
 
 class AsyncJobClient:

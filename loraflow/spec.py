@@ -6,17 +6,21 @@ A spec is one YAML file in ``pipelines/``. ``load_spec(path)`` returns a ``Pipel
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from loraflow import env_rules
+from loraflow import resource_names as rn
 from loraflow.errors import SpecError
 from loraflow.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.expectations import RULES as EXPECTATION_RULES
 from loraflow.expectations import DataExpectations, moved_keys_message
+from loraflow.spec_file import load_yaml, read_spec_file
 
 STAGES = (
     "validate_data",
@@ -33,8 +37,6 @@ STAGES = (
 HANDOFF_VERSION = "{version}"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _CRON_FIELD = re.compile(r"^[\d*/,\-A-Za-z?LW#]+$")
-# libyaml's safe loader where present (about 8x faster: DAG parsing reads every spec), else Python's.
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CRON_PRESETS = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
 
 
@@ -45,12 +47,25 @@ class _Model(BaseModel):
 def _gs_uri(value: str) -> str:
     if not value.startswith("gs://") or len(value) <= len("gs://") or value[5] == "/":
         raise ValueError(f"{value!r} is not a GCS URI; write gs://BUCKET/PATH")
+    bucket, _, path = value[5:].partition("/")
+    rn.check_bucket(bucket)
     if ".." in value.split("/"):
         raise ValueError(f"{value!r} contains '..'; write the full path without parent references")
+    if re.search(r"[\x00-\x1f\x7f]", value):
+        raise ValueError(f"{value!r} contains a control character; write the path without it")
+    if "." in path.split("/") or "//" in path.rstrip("/"):
+        raise ValueError(f"{value!r} has an empty or '.' path segment; write gs://BUCKET/PATH with plain segments")
     return value.rstrip("/")
 
 
 GsUri = Annotated[str, Field(description="a gs://BUCKET/PATH URI")]
+# Names a spec gives to environment variables of a step (compute.*.env, secrets): loraflow/env_rules.py.
+EnvName = Annotated[str, AfterValidator(env_rules.check_name)]
+EnvValue = Annotated[str, AfterValidator(env_rules.check_value)]
+# Names that go into Google Cloud and Kubernetes requests: loraflow/resource_names.py.
+Region = Annotated[str, AfterValidator(rn.check_region)]
+ProjectId = Annotated[str, AfterValidator(rn.check_project)]
+Image = Annotated[str, AfterValidator(rn.check_image)]
 
 
 class BaseModelSpec(_Model):
@@ -137,12 +152,12 @@ class VertexModelRegistrySpec(_Model):
     """Also register each promoted model in Vertex AI Model Registry (one model per pipeline, a
     version per promotion, the ``champion`` alias mirroring the GCS registry's)."""
 
-    project: str | None = Field(
-        None, description="GCP project; default LORAFLOW_VERTEX_PROJECT or GOOGLE_CLOUD_PROJECT"
+    project: ProjectId | None = Field(
+        None, description="GCP project id; default LORAFLOW_VERTEX_PROJECT or GOOGLE_CLOUD_PROJECT"
     )
-    region: str = Field("us-central1", description="Vertex AI region of the registry")
+    region: Region = Field("us-central1", description="Vertex AI region of the registry, e.g. us-central1")
     display_name: str | None = Field(None, description="the model's display name; default the pipeline's name")
-    serving_container_image: str = Field(description="container image that serves the merged model (e.g. vLLM)")
+    serving_container_image: Image = Field(description="container image that serves the merged model (e.g. vLLM)")
     serving_container_args: list[str] = Field(default_factory=list, description="arguments of the serving container")
     labels: dict[str, str] = Field(default_factory=dict, description="extra labels on every version")
 
@@ -174,32 +189,44 @@ class ComputeSpec(_Model):
     """Where one stage runs."""
 
     launcher: Literal["local", "vertex", "gke"] = "local"
-    machine_type: str | None = Field(None, description="e.g. ct5lp-hightpu-4t (Vertex) or a node pool machine")
-    tpu_topology: str | None = Field(None, description="e.g. 4x4")
+    machine_type: Annotated[str, AfterValidator(rn.check_machine_type)] | None = Field(
+        None, description="e.g. ct5lp-hightpu-4t (Vertex) or a node pool machine"
+    )
+    tpu_topology: Annotated[str, AfterValidator(rn.check_tpu_topology)] | None = Field(None, description="e.g. 4x4")
     hosts: int = Field(1, ge=1, description="processes (TPU hosts) the stage runs on")
-    image: str | None = Field(None, description="container image (vertex, gke)")
-    region: str | None = None
-    service_account: str | None = None
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the step")
+    image: Image | None = Field(None, description="container image (vertex, gke)")
+    region: Region | None = Field(None, description="vertex: Google Cloud region of the job, e.g. us-central1")
+    service_account: Annotated[str, AfterValidator(rn.check_service_account)] | None = Field(
+        None, description="the job's Google service account email"
+    )
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict,
+        description="extra environment variables for the step; names that change the interpreter, the loader, "
+        "TLS, proxies, credentials or loraflow's own wiring are refused (loraflow/env_rules.py)",
+    )
     deferrable: bool = Field(
         True,
         description="vertex, gke: wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)",
     )
-    network: str | None = Field(
+    network: Annotated[str, AfterValidator(rn.check_network)] | None = Field(
         None, description="vertex: VPC network to peer the job with, projects/PROJECT_NUMBER/global/networks/NAME"
     )
-    reserved_ip_ranges: list[str] = Field(
+    reserved_ip_ranges: list[Annotated[str, AfterValidator(rn.check_gce_name)]] = Field(
         default_factory=list, description="vertex: names of reserved IP ranges in that network for the job"
     )
     reservation: str | None = Field(
         None, description="vertex: consume this reservation, projects/P/zones/Z/reservations/NAME"
     )
     spot: bool = Field(False, description="vertex: run on Spot capacity (cheaper, preemptible)")
-    namespace: str | None = Field(None, description="gke: Kubernetes namespace of the JobSet (default: default)")
-    kubernetes_service_account: str | None = Field(
+    namespace: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
+        None, description="gke: Kubernetes namespace of the JobSet (default: default)"
+    )
+    kubernetes_service_account: Annotated[str, AfterValidator(rn.check_k8s_subdomain)] | None = Field(
         None, description="gke: the pods' Kubernetes service account (Workload Identity maps it to a Google one)"
     )
-    node_pool: str | None = Field(None, description="gke: run only on this node pool (cloud.google.com/gke-nodepool)")
+    node_pool: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
+        None, description="gke: run only on this node pool (cloud.google.com/gke-nodepool)"
+    )
 
     @model_validator(mode="after")
     def _vertex_options(self) -> ComputeSpec:
@@ -207,9 +234,7 @@ class ComputeSpec(_Model):
             raise ValueError("reserved_ip_ranges need a network; set network or remove reserved_ip_ranges")
         if self.reservation and self.spot:
             raise ValueError("Spot capacity cannot consume a reservation; set spot: false or remove reservation")
-        if self.reservation is not None and not re.fullmatch(
-            r"projects/[^/]+/zones/[^/]+/reservations/[^/]+", self.reservation
-        ):
+        if self.reservation is not None and not rn.RESERVATION.fullmatch(self.reservation):
             raise ValueError(f"reservation {self.reservation!r} is not projects/PROJECT/zones/ZONE/reservations/NAME")
         return self
 
@@ -238,7 +263,6 @@ class RetrySpec(_Model):
     max_delay_seconds: float = Field(600, ge=0, description="longest wait between two tries")
 
 
-_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
 _SECRET_FIELD = re.compile(r"^(password|login|host|extra\.[A-Za-z0-9_.-]+)$")
 
 
@@ -358,7 +382,7 @@ class PipelineSpec(_Model):
     publish: PublishSpec = PublishSpec()
     compute: dict[str, ComputeSpec] = Field(default_factory=dict, description="per stage (or 'default') where it runs")
     retry: RetrySpec = RetrySpec()
-    secrets: dict[str, SecretSpec] = Field(
+    secrets: dict[EnvName, SecretSpec] = Field(
         default_factory=dict, description="environment variable name -> the Airflow connection holding its value"
     )
     handoff: HandoffSpec | None = Field(
@@ -429,20 +453,6 @@ class PipelineSpec(_Model):
         unknown = sorted(set(v) - set(STAGES) - {"default"})
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; use 'default' or one of {list(STAGES)}")
-        return v
-
-    @field_validator("secrets")
-    @classmethod
-    def _secret_names(cls, v: dict[str, SecretSpec]) -> dict[str, SecretSpec]:
-        reserved = {"PATH", "HOME", "LANG", "TMPDIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "JAX_PLATFORMS"}
-        bad = sorted(
-            k for k in v if not _ENV_NAME.match(k) or k in reserved or k.startswith(("LORAFLOW_", "PYTHON", "AIRFLOW"))
-        )
-        if bad:
-            raise ValueError(
-                f"secret name(s) {bad} are not usable environment variable names; use upper-case names such "
-                "as HF_TOKEN (not PATH, HOME or the like, not starting with LORAFLOW_, PYTHON or AIRFLOW)"
-            )
         return v
 
     @model_validator(mode="after")
@@ -518,6 +528,28 @@ def trigger_fields(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
     return fields
 
 
+def check_trigger_keys(spec: PipelineSpec, keys: Iterable[str]) -> None:
+    """Refuse trigger parameters (a run's conf keys) that are no declared param of the spec, naming
+    each and the nearest declared one: Airflow passes an unknown conf key on silently, and a typo
+    such as ``training_step`` would otherwise train with the defaults."""
+    declared = sorted(param_name(p.path) for p in spec.params)
+    unknown = sorted(set(keys) - set(declared))
+    if not unknown:
+        return
+    listed = ", ".join(declared) if declared else "none: this pipeline declares no params"
+    problems = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, declared, n=1) or difflib.get_close_matches(
+            param_name(key), declared, n=1
+        )
+        hint = f"did you mean {near[0]}? " if near else ""
+        problems.append(
+            (key, f"is not a trigger parameter of this pipeline; {hint}Trigger parameters: {listed}. "
+             "Remove the key from the run's conf, or declare its setting under params in the spec")
+        )  # fmt: skip
+    raise SpecError(f"pipeline {spec.name}", problems, where="the run's trigger parameters (its conf)")
+
+
 def with_overrides(spec: PipelineSpec, overrides: dict[str, Any], source: str = "trigger parameters") -> PipelineSpec:
     """Apply ``{dotted.path: value}`` and validate the result as a whole spec."""
     data = spec.model_dump(mode="json")
@@ -568,22 +600,13 @@ def validate_spec(data: Any, source: str) -> PipelineSpec:
 
 def load_spec(path: str | Path) -> PipelineSpec:
     path = Path(path)
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise SpecError(str(path), [("(file)", "does not exist")]) from None
-    return parse_spec(text, path)
+    return parse_spec(read_spec_file(path), path)
 
 
 def parse_spec(text: bytes | str, path: Path) -> PipelineSpec:
-    """The spec in ``text``, the contents of the spec file ``path`` (its name must be the spec's)."""
-    try:
-        data = yaml.load(text, Loader=_YAML_LOADER)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(yaml)"
-        raise SpecError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
-    spec = validate_spec(data, str(path))
+    """The spec in ``text``, the contents of the spec file ``path`` (its name must be the spec's);
+    size, aliases and nesting are bounded (loraflow/spec_file.py)."""
+    spec = validate_spec(load_yaml(text, str(path)), str(path))
     if spec.name != path.stem:
         raise SpecError(str(path), [("name", f"is {spec.name!r} but the file is {path.name}; make them match")])
     return spec

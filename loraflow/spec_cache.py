@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from loraflow.errors import SpecError
+from loraflow.spec_file import read_spec_file
 
 CACHE_ENV = "LORAFLOW_SPEC_CACHE_DIR"
 _FORMAT = 1  # bump when CompiledSpec's fields change
@@ -67,10 +67,7 @@ def compile_spec(text: bytes, path: Path) -> CompiledSpec:
 def compiled(path: Path, cache_dir: Path | None = None) -> CompiledSpec:
     """The spec file at ``path``, compiled: from the cache when it holds this very file, else
     validated (raising ``SpecError`` with every problem) and cached."""
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise SpecError(str(path), [("(file)", "does not exist")]) from None
+    text = read_spec_file(path)  # size-capped, regular files only
     folder = default_cache_dir() if cache_dir is None else cache_dir
     if folder is None:
         return compile_spec(text, path)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, get_args, get_origin
+import functools
+import operator
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -15,10 +18,30 @@ Generated from `loraflow/spec.py` by `loraflow spec-reference > docs/spec-refere
 when this file and the schema disagree. A spec is one YAML file in `pipelines/` named after its
 `name`. `loraflow validate` checks specs and lists every problem at once; `loraflow plan SPEC` shows
 what a spec resolves to.
+
+A spec is read with limits (`loraflow/spec_file.py`: at most 1 MiB, YAML aliases bounded once
+expanded). Values that end up in a Google Cloud or Kubernetes request (regions, project ids, bucket
+names, machine types, images, namespaces, service accounts, networks, reservations) must have their
+kind's form (`loraflow/resource_names.py`), and `compute.*.env` and `secrets` may not name variables
+that change the interpreter, the loader, TLS, proxies, credentials or loraflow's own wiring
+(`loraflow/env_rules.py`). See [security.md](security.md).
 """
 
 
+def _plain(annotation: Any) -> Any:
+    """``annotation`` without ``Annotated[...]`` wrappers (validators are no part of the reference)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _plain(args[0])
+    if origin in (list, dict):
+        return origin[tuple(_plain(a) for a in args)]
+    if origin in (Union, UnionType):
+        return functools.reduce(operator.or_, (_plain(a) for a in args))
+    return annotation
+
+
 def _type(annotation: Any) -> str:
+    annotation = _plain(annotation)
     text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
     text = (text or str(annotation)).replace("typing.", "").replace("loraflow.spec.", "")
     return text.replace("NoneType", "null").replace("None", "null").replace("|", "\\|")

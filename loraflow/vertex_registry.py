@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.resource_names import vertex_api_host
 
 CHAMPION = "champion"
 DEFAULT = "default"  # Vertex's alias for the version used when none is named
@@ -105,9 +106,7 @@ class VertexModelRegistry:
         self.target = target
         self.pipeline = pipeline
         self.model_name = f"{target.parent}/models/{model_id(pipeline)}"
-        self.endpoint = (
-            endpoint or os.environ.get("LORAFLOW_VERTEX_ENDPOINT") or f"{target.region}-aiplatform.googleapis.com"
-        )
+        self.endpoint = endpoint or os.environ.get("LORAFLOW_VERTEX_ENDPOINT") or vertex_api_host(target.region)
         self.credentials = credentials
         self._client_obj: Any = None
 

@@ -99,6 +99,9 @@ def load_pipelines(folder: Path) -> dict[str, DAG]:
         except SpecError as exc:
             errors.append(str(exc))
             continue
+        except Exception as exc:  # whatever a hostile spec does, the other pipelines' DAGs still load
+            errors.append(f"{path}: cannot be loaded ({type(exc).__name__}: {exc}); run `loraflow validate {path}`")
+            continue
         if pipeline.name in dags:
             errors.append(f"{path}: pipeline name {pipeline.name!r} is used by another spec; names must be unique")
             continue

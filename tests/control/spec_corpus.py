@@ -31,7 +31,7 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
     ("s3-dataset", {"data.eval": "s3://bucket/eval.jsonl"}, "data.eval", "gs://BUCKET/PATH"),
     ("http-checkpoint", {"base_model.hf_checkpoint": "https://hub/model"}, "base_model.hf_checkpoint", "gs://"),
     ("bucketless-uri", {"artifact_root": "gs:///x"}, "artifact_root", "gs://BUCKET/PATH"),
-    ("parent-escape", {"artifact_root": "gs://b/runs/../../other"}, "artifact_root", "'..'"),
+    ("parent-escape", {"artifact_root": "gs://bucket/runs/../../other"}, "artifact_root", "'..'"),
     ("bad-name", {"name": "Tiny LLama!"}, "name", "lowercase letters"),
     ("bad-cron", {"schedule": "every monday"}, "schedule", "five fields"),
     ("bad-asset", {"schedule": {"asset": "/data/ready"}}, "schedule", "gs://"),

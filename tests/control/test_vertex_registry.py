@@ -107,7 +107,7 @@ def test_the_spec_section_reaches_the_publish_stage() -> None:
     spec = load_spec(Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml")
     assert "vertex_model_registry" not in stage_plans(spec)["publish"].config
     data = spec.model_dump(mode="json")
-    data["publish"]["vertex_model_registry"] = {"serving_container_image": "img", "project": "p"}
+    data["publish"]["vertex_model_registry"] = {"serving_container_image": "img", "project": "acme-ml"}
     from loraflow.spec import validate_spec
 
     config = stage_plans(validate_spec(data, "t"))["publish"].config["vertex_model_registry"]

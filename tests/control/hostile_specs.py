@@ -1,0 +1,127 @@
+"""Hostile pipeline specs: what a spec author who wants more than a pipeline might write.
+
+``EDITS``: (id, edits to the tiny spec as in spec_corpus.py, key path the error must name, words of
+the rule it must say). ``FILES``: (id, the spec file's bytes, key path, words): what cannot be
+written as an edit (sizes, aliases, encodings, nesting).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .spec_corpus import apply
+
+VERTEX = {"launcher": "vertex", "image": "us-docker.pkg.dev/acme-ml/loraflow/trainer:0.1.0", "machine_type": "n2-standard-8"}  # fmt: skip
+GKE = {"launcher": "gke", "image": "us-docker.pkg.dev/acme-ml/loraflow/trainer:0.1.0", "machine_type": "n2-standard-8"}
+INTERPRETER = "changes the Python interpreter"
+LOADER = "changes the dynamic loader"
+CLOUD = "changes which credentials, project or service endpoint"
+
+
+def env(name: str, value: str = "x") -> dict[str, Any]:
+    return {"compute.lora_sft": {**VERTEX, "env": {name: value}}}
+
+
+EDITS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("env-ld-preload", env("LD_PRELOAD", "/tmp/evil.so"), "compute.lora_sft.env.LD_PRELOAD", LOADER),
+    ("env-ld-library-path", env("LD_LIBRARY_PATH"), "compute.lora_sft.env.LD_LIBRARY_PATH", LOADER),
+    ("env-ld-audit", env("LD_AUDIT"), "compute.lora_sft.env.LD_AUDIT", LOADER),
+    ("env-dyld", env("DYLD_INSERT_LIBRARIES"), "compute.lora_sft.env.DYLD_INSERT_LIBRARIES", LOADER),
+    ("env-gconv", env("GCONV_PATH"), "compute.lora_sft.env.GCONV_PATH", LOADER),
+    ("env-pjrt-plugin", env("PJRT_NAMES_AND_LIBRARY_PATHS"), "compute.lora_sft.env.PJRT_NAMES_AND_LIBRARY_PATHS", LOADER),
+    ("env-jax-cache", env("JAX_COMPILATION_CACHE_DIR", "gs://x/c"), "compute.lora_sft.env.JAX_COMPILATION_CACHE_DIR", LOADER),
+    ("env-pythonpath", env("PYTHONPATH", "gs://evil"), "compute.lora_sft.env.PYTHONPATH", INTERPRETER),
+    ("env-pythonstartup", env("PYTHONSTARTUP"), "compute.lora_sft.env.PYTHONSTARTUP", INTERPRETER),
+    ("env-pythonhome", env("PYTHONHOME"), "compute.lora_sft.env.PYTHONHOME", INTERPRETER),
+    ("env-pythoninspect", env("PYTHONINSPECT"), "compute.lora_sft.env.PYTHONINSPECT", INTERPRETER),
+    ("env-pythonuserbase", env("PYTHONUSERBASE"), "compute.lora_sft.env.PYTHONUSERBASE", INTERPRETER),
+    ("env-pythonwarnings", env("PYTHONWARNINGS"), "compute.lora_sft.env.PYTHONWARNINGS", INTERPRETER),
+    ("env-bash-env", env("BASH_ENV"), "compute.lora_sft.env.BASH_ENV", "changes how a shell"),
+    ("env-sh-env", env("ENV"), "compute.lora_sft.env.ENV", "changes how a shell"),
+    ("env-ssl-cert", env("SSL_CERT_FILE"), "compute.lora_sft.env.SSL_CERT_FILE", "TLS certificates"),
+    ("env-requests-ca", env("REQUESTS_CA_BUNDLE"), "compute.lora_sft.env.REQUESTS_CA_BUNDLE", "TLS certificates"),
+    ("env-grpc-roots", env("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"), "compute.lora_sft.env.GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", "TLS"),
+    ("env-https-proxy", env("HTTPS_PROXY", "http://evil:3128"), "compute.lora_sft.env.HTTPS_PROXY", "proxy"),
+    ("env-http-proxy-lower", env("http_proxy"), "compute.lora_sft.env.http_proxy", "proxy"),
+    ("env-no-proxy", env("NO_PROXY"), "compute.lora_sft.env.NO_PROXY", "proxy"),
+    ("env-gac", env("GOOGLE_APPLICATION_CREDENTIALS"), "compute.lora_sft.env.GOOGLE_APPLICATION_CREDENTIALS", CLOUD),
+    ("env-universe", env("GOOGLE_CLOUD_UNIVERSE_DOMAIN", "evil.com"), "compute.lora_sft.env.GOOGLE_CLOUD_UNIVERSE_DOMAIN", CLOUD),
+    ("env-cloudsdk", env("CLOUDSDK_CONFIG"), "compute.lora_sft.env.CLOUDSDK_CONFIG", CLOUD),
+    ("env-metadata", env("GCE_METADATA_HOST", "evil.com"), "compute.lora_sft.env.GCE_METADATA_HOST", CLOUD),
+    ("env-storage-emulator", env("STORAGE_EMULATOR_HOST", "http://evil"), "compute.lora_sft.env.STORAGE_EMULATOR_HOST", CLOUD),
+    ("env-pubsub-emulator", env("PUBSUB_EMULATOR_HOST"), "compute.lora_sft.env.PUBSUB_EMULATOR_HOST", CLOUD),
+    ("env-aws", env("AWS_SECRET_ACCESS_KEY"), "compute.lora_sft.env.AWS_SECRET_ACCESS_KEY", CLOUD),
+    ("env-hf-endpoint", env("HF_ENDPOINT", "https://evil"), "compute.lora_sft.env.HF_ENDPOINT", CLOUD),
+    ("env-loraflow-scratch", env("LORAFLOW_SCRATCH", "/opt/airflow/dags"), "compute.lora_sft.env.LORAFLOW_SCRATCH", "loraflow's"),
+    ("env-loraflow-fault", env("LORAFLOW_FAULT"), "compute.lora_sft.env.LORAFLOW_FAULT", "loraflow's"),
+    ("env-hf-online", env("HF_HUB_OFFLINE", "0"), "compute.lora_sft.env.HF_HUB_OFFLINE", "loraflow's"),
+    ("env-path", env("PATH", "/tmp/evil"), "compute.lora_sft.env.PATH", "process basic"),
+    ("env-home", env("HOME"), "compute.lora_sft.env.HOME", "process basic"),
+    ("env-tmpdir", env("TMPDIR", "/opt/airflow/dags"), "compute.lora_sft.env.TMPDIR", "process basic"),
+    ("env-lowercase", env("my_flag"), "compute.lora_sft.env.my_flag", "not a portable environment variable name"),
+    ("env-equals", env("A=B"), "compute.lora_sft.env.A=B", "not a portable environment variable name"),
+    ("env-nul-value", env("MY_FLAG", "a\0b"), "compute.lora_sft.env.MY_FLAG", "NUL character"),
+    ("env-default-stage", {"compute.default": {"env": {"LD_PRELOAD": "x"}}}, "compute.default.env.LD_PRELOAD", LOADER),
+    ("secret-pythonpath", {"secrets": {"PYTHONPATH": {"connection": "hf"}}}, "secrets.PYTHONPATH", INTERPRETER),
+    ("secret-proxy", {"secrets": {"HTTPS_PROXY": {"connection": "hf"}}}, "secrets.HTTPS_PROXY", "proxy"),
+    ("region-path", {"compute.lora_sft": {**VERTEX, "region": "evil.com/x"}}, "compute.lora_sft.region", "not a Google Cloud region"),
+    ("region-host", {"compute.lora_sft": {**VERTEX, "region": "us-central1.evil.com"}}, "compute.lora_sft.region", "not a Google Cloud region"),
+    ("region-userinfo", {"compute.lora_sft": {**VERTEX, "region": "evil.com@us-central1"}}, "compute.lora_sft.region", "not a Google Cloud region"),
+    ("region-fragment", {"compute.lora_sft": {**VERTEX, "region": "evil.com#"}}, "compute.lora_sft.region", "not a Google Cloud region"),
+    ("region-newline", {"compute.lora_sft": {**VERTEX, "region": "us-central1\n"}}, "compute.lora_sft.region", "not a Google Cloud region"),
+    ("registry-region", {"publish.vertex_model_registry": {"serving_container_image": "vllm/vllm-openai:v1", "region": "evil.com/"}}, "publish.vertex_model_registry.region", "not a Google Cloud region"),
+    ("project-slash", {"publish.vertex_model_registry": {"serving_container_image": "vllm/vllm-openai:v1", "project": "p/../../x"}}, "publish.vertex_model_registry.project", "not a Google Cloud project id"),
+    ("project-query", {"publish.vertex_model_registry": {"serving_container_image": "vllm/vllm-openai:v1", "project": "acme-ml?x=1"}}, "publish.vertex_model_registry.project", "not a Google Cloud project id"),
+    ("image-url", {"compute.lora_sft": {**VERTEX, "image": "http://evil/x"}}, "compute.lora_sft.image", "not a container image reference"),
+    ("image-space", {"compute.lora_sft": {**VERTEX, "image": "trainer:1 --privileged"}}, "compute.lora_sft.image", "not a container image reference"),
+    ("machine-type-path", {"compute.lora_sft": {**VERTEX, "machine_type": "n2/../x"}}, "compute.lora_sft.machine_type", "not a machine type"),
+    ("topology", {"compute.lora_sft": {**VERTEX, "machine_type": "ct5lp-hightpu-4t", "tpu_topology": "4x4;x"}}, "compute.lora_sft.tpu_topology", "not a TPU topology"),
+    ("service-account", {"compute.lora_sft": {**VERTEX, "service_account": "me@evil.com"}}, "compute.lora_sft.service_account", "not a Google service account"),
+    ("network", {"compute.lora_sft": {**VERTEX, "network": "projects/1/global/networks/a/../b"}}, "compute.lora_sft.network", "not a VPC network"),
+    ("reserved-range", {"compute.lora_sft": {**VERTEX, "network": "projects/1/global/networks/n", "reserved_ip_ranges": ["a/b"]}}, "compute.lora_sft.reserved_ip_ranges.0", "not a Compute Engine resource name"),
+    ("reservation", {"compute.lora_sft": {**VERTEX, "reservation": "projects/p/zones/z/reservations/r?x"}}, "compute.lora_sft", "is not projects/PROJECT/zones/ZONE/reservations/NAME"),
+    ("namespace-path", {"compute.lora_sft": {**GKE, "namespace": "default/../../api"}}, "compute.lora_sft.namespace", "not a Kubernetes name"),
+    ("node-pool", {"compute.lora_sft": {**GKE, "node_pool": "Pool_1"}}, "compute.lora_sft.node_pool", "not a Kubernetes name"),
+    ("k8s-sa", {"compute.lora_sft": {**GKE, "kubernetes_service_account": "sa/../x"}}, "compute.lora_sft.kubernetes_service_account", "not a Kubernetes name"),
+    ("bucket-host", {"artifact_root": "gs://evil.com:443@x/runs"}, "artifact_root", "not a GCS bucket name"),
+    ("bucket-upper", {"data.train": "gs://Bucket/train.jsonl"}, "data.train", "not a GCS bucket name"),
+    ("uri-newline", {"data.eval": "gs://loraflow-demo/eval\n.jsonl"}, "data.eval", "control character"),
+    ("uri-dot-segment", {"base_model.hf_checkpoint": "gs://loraflow-demo/./m"}, "base_model.hf_checkpoint", "'.' path segment"),
+    ("asset-bucket", {"schedule": {"asset": "gs://a/x"}}, "schedule", "not a GCS bucket name"),
+]  # fmt: skip
+
+
+def tiny_with(tiny: dict[str, Any], ident: str, edits: dict[str, Any]) -> dict[str, Any]:
+    """The tiny spec with ``edits`` applied, renamed ``ident`` (so it can live in a DAG folder)."""
+    import copy
+
+    data = apply(copy.deepcopy(tiny), edits)
+    data["name"] = ident
+    return data
+
+
+def alias_bomb(levels: int = 12, width: int = 10) -> bytes:
+    """A "billion laughs" of ``width ** levels`` scalars once expanded, a few hundred bytes as written:
+    a param's ``enum`` (a list of anything, valid as written) whose levels each repeat the one before."""
+    items = ["&l0 [" + ", ".join(["lol"] * width) + "]"]
+    items += [f"&l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]" for i in range(1, levels)]
+    return ("params:\n  - path: training.steps\n    enum: [" + ", ".join(items) + "]\n").encode()
+
+
+def _deep(depth: int) -> bytes:
+    return ("params:\n  - path: training.steps\n    enum: " + "[" * depth + "1" + "]" * depth + "\n").encode()
+
+
+def files(tiny_text: bytes) -> list[tuple[str, bytes, str, str]]:
+    """Hostile spec files (bytes), each named by its id; the tiny spec's text is the base."""
+    return [
+        ("alias-bomb", tiny_text + alias_bomb(), "(yaml)", "once its aliases (*name) are expanded"),
+        ("recursive-alias", tiny_text + b"tags: &t [a, *t]\n", "(yaml)", "refers to its own anchor"),
+        ("two-mebibytes", tiny_text + b"#" + b"x" * (2 * 1024 * 1024) + b"\n", "(file)", "over the cap of 1048576 bytes"),
+        ("not-utf8", tiny_text + b"description: caf\xe9 \xff\xfe\n", "byte", "is not UTF-8 text"),
+        ("nul-bytes", "name: x\n".encode("utf-16-le") + b"\x00\x00\xff", "byte", "is not UTF-8 text"),
+        ("deep-nesting", tiny_text + _deep(500), "(yaml)", "nests deeper than 64 levels"),
+        ("deeper-than-libyaml", tiny_text + _deep(5000), "line", "not valid YAML"),
+        ("python-tag", tiny_text + b"tags: !!python/object/apply:os.system ['touch /tmp/pwned']\n", "line", "not valid YAML"),
+        ("not-a-mapping", b"- just\n- a list\n", "(top level)", "a spec is a YAML mapping"),
+    ]  # fmt: skip

@@ -1,0 +1,154 @@
+"""Every hostile spec is refused: the message names the key and the rule it broke, `loraflow validate`
+exits non-zero without a traceback and writes nothing, and the DAG folder still loads every other
+pipeline beside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loraflow.cli import main
+from loraflow.errors import SpecError
+from loraflow.spec import load_spec, parse_spec, validate_spec
+
+from .hostile_specs import EDITS, alias_bomb, files, tiny_with
+from .test_dags import parse
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_TEXT = (REPO / "pipelines" / "tiny-llama-lora.yaml").read_bytes()
+TINY = yaml.safe_load(TINY_TEXT)
+FILES = files(TINY_TEXT)
+
+
+def write_corpus(folder: Path) -> list[str]:
+    """Every hostile spec as a file of ``folder``, named by its id; the ids."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for ident, edits, _, _ in EDITS:
+        (folder / f"{ident}.yaml").write_text(yaml.safe_dump(tiny_with(TINY, ident, edits)))
+    for ident, text, _, _ in FILES:
+        (folder / f"{ident}.yaml").write_bytes(text)
+    return [c[0] for c in EDITS] + [c[0] for c in FILES]
+
+
+def test_the_corpus_covers_every_lane_of_the_spec_author() -> None:
+    paths = " ".join(c[2] for c in EDITS)
+    for part in (".env.", "secrets.", ".region", ".project", ".image", ".namespace", "artifact_root", "data."):
+        assert part in paths
+    assert len(EDITS) + len(FILES) >= 60
+
+
+@pytest.mark.parametrize(("edits", "where", "says"), [c[1:] for c in EDITS], ids=[c[0] for c in EDITS])
+def test_a_hostile_value_is_refused_naming_its_key_and_the_rule(edits: dict, where: str, says: str) -> None:
+    with pytest.raises(SpecError) as err:
+        validate_spec(tiny_with(TINY, "hostile", edits), "hostile.yaml")
+    assert any(path == where and says in msg for path, msg in err.value.problems), err.value.problems
+
+
+@pytest.mark.parametrize(("text", "where", "says"), [c[1:] for c in FILES], ids=[c[0] for c in FILES])
+def test_a_hostile_file_is_refused_before_it_is_validated(text: bytes, where: str, says: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, Path("hostile.yaml"))
+    assert any(path.startswith(where) and says in msg for path, msg in err.value.problems), err.value.problems
+
+
+def test_validate_refuses_each_with_the_rule_no_traceback_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "specs"
+    idents = write_corpus(folder)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    wanted = {c[0]: (c[2], c[3]) for c in EDITS} | {c[0]: (c[2], c[3]) for c in FILES}
+    for ident in idents:
+        assert main(["validate", str(folder / f"{ident}.yaml")]) == 1, ident
+        out, err = capsys.readouterr()
+        where, says = wanted[ident]
+        assert "Traceback" not in out + err
+        assert f"INVALID  {folder / ident}.yaml" in err and where in err and says in err, (ident, err)
+        assert out.strip() == "0 valid, 1 invalid"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_validate_command_on_the_whole_corpus_exits_non_zero_without_a_traceback(tmp_path: Path) -> None:
+    folder = tmp_path / "specs"
+    idents = write_corpus(folder)
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "LORAFLOW_SPEC_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "-m", "loraflow.cli", "validate", str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr + run.stdout
+    assert run.stdout.strip().endswith(f"0 valid, {len(idents)} invalid")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["specs"]  # no cache, no home, nothing else
+
+
+def test_an_alias_bomb_that_validated_before_is_refused_as_written() -> None:
+    """The bomb in a param's enum is valid as written (a list of anything): only measuring its expansion
+    (10**12 scalars here) refuses it; it is never expanded."""
+    plain = yaml.load(TINY_TEXT + alias_bomb(), Loader=yaml.SafeLoader)  # composes fine: nodes are shared
+    assert len(plain["params"][0]["enum"]) == 12
+    with pytest.raises(SpecError, match=r"more than 100000 YAML nodes once its aliases"):
+        parse_spec(TINY_TEXT + alias_bomb(), Path("tiny-llama-lora.yaml"))
+
+
+def test_the_shipped_specs_keep_their_anchors_and_aliases() -> None:
+    """The production spec shares one compute section between two stages with &serving / *serving."""
+    text = (REPO / "pipelines" / "llama31-8b-lora.yaml").read_text()
+    assert "&serving" in text and "*serving" in text
+    spec = load_spec(REPO / "pipelines" / "llama31-8b-lora.yaml")
+    assert spec.compute["evaluate_base"] == spec.compute["evaluate_tuned"]
+
+
+def test_a_fifo_or_a_folder_named_like_a_spec_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    (tmp_path / "folder.yaml").mkdir()
+    for path in (fifo, tmp_path / "folder.yaml"):
+        with pytest.raises(SpecError, match="is not a regular file"):
+            load_spec(path)
+
+
+def test_the_dag_folder_loads_the_valid_pipeline_beside_every_hostile_spec(tmp_path: Path) -> None:
+    folder = tmp_path / "pipelines"
+    idents = write_corpus(folder)
+    (folder / "tiny-llama-lora.yaml").write_bytes(TINY_TEXT)
+    os.mkfifo(folder / "a-fifo.yaml")
+    result = parse(folder, tmp_path, LORAFLOW_SPEC_CACHE_DIR=str(tmp_path / "cache"))
+    assert result["dags"] == ["tiny-llama-lora"]
+    [message] = result["errors"].values()
+    for ident in [*idents, "a-fifo"]:
+        assert f"{ident}.yaml" in message
+    assert "Traceback" not in message
+
+
+def test_a_spec_that_breaks_loading_in_an_unforeseen_way_is_still_only_its_own_import_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defence in depth: whatever a spec raises (not only SpecError), the other pipelines still load."""
+    from loraflow import spec_cache
+    from operators import dag_factory
+
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "tiny-llama-lora.yaml").write_bytes(TINY_TEXT)
+    (folder / "odd.yaml").write_text("name: odd\n")
+
+    def compiled(path: Path) -> spec_cache.CompiledSpec:
+        if path.name == "odd.yaml":
+            raise RecursionError("maximum recursion depth exceeded")
+        return spec_cache.compiled(path, cache_dir=tmp_path / "cache")
+
+    monkeypatch.setattr(dag_factory, "compiled", compiled)
+    dags = dag_factory.load_pipelines(folder)
+    assert sorted(dags) == ["_loraflow_invalid_specs", "tiny-llama-lora"]
+    message = dags["_loraflow_invalid_specs"].doc_md or ""
+    assert "odd.yaml: cannot be loaded (RecursionError: maximum recursion depth exceeded)" in message
+    assert "loraflow validate" in message
