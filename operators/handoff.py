@@ -51,8 +51,11 @@ class PickDatasetOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.exceptions import AirflowSkipException
 
+        from loraflow.spec import check_trigger_keys
+
         spec = _spec(self.spec)
         assert spec.handoff is not None
+        check_trigger_keys(spec, context["params"])  # before a dataset version is claimed
         requested = handoff.requested_version(triggering_extras(context))
         try:
             choice = handoff.pick(spec.handoff, self.dag_id, context["run_id"], requested)

@@ -107,7 +107,7 @@ def test_trigger_values_reach_the_resolved_spec() -> None:
     data = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
     base = validate_spec(data, "tiny")
     params = {"training_steps": 37, "training_learning_rate": 0.0005, "lora_rank": 4, "gate_min_improvement": 0.05}
-    resolved = resolve_spec(data, {**params, "not_a_setting": "ignored"})
+    resolved = resolve_spec(data, params)
     assert (resolved.training.steps, resolved.training.learning_rate) == (37, 0.0005)
     assert (resolved.lora.rank, resolved.gate.min_improvement) == (4, 0.05)
     expected = base.model_dump(mode="json")

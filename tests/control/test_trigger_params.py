@@ -1,0 +1,111 @@
+"""The triggerer's lane: a run's conf may set the spec's declared params and nothing else. A key that is no
+declared param (a typo such as ``training_step``) fails the run's first task, naming the key and the
+nearest declared one, before any stage launches anything or a dataset version is claimed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loraflow.errors import SpecError
+from loraflow.spec import check_trigger_keys, trigger_fields, validate_spec
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
+SPEC = validate_spec(DATA, "tiny")
+DECLARED = sorted(trigger_fields(SPEC))
+DEFAULTS = {name: field["default"] for name, field in trigger_fields(SPEC).items()}
+
+
+def test_a_typo_is_refused_naming_the_key_and_the_nearest_declared_param() -> None:
+    with pytest.raises(SpecError) as err:
+        check_trigger_keys(SPEC, [*DEFAULTS, "training_step"])
+    [(key, message)] = err.value.problems
+    assert key == "training_step"
+    assert "did you mean training_steps?" in message
+    assert "Trigger parameters: " + ", ".join(DECLARED) in message
+    assert "the run's trigger parameters" in str(err.value) and "tiny-llama-lora" in str(err.value)
+
+
+def test_a_dotted_setting_as_conf_key_is_pointed_at_its_param_name() -> None:
+    with pytest.raises(SpecError, match=r"lora\.rank: .*did you mean lora_rank\?"):
+        check_trigger_keys(SPEC, ["lora.rank"])
+
+
+def test_a_pipeline_without_params_refuses_any_conf_key_and_says_so() -> None:
+    bare = validate_spec({**DATA, "params": []}, "bare")
+    check_trigger_keys(bare, [])
+    with pytest.raises(SpecError, match="none: this pipeline declares no params"):
+        check_trigger_keys(bare, ["training_steps"])
+
+
+@given(st.sets(st.sampled_from(DECLARED)), st.sets(st.text(min_size=1, max_size=20)))
+def test_exactly_the_keys_that_are_no_declared_param_are_refused(declared: set[str], others: set[str]) -> None:
+    unknown = others - set(DECLARED)
+    if not unknown:
+        check_trigger_keys(SPEC, declared | others)
+        return
+    with pytest.raises(SpecError) as err:
+        check_trigger_keys(SPEC, declared | others)
+    assert [key for key, _ in err.value.problems] == sorted(unknown)
+
+
+# ------------------------------------------------------------------------- at the operators
+
+
+class FakeTI:
+    def xcom_pull(self, task_ids: str) -> Any:
+        return None
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records any attempt to prepare or run a stage (there must be none)."""
+    from loraflow import runner
+
+    seen: list[str] = []
+    for name in ("run_stage", "prepare_stage"):
+        monkeypatch.setattr(runner, name, lambda *a, _n=name, **k: seen.append(_n))
+    return seen
+
+
+@pytest.mark.parametrize("stage", ["validate_data", "convert_checkpoint", "lora_sft", "report"])
+def test_every_stage_task_fails_on_an_unknown_conf_key_before_it_launches(stage: str, launches: list[str]) -> None:
+    from operators.stages import OPERATORS
+
+    op = OPERATORS[stage].for_spec(DATA)
+    context = {"params": {**DEFAULTS, "training_step": 5}, "run_id": "manual__1", "ti": FakeTI()}
+    with pytest.raises(
+        SpecError, match=r"training_step: is not a trigger parameter of this pipeline; did you mean training_steps\?"
+    ):
+        op.execute(context)
+    assert launches == []
+
+
+def test_resolve_spec_takes_the_declared_keys(launches: list[str]) -> None:
+    from operators.stages import resolve_spec
+
+    assert resolve_spec(DATA, {**DEFAULTS, "training_steps": 37}).training.steps == 37
+    assert resolve_spec(DATA, {}) == SPEC
+
+
+def test_pick_dataset_refuses_an_unknown_conf_key_before_it_claims_a_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraflow import handoff
+    from operators.handoff import PickDatasetOperator
+
+    data = {**DATA, "name": "tiny-handoff", "handoff": {"prefix": "gs://team-data/handoff"}}
+    data["data"] = {k: v for k, v in data["data"].items() if k not in ("train", "eval")}
+    claims: list[str] = []
+    monkeypatch.setattr(handoff, "pick", lambda *a, **k: claims.append("pick"))
+    op = PickDatasetOperator(spec=validate_spec(data, "t").model_dump(mode="json"))
+    with pytest.raises(SpecError, match=r"gate_min_improvment: .*did you mean gate_min_improvement\?"):
+        op.execute({"params": {**DEFAULTS, "gate_min_improvment": 0.1}, "run_id": "manual__1", "ti": FakeTI()})
+    assert claims == []
