@@ -80,6 +80,22 @@ def seed_sources(spec_path: Path, model_dir: Path, data_dir: Path = TINY_DATA) -
 # ---------------------------------------------------------------------------------- Airflow
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only: the file is created 0600 (never world-
+    readable, not even for a moment) beside ``path`` and renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a crashed earlier process of the same id
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class LocalAirflow:
     """Airflow's API server, scheduler (LocalExecutor), DAG processor and triggerer on 127.0.0.1."""
 
@@ -139,14 +155,12 @@ class LocalAirflow:
     def _secret(self, name: str) -> str:
         path = self.home / name
         if not path.exists():
-            self.home.mkdir(parents=True, exist_ok=True)
-            path.write_text(secrets.token_urlsafe(24))
-            path.chmod(0o600)
+            write_private(path, secrets.token_urlsafe(24))
         return path.read_text().strip()
 
     def _password(self) -> str:
         password = self._secret("admin_password")
-        (self.home / "passwords.json").write_text(json.dumps({"admin": password}))
+        write_private(self.home / "passwords.json", json.dumps({"admin": password}))
         return password
 
     def start(self, timeout: float = 420) -> None:  # generous: a loaded machine starts it slowly
