@@ -18,6 +18,8 @@ from safetensors.numpy import load_file, save_file
 from loraflow import merge_numerics as contract
 from loraflow import tinymodel
 from loraflow.merge import (
+    LoraConfig,
+    LoraTarget,
     MergeError,
     load_adapter_config,
     lora_scale,
@@ -31,6 +33,7 @@ from loraflow.safetensors_io import (
     Checkpoint,
     SafetensorsError,
     ShardedWriter,
+    TensorInfo,
     TensorSpec,
     plan_shards,
     safetensors_dtype,
@@ -364,6 +367,80 @@ def test_rank_and_alpha_patterns_set_each_modules_scale(base: Path, tmp_path: Pa
         pair = {k: v for k, v in tensors.items() if k.startswith(f"base_model.model.{module}.lora_")}
         expected = expected_merge(base_t, pair, scale)[name]
         np.testing.assert_allclose(merged[name], expected, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def info(name: str, shape: tuple[int, ...], dtype: str = "F32") -> TensorInfo:
+    return TensorInfo(name, dtype, shape, Path("x.safetensors"), 0, 0)
+
+
+def lora_pair(module: str, r: int, n_in: int, n_out: int) -> dict[str, TensorInfo]:
+    a, b = f"base_model.model.{module}.lora_A.weight", f"base_model.model.{module}.lora_B.weight"
+    return {a: info(a, (r, n_in)), b: info(b, (n_out, r))}
+
+
+def test_plan_reads_target_modules_and_fan_in_fan_out_as_peft_does(tmp_path: Path) -> None:
+    base = {"m.q.weight": info("m.q.weight", (6, 4)), "m.c_attn.weight": info("m.c_attn.weight", (4, 6))}
+    q = lora_pair("m.q", 2, 4, 6)
+    for targets in (None, "all-linear", r"m\.q", ["q"]):
+        plan = plan_merge(q, base, LoraConfig(r=2, lora_alpha=4, target_modules=targets))
+        a, b = q
+        assert plan == {"m.q.weight": LoraTarget("m.q.weight", a, b, 2, 2.0)}, targets
+    for targets in (r"m\.k", ["k"], "q"):  # a string is a regex over the whole module name
+        with pytest.raises(MergeError, match="not in target_modules"):
+            plan_merge(q, base, LoraConfig(r=2, lora_alpha=4, target_modules=targets))
+    # fan_in_fan_out (GPT-2's Conv1D): the base weight is stored [in, out]
+    conv = lora_pair("m.c_attn", 2, 4, 6)
+    assert plan_merge(conv, base, LoraConfig(r=2, lora_alpha=4, fan_in_fan_out=True))["m.c_attn.weight"].rank == 2
+    with pytest.raises(MergeError, match=r"need A \[2, 6\], B \[4, 2\]"):
+        plan_merge(conv, base, LoraConfig(r=2, lora_alpha=4))
+    cfg = {"r": 2, "lora_alpha": 4, "fan_in_fan_out": True, "use_rslora": True}
+    loaded = load_config_from(cfg, tmp_path)
+    assert (loaded.fan_in_fan_out, loaded.use_rslora, loaded.r, loaded.lora_alpha) == (True, True, 2, 4.0)
+    plain = load_config_from({"r": 2, "lora_alpha": 4}, tmp_path)
+    assert (plain.fan_in_fan_out, plain.use_rslora) == (False, False)
+
+
+def load_config_from(raw: dict, folder: Path) -> LoraConfig:
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps(raw))
+    return load_adapter_config(path)
+
+
+def test_adapter_configs_that_cannot_be_merged_are_refused_with_every_reason(tmp_path: Path) -> None:
+    with pytest.raises(MergeError) as err:
+        load_config_from({"peft_type": "ia3", "bias": "all", "r": 0, "lora_alpha": -1}, tmp_path)
+    text = str(err.value)
+    for reason in ("peft_type is 'ia3': only LORA", "bias is 'all': LoRA biases are not supported",
+                   "r is 0: set it to the LoRA rank", "lora_alpha is -1: set it to the alpha"):  # fmt: skip
+        assert reason in text
+    assert load_config_from({"peft_type": "lora", "bias": "none", "r": 1, "lora_alpha": 1}, tmp_path).r == 1
+    for bad in ({"r": 1.5, "lora_alpha": 1}, {"r": 1, "lora_alpha": "8"}, {"r": 1, "lora_alpha": 0}):
+        with pytest.raises(MergeError, match=r"(r|lora_alpha) is"):
+            load_config_from(bad, tmp_path)
+
+
+def test_plan_lists_every_problem_of_an_adapter() -> None:
+    base = {
+        "m.q.weight": info("m.q.weight", (6, 4)),
+        "m.k.weight": info("m.k.weight", (6, 4), "I8"),
+        "m.v.weight": info("m.v.weight", (6, 4)),
+    }
+    adapter = {
+        **lora_pair("m.q", 2, 4, 6),
+        **lora_pair("m.k", 2, 4, 6),  # int8 base: not mergeable
+        **lora_pair("m.v", 3, 4, 6),  # rank 3 while r is 2
+        **lora_pair("m.o", 2, 4, 6),  # no such base tensor
+        "base_model.model.m.u.lora_A.weight": info("base_model.model.m.u.lora_A.weight", (2, 4)),  # no lora_B
+    }
+    with pytest.raises(MergeError) as err:
+        plan_merge(adapter, base, LoraConfig(r=2, lora_alpha=4, target_modules=["q", "k", "v", "o", "u"]))
+    text = str(err.value)
+    assert "cannot merge this adapter (4 problem(s))" in text
+    assert "m.k.weight is I8: only F16/BF16/F32/F64" in text and "at rank 2" in text
+    assert "'m.o.weight', which the base checkpoint does not hold (closest: 'm." in text
+    assert "'base_model.model.m.u.lora_A.weight' has no lora_B partner" in text
+    with pytest.raises(MergeError, match=r"\(1 problem\(s\)\):\n  - the adapter holds no lora_A/lora_B tensors"):
+        plan_merge({}, base, LoraConfig(r=2, lora_alpha=4))
 
 
 # ------------------------------------------------------------------------------------- failures
