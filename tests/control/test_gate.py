@@ -79,9 +79,14 @@ def bootstrap_reference(base: str, tuned: str, samples: int, seed: int, confiden
     return float(lo), float(hi)
 
 
-@pytest.mark.parametrize(("samples", "seed", "confidence"), [(2000, 0, 0.95), (500, 7, 0.8), (1, 3, 0.5)])
-def test_the_interval_is_the_paired_percentile_bootstrap(samples: int, seed: int, confidence: float) -> None:
-    base, tuned = "0011010011" * 5, "0111011010" * 5
+@pytest.mark.parametrize(
+    ("samples", "seed", "confidence", "repeat"),
+    [(2000, 0, 0.95, 5), (500, 7, 0.8, 5), (1, 3, 0.5, 5), (2100, 1, 0.95, 220)],  # 2200 examples: drawn in 2 chunks
+)
+def test_the_interval_is_the_paired_percentile_bootstrap(
+    samples: int, seed: int, confidence: float, repeat: int
+) -> None:
+    base, tuned = "0011010011" * repeat, "0111011010" * repeat
     d = decide(outcomes(base), outcomes(tuned), bootstrap_samples=samples, seed=seed, confidence=confidence)
     assert d.ci == pytest.approx(bootstrap_reference(base, tuned, samples, seed, confidence), abs=1e-12)
 
@@ -90,6 +95,7 @@ def test_the_decision_records_its_settings() -> None:
     d = decide(outcomes("0" * 50 + "1" * 50), outcomes("1" * 100))
     assert (d.metric, d.min_improvement, d.confidence, d.bootstrap_samples, d.seed) == ("accuracy", 0.3, 0.95, 2000, 0)
     assert d.promote is True and "95% interval" in d.reason
+    assert d.as_dict()["ci"] == list(d.ci)  # a list, as JSON has it
     record = json.loads(json.dumps(d.as_dict()))  # what decision.json holds
     assert record["ci"] == list(d.ci) and record["promote"] is True
     assert {k: record[k] for k in ("metric", "min_improvement", "confidence", "bootstrap_samples", "seed")} == {
