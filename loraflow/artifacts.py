@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 from loraflow import faults, gcs
 from loraflow.errors import ArtifactError
+from loraflow.local_paths import check_name, local_paths, name_problem
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,12 @@ def fingerprint(files: Mapping[str, Mapping[str, Any]]) -> str:
     for name in sorted(files):
         h.update(f"{name}\0{files[name]['size']}\0{files[name]['crc32c']}\n".encode())
     return h.hexdigest()
+
+
+def input_identity(manifest: Manifest) -> str:
+    """What stands for an upstream stage in a downstream stage's cache key: the upstream's own cache
+    key (what it was computed from), or, for a manifest without one, its files' fingerprint."""
+    return str(manifest.data.get("cache_key") or manifest.fingerprint)
 
 
 def cache_key(input_fingerprints: Mapping[str, str], config: Mapping[str, Any], lock_version: str) -> str:
@@ -115,10 +122,18 @@ def upload_tree(
     bucket_name, base = gcs.split_uri(prefix)
     bucket = gcs.client().bucket(bucket_name)
     files: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(local_dir).as_posix()
-        if rel == MANIFEST:
-            raise ArtifactError(f"a step may not write {MANIFEST} itself ({path})")
+    # A name readers would refuse (local_paths) is never uploaded: all are checked before the first is.
+    paths = {
+        check_name(
+            p.relative_to(local_dir).as_posix(),
+            what=f"the step's output folder {local_dir}",
+            fix=f"Nothing was uploaded to {prefix}; rename that file in the step",
+        ): p
+        for p in sorted(q for q in local_dir.rglob("*") if q.is_file())
+    }
+    if MANIFEST in paths:
+        raise ArtifactError(f"a step may not write {MANIFEST} itself ({paths[MANIFEST]})")
+    for rel, path in paths.items():
         crc = crc32c_file(path)
         blob = bucket.blob(f"{base}/{rel}" if base else rel)
         # The checksum travels with the upload and GCS refuses bytes that do not match it; the
@@ -224,7 +239,27 @@ def read_manifest(uri: str) -> Manifest:
             f"{uri} was written for {data.get('prefix')!r}, not for {manifest.prefix!r}: "
             "a manifest copied from another run is never trusted; re-run the stage"
         )
+    problem = _file_table_problem(data.get("files"))
+    if problem:
+        raise ArtifactError(f"{uri} is refused: {problem}; no loraflow step writes that, so re-run the stage")
     return manifest
+
+
+def _file_table_problem(files: Any) -> str | None:
+    """Why a manifest's ``files`` is not a table of safe names with a size and a checksum each."""
+    if not isinstance(files, dict):
+        return "its 'files' is not a table of file names"
+    for name, meta in files.items():
+        problem = name_problem(name)
+        if problem:
+            return f"it lists the file name {name!r}, which may not become a local file ({problem})"
+        if not isinstance(meta, dict) or not _is_size(meta.get("size")) or not isinstance(meta.get("crc32c"), str):
+            return f"file {name!r} has no size and crc32c ({meta!r})"
+    return None
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class _Crc32cSink:
@@ -287,15 +322,19 @@ def _download_verified(bucket: Any, object_name: str, dest: Path, name: str, siz
 
 
 def fetch(manifest: Manifest, dest: Path, only: Iterable[str] | None = None) -> Path:
-    """Download a committed artifact's files into ``dest``, verifying each one."""
+    """Download a committed artifact's files into ``dest``, verifying each one.
+
+    Every listed name is checked (``local_paths``) before the first byte is written.
+    """
     bucket_name, base = gcs.split_uri(manifest.prefix)
     bucket = gcs.client().bucket(bucket_name)
     wanted = set(only) if only is not None else None
+    targets = local_paths(dest, manifest.files, what=f"manifest {manifest.uri}")
     for name, meta in sorted(manifest.files.items()):
         if wanted is not None and name not in wanted:
             continue
         object_name = f"{base}/{name}" if base else name
-        _download_verified(bucket, object_name, dest / name, name, meta["size"], meta["crc32c"], manifest.prefix)
+        _download_verified(bucket, object_name, targets[name], name, meta["size"], meta["crc32c"], manifest.prefix)
     return dest
 
 
@@ -317,14 +356,22 @@ def source_files(uri: str) -> dict[str, dict[str, Any]]:
     }
     if not files:
         raise ArtifactError(f"source {uri} does not exist (no object and no files under that prefix)")
+    for name in files:  # refused here, before any key is computed or any byte downloaded
+        check_name(name, what=f"source {uri}")
     return files
 
 
-def fetch_source(uri: str, dest: Path) -> dict[str, dict[str, Any]]:
-    files = source_files(uri)
+def fetch_source(uri: str, dest: Path, files: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Download a source into ``dest``: every object name is checked (``local_paths``) before any is.
+
+    ``files`` is a listing already taken (``source_files``): each object is verified against it, so
+    what lands in ``dest`` has exactly that listing's fingerprint, or the fetch fails.
+    """
+    files = source_files(uri) if files is None else files
+    targets = local_paths(dest, files, what=f"source {uri}")
     bucket = gcs.client().bucket(gcs.split_uri(uri)[0])
     for name, meta in sorted(files.items()):
-        _download_verified(bucket, meta["object"], dest / name, name, meta["size"], meta["crc32c"], uri)
+        _download_verified(bucket, meta["object"], targets[name], name, meta["size"], meta["crc32c"], uri)
     return files
 
 
@@ -335,15 +382,68 @@ def cache_entry_uri(artifact_root: str, stage: str, key: str) -> str:
     return gcs.join(artifact_root, "_cache", stage, f"{key}.json")
 
 
+_RUN_SEGMENT = r"[A-Za-z0-9._-]+"
+_PIPELINE_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+
+
+def stage_manifest_problem(uri: Any, artifact_root: str, stage: str) -> str | None:
+    """Why ``uri`` is not the manifest of a commit of ``stage`` under ``artifact_root``, or None.
+
+    Such a manifest is ``{artifact_root}/PIPELINE/RUN/{stage}[-KEY12]/_MANIFEST.json``: same bucket,
+    inside the root, not in ``_cache`` or ``_registry``, and of the stage asked for. This is the only
+    shape a cache entry or a registry version may point at.
+    """
+    root = artifact_root.rstrip("/") + "/"
+    if not isinstance(uri, str) or not uri:
+        return f"it is {uri!r}, not a gs:// URI"
+    if not uri.startswith(root):
+        return f"it lies outside the artifact root {artifact_root}"
+    try:
+        gcs.split_uri(uri)
+    except ArtifactError as exc:
+        return str(exc)
+    shape = rf"({_PIPELINE_SEGMENT})/({_RUN_SEGMENT})/([^/]+)/{re.escape(MANIFEST)}"
+    match = re.fullmatch(shape, uri[len(root) :])
+    if match is None:
+        return f"it is not {root}PIPELINE/RUN/{stage}/{MANIFEST}"
+    if not re.fullmatch(rf"{re.escape(stage)}(-[0-9a-f]{{12}})?", match[3]):
+        return f"it is a commit of {match[3]!r}, not of stage {stage}"
+    return None
+
+
 def cache_lookup(artifact_root: str, stage: str, key: str) -> Manifest | None:
-    """The committed manifest cached under ``key``, if it is still whole; else None."""
-    entry = read_json(cache_entry_uri(artifact_root, stage, key))
+    """The committed manifest cached under ``key``, if it is still whole; else None.
+
+    An entry that points anywhere but at a commit of ``stage`` under ``artifact_root``
+    (``stage_manifest_problem``), or at a manifest that is not whole, is a miss: the stage runs and
+    its commit replaces the entry. The log says why.
+    """
+    entry_uri = cache_entry_uri(artifact_root, stage, key)
+    try:
+        entry = read_json(entry_uri)
+    except ValueError as exc:
+        log.warning("cache entry %s is not JSON (%s); treating it as a miss", entry_uri, exc)
+        return None
     if not entry:
         return None
+    pointer = entry.get("manifest") if isinstance(entry, dict) else None
+    problem = stage_manifest_problem(pointer, artifact_root, stage)
+    if problem:
+        log.warning(
+            "cache entry %s points at %r, which is refused: %s; treating it as a miss", entry_uri, pointer, problem
+        )
+        return None
     try:
-        manifest = read_manifest(entry["manifest"])
+        manifest = read_manifest(str(pointer))
     except ArtifactError as exc:
         log.warning("cache entry for %s/%s is stale: %s", stage, key, exc)
+        return None
+    if manifest.data.get("stage") not in (stage, manifest.prefix.rsplit("/", 1)[-1]):
+        log.warning(
+            "cache entry %s points at a manifest of stage %r; treating it as a miss",
+            entry_uri,
+            manifest.data.get("stage"),
+        )
         return None
     if manifest.data.get("cache_key") != key or not _files_present(manifest):
         log.warning("cache entry for %s/%s does not match its manifest; ignoring it", stage, key)
@@ -360,4 +460,7 @@ def _files_present(manifest: Manifest) -> bool:
 
 
 def cache_store(artifact_root: str, stage: str, key: str, manifest: Manifest) -> None:
+    problem = stage_manifest_problem(manifest.uri, artifact_root, stage)
+    if problem:  # never write an entry that cache_lookup would refuse
+        raise ArtifactError(f"{manifest.uri} is not cached as {stage}: {problem}")
     write_json(cache_entry_uri(artifact_root, stage, key), {"manifest": manifest.uri, "stage": stage})

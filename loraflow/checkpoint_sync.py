@@ -13,6 +13,7 @@ files) or, for tests, a local directory.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -20,8 +21,14 @@ from typing import Any
 
 from loraflow import artifacts, faults, gcs
 from loraflow.errors import ArtifactError
+from loraflow.local_paths import local_paths
 
 MARKER = "_LORAFLOW_COMPLETE.json"
+_STEP = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
+
+
+def _step_number(name: str) -> int | None:
+    return int(name) if _STEP.fullmatch(name) else None
 
 
 def _is_gcs(remote: str) -> bool:
@@ -32,7 +39,7 @@ def finalised_steps(local: Path) -> list[int]:
     """Step directories Orbax has finalised (integer names; temporary dirs carry a suffix)."""
     if not local.is_dir():
         return []
-    return sorted(int(p.name) for p in local.iterdir() if p.is_dir() and p.name.isdigit())
+    return sorted(n for p in local.iterdir() if p.is_dir() and (n := _step_number(p.name)) is not None)
 
 
 def remote_steps(remote: str) -> list[int]:
@@ -44,12 +51,13 @@ def remote_steps(remote: str) -> list[int]:
         for blob in gcs.client().list_blobs(bucket_name, prefix=prefix):
             rest = blob.name[len(prefix) :]
             step, _, name = rest.partition("/")
-            if name == MARKER and step.isdigit():
-                steps.add(int(step))
+            number = _step_number(step)
+            if name == MARKER and number is not None:
+                steps.add(number)
     else:
         root = Path(remote)
         if root.is_dir():
-            steps = {int(p.parent.name) for p in root.glob(f"*/{MARKER}") if p.parent.name.isdigit()}
+            steps = {n for p in root.glob(f"*/{MARKER}") if (n := _step_number(p.parent.name)) is not None}
     return sorted(steps)
 
 
@@ -78,27 +86,29 @@ def download_latest(remote: str, local: Path) -> int | None:
         return None
     step = steps[-1]
     dest = local / str(step)
+    marker_uri = gcs.join(remote, str(step), MARKER) if _is_gcs(remote) else str(Path(remote) / str(step) / MARKER)
+    marker = artifacts.read_json(marker_uri) if _is_gcs(remote) else json.loads(Path(marker_uri).read_text())
+    if marker is None:
+        raise ArtifactError(f"checkpoint {step} under {remote} lost its {MARKER} while being restored")
+    # Every name the marker lists is checked before the local step folder is touched.
+    what = f"checkpoint marker {marker_uri}"
+    targets = local_paths(dest, marker["files"], what=what)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     if _is_gcs(remote):
         bucket_name, base = gcs.split_uri(gcs.join(remote, str(step)))
         bucket = gcs.client().bucket(bucket_name)
-        marker = artifacts.read_json(gcs.join(remote, str(step), MARKER))
-        if marker is None:
-            raise ArtifactError(f"checkpoint {step} under {remote} lost its {MARKER} while being restored")
         for name, meta in marker["files"].items():
-            size, crc = artifacts.download_with_crc32c(bucket.blob(f"{base}/{name}"), dest / name)
+            size, crc = artifacts.download_with_crc32c(bucket.blob(f"{base}/{name}"), targets[name])
             if (size, crc) != (meta["size"], meta["crc32c"]):
                 raise ArtifactError(f"checkpoint file {name} under {remote} fails its size/checksum check")
     else:
-        src = Path(remote) / str(step)
-        marker = json.loads((src / MARKER).read_text())
+        sources = local_paths(Path(remote) / str(step), marker["files"], what=what)
         for name, meta in marker["files"].items():
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / name, target)
-            _verify(target, meta, name, remote)
+            targets[name].parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(sources[name], targets[name])
+            _verify(targets[name], meta, name, remote)
     return step
 
 

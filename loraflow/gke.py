@@ -44,7 +44,7 @@ TPU_ACCELERATORS = {
     "ct5p": "tpu-v5p-slice",
     "ct6e": "tpu-v6e-slice",
 }
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # fullmatch: '$' passes a final newline
 
 
 class GkeConfigError(LoraflowError):
@@ -149,7 +149,7 @@ def jobset(
     if len(argv) < 2:
         raise GkeConfigError(f"stage {identity.stage}: argv {list(argv)} has no program to run")
     name = jobset_name(identity)
-    if not _DNS_LABEL.match(pod_hostname(name, compute.hosts - 1).split(".")[0]):
+    if not _DNS_LABEL.fullmatch(pod_hostname(name, compute.hosts - 1).split(".")[0]):
         raise GkeConfigError(f"JobSet name {name} makes pod host names that are not DNS labels")
     selector, limits = _placement(compute)
     labels = _labels(identity)

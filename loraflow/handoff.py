@@ -40,7 +40,8 @@ CLAIM = "_CLAIM"
 RESULT = "_RESULT.json"
 RESULT_FORMAT = "loraflow.handoff.result/1"
 CLAIM_FORMAT = "loraflow.handoff.claim/1"
-VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]{0,127}$")
+# Always fullmatch: with match() and '$', "v1\n" would pass (a '$' also matches before a final newline).
+VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,127}")
 PICK_TASK = "pick_dataset"
 VERDICT_TASK = "handoff_verdict"
 ACCEPTED, REJECTED, FAILED = "accepted", "rejected", "failed"
@@ -51,7 +52,7 @@ class HandoffError(LoraflowError):
 
 
 def check_version(version: str) -> str:
-    if not VERSION_RE.match(version):
+    if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
         raise HandoffError(
             f"dataset version {version!r} is not a valid name; use letters, digits, '.', '_', '=' or '-' "
             "(one path segment, e.g. 2026-12-03 or v7)"
@@ -116,7 +117,7 @@ def scan(handoff: HandoffSpec) -> list[VersionState]:
     for blob in gcs.client().list_blobs(bucket, prefix=base):
         rest = blob.name[len(base) :]
         version, sep, name = rest.partition("/")
-        if not sep or not VERSION_RE.match(version) or "/" in name:
+        if not sep or not VERSION_RE.fullmatch(version) or "/" in name:
             continue
         entry = found.setdefault(version, {"files": set()})
         entry["files"].add(name)

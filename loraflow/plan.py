@@ -6,6 +6,7 @@ Pure: no I/O. ``loraflow plan SPEC`` prints it; the operators run it one stage a
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,13 +47,24 @@ class StagePlan:
     cacheable: bool = True
     upstream: tuple[str, ...] = field(default=())
 
-    def argv(self, python: str, output: str, inputs: dict[str, str], lock_version: str, cache_key: str) -> list[str]:
-        """The step program's command line: the same for every launcher."""
+    def argv(
+        self,
+        python: str,
+        output: str,
+        inputs: dict[str, str],
+        lock_version: str,
+        cache_key: str,
+        fingerprints: Mapping[str, str] | None = None,
+    ) -> list[str]:
+        """The step program's command line: the same for every launcher. ``fingerprints`` are the
+        inputs' identities the cache key was computed from; the step refuses inputs that differ."""
         argv = [python, "-m", self.module, "--output", output]
         for name, uri in inputs.items():
             ref = self.inputs[name]
             flag = "--ref" if isinstance(ref, Upstream) and not ref.fetch else "--input"
             argv += [flag, f"{name}={uri}"]
+        for name, value in sorted((fingerprints or {}).items()):
+            argv += ["--fingerprint", f"{name}={value}"]
         argv += ["--config-json", json.dumps(self.config, sort_keys=True)]
         argv += ["--lock-version", lock_version, "--cache-key", cache_key]
         return argv
@@ -115,7 +127,8 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
             ctl,
             "loraflow.steps.gate",
             {"base_eval": Upstream("evaluate_base"), "tuned_eval": Upstream("evaluate_tuned")},
-            spec.gate.model_dump(mode="json") | {"registry_uri": spec.registry_uri, "pipeline": spec.name},
+            spec.gate.model_dump(mode="json")
+            | {"registry_uri": spec.registry_uri, "pipeline": spec.name, "artifact_root": spec.artifact_root},
             # It also compares with the registry's current champion, which moves between runs
             # without any input changing: a cached decision could promote a model the champion beats.
             cacheable=False,
@@ -175,7 +188,8 @@ def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
             if compute.launcher != "local"
             else str(sp.env.lock_file.parent.parent / ".venvs" / sp.env.name / "bin" / "python")
         )
-        argv = sp.argv(python, output_prefix(spec, run_id, sp.stage), inputs, "LOCK", "CACHE_KEY")
+        placeholders = {name: "FINGERPRINT" for name in inputs}
+        argv = sp.argv(python, output_prefix(spec, run_id, sp.stage), inputs, "LOCK", "CACHE_KEY", placeholders)
         entry = {
             "stage": sp.stage,
             "after": list(sp.upstream),

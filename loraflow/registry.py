@@ -18,21 +18,50 @@ def alias_uri(registry_uri: str, pipeline: str, alias: str = CHAMPION) -> str:
     return gcs.join(registry_uri, pipeline, "aliases", f"{alias}.json")
 
 
-def champion(registry_uri: str, pipeline: str) -> dict[str, Any] | None:
-    """The champion's version entry (with ``version_uri``), or None when nothing was promoted yet."""
-    alias = artifacts.read_json(alias_uri(registry_uri, pipeline))
+def version_uri(registry_uri: str, pipeline: str, number: int) -> str:
+    return gcs.join(registry_uri, pipeline, "versions", f"{number:04d}.json")
+
+
+def champion(registry_uri: str, pipeline: str, artifact_root: str | None = None) -> dict[str, Any] | None:
+    """The champion's version entry (with ``version_uri``), or None when nothing was promoted yet.
+
+    The alias may only point at a version of this registry (``versions/NNNN.json`` under
+    ``{registry_uri}/{pipeline}``), and that version's model only at a ``merge_adapter`` commit under
+    ``artifact_root`` (when given). Anything else is refused, never read: a champion from elsewhere
+    would decide what the gate promotes.
+    """
+    where = alias_uri(registry_uri, pipeline)
+    alias = artifacts.read_json(where)
     if alias is None:
         return None
-    version_uri = alias.get("version_uri") or gcs.join(
-        registry_uri, pipeline, "versions", f"{alias['version']:04d}.json"
-    )
-    entry = artifacts.read_json(version_uri)
+    number = alias.get("version") if isinstance(alias, dict) else None
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise _refused(where, f"its version is {number!r}, not a version number")
+    expected = version_uri(registry_uri, pipeline, number)
+    if alias.get("version_uri", expected) != expected:
+        raise _refused(where, f"it points at {alias['version_uri']!r}, not at this registry's {expected}")
+    entry = artifacts.read_json(expected)
     if entry is None:
         raise ArtifactError(
-            f"the {CHAMPION} alias of {pipeline} points at {version_uri}, which does not exist; "
-            f"repair the registry (point {alias_uri(registry_uri, pipeline)} at an existing version)"
+            f"the {CHAMPION} alias of {pipeline} points at {expected}, which does not exist; "
+            f"repair the registry (point {where} at an existing version)"
         )
-    return {**entry, "version_uri": version_uri}
+    if not isinstance(entry, dict) or entry.get("version", number) != number:
+        raise _refused(where, f"{expected} does not hold version {number}")
+    if artifact_root is not None:
+        for pointer in {entry.get("model_manifest"), alias.get("model_manifest", entry.get("model_manifest"))}:
+            problem = artifacts.stage_manifest_problem(pointer, artifact_root, "merge_adapter")
+            if problem:
+                raise _refused(where, f"its model {pointer!r} is refused: {problem}")
+    return {**entry, "version_uri": expected}
+
+
+def _refused(alias: str, problem: str) -> ArtifactError:
+    return ArtifactError(
+        f"the {CHAMPION} alias {alias} is refused: {problem}. An alias may only point at a version of its "
+        "own registry whose model is a merge_adapter commit under the artifact root; repair it (point it at "
+        "an existing version, as publish writes it) or delete it to compare with the base only"
+    )
 
 
 def recorded_metric(entry: dict[str, Any], metric: str) -> float | None:

@@ -61,14 +61,15 @@ def commit_prefix(prefix: str, key: str) -> str:
 
 
 def input_fingerprints(inputs: dict[str, str]) -> dict[str, str]:
+    """Each input's identity, as the cache key hashes it and the step program checks it again
+    (``--fingerprint``): a source's files' fingerprint, an upstream stage's own cache key."""
     out = {}
     for name, uri in inputs.items():
         if uri.endswith("/" + artifacts.MANIFEST):
             # An upstream stage stands for what it was computed from (its cache key), not for its
             # bytes: two runs that computed the same stage at the same time (validate_data's GX data
             # docs carry timestamps) still share every downstream cache entry.
-            manifest = artifacts.read_manifest(uri)
-            out[name] = manifest.data.get("cache_key") or manifest.fingerprint
+            out[name] = artifacts.input_identity(artifacts.read_manifest(uri))
         else:
             out[name] = artifacts.fingerprint(artifacts.source_files(uri))
     return out
@@ -85,9 +86,10 @@ class PreparedStage:
     cache_key: str
     lock_version: str
     prefix: str
+    fingerprints: dict[str, str]  # what the cache key was computed from; the step checks its inputs against them
 
     def argv(self, python: str) -> list[str]:
-        return self.plan.argv(python, self.prefix, self.inputs, self.lock_version, self.cache_key)
+        return self.plan.argv(python, self.prefix, self.inputs, self.lock_version, self.cache_key, self.fingerprints)
 
 
 def prepare_stage(
@@ -103,16 +105,16 @@ def prepare_stage(
         )
     inputs = resolve_inputs(plan, upstream)
     lock = plan.env.lock_version()
-    key = artifacts.cache_key(input_fingerprints(inputs), plan.config, lock)
+    fingerprints = input_fingerprints(inputs)
+    key = artifacts.cache_key(fingerprints, plan.config, lock)
     if plan.cacheable:
         hit = artifacts.cache_lookup(spec.artifact_root, stage, key)
         if hit is not None:
             sink(f"cache hit for {stage} (key {key}): reusing {hit.uri}; nothing recomputed")
             return StageResult(stage, hit.uri, True, hit.summary)
         sink(f"cache miss for {stage} (key {key}): running it")
-    return PreparedStage(
-        stage, plan, compute, inputs, key, lock, commit_prefix(output_prefix(spec, run_id, stage), key)
-    )
+    prefix = commit_prefix(output_prefix(spec, run_id, stage), key)
+    return PreparedStage(stage, plan, compute, inputs, key, lock, prefix, fingerprints)
 
 
 def vertex_launcher(
@@ -167,14 +169,7 @@ def run_stage(
     prepared = prepare_stage(spec, stage, run_id, upstream, sink)
     if isinstance(prepared, StageResult):
         return prepared
-    plan, compute, inputs, key, lock, prefix = (
-        prepared.plan,
-        prepared.compute,
-        prepared.inputs,
-        prepared.cache_key,
-        prepared.lock_version,
-        prepared.prefix,
-    )
+    plan, compute, key, prefix = prepared.plan, prepared.compute, prepared.cache_key, prepared.prefix
     secrets = dict(secrets or {})
     for name, value in sorted(secrets.items()):
         sink(f"secret {name} ({credentials.fingerprint(value)}) passed to the step in its environment")
@@ -187,7 +182,7 @@ def run_stage(
         remote = vertex_launcher(spec, prepared, run_id, dag_id)
         if kill_switch is not None:
             kill_switch.arm(remote)
-        argv = plan.argv("python", prefix, inputs, lock, key)
+        argv = prepared.argv("python")
         sink(f"launching {plan.module} on Vertex AI ({compute.machine_type} x {compute.hosts}), output {prefix}")
         remote.run(argv, sink, compute.env)
     elif compute.launcher == "gke":
@@ -199,11 +194,11 @@ def run_stage(
         jobset = gke_launcher(spec, stage, run_id, key, dag_id)
         if kill_switch is not None:
             kill_switch.arm(jobset)
-        argv = plan.argv("python", prefix, inputs, lock, key)
+        argv = prepared.argv("python")
         sink(f"launching {plan.module} on GKE ({compute.machine_type} x {compute.hosts}), output {prefix}")
         jobset.run(argv, sink, compute.env)
     else:
-        argv = plan.argv(str(plan.env.local_python()), prefix, inputs, lock, key)
+        argv = prepared.argv(str(plan.env.local_python()))
         sink(f"launching {plan.module} in the {plan.env.name} environment, output {prefix}")
         local = LocalLauncher()
         if kill_switch is not None:

@@ -5,11 +5,19 @@ A step program is ``python -m loraflow.steps.<stage>`` with::
     --output gs://ROOT/PIPELINE/RUN/STAGE     the prefix it owns
     --input NAME=URI                          repeated; a stage's _MANIFEST.json or a source URI
     --config-json '{...}'                     the resolved stage config
+    --fingerprint NAME=F                      repeated; what the cache key was computed from
     --lock-version V --cache-key K            recorded in the manifest
 
 and nothing else of the world, so the local launcher, Vertex AI and GKE run the same argv. The
 harness downloads and verifies every input into a scratch directory, calls the stage's function
 with local paths, uploads what it wrote and commits the manifest last.
+
+The runner lists the inputs once to compute the cache key, and the step lists them again to fetch
+them. With ``--fingerprint`` for every input, the step checks, before it downloads anything, that
+each input still has the identity the key was computed from (and that the key is the hash of those
+identities, this config and this lock version): an input that changed in between fails the step
+(``InputChangedError``), so nothing is ever committed or cached under a key it was not computed
+from. Each download is verified against the listing that was checked.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from loraflow import artifacts, faults, gcs
-from loraflow.errors import DataValidationError, LoraflowError
+from loraflow.errors import ArtifactError, DataValidationError, LoraflowError
+from loraflow.local_paths import safe_join
 
 log = logging.getLogger("loraflow.step")
 
@@ -65,6 +74,13 @@ def parser(stage: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--ref", action="append", default=[], metavar="NAME=URI", help="an input that is verified, not downloaded"
     )
+    p.add_argument(
+        "--fingerprint",
+        action="append",
+        default=[],
+        metavar="NAME=FINGERPRINT",
+        help="the identity of input NAME that the cache key was computed from (repeatable); checked before fetching",
+    )
     p.add_argument("--config-json", default="{}", help="the resolved stage config, as JSON")
     p.add_argument("--lock-version", default="unversioned", help="lock version of this environment")
     p.add_argument("--cache-key", default="", help="cache key the manifest is committed under")
@@ -82,6 +98,45 @@ def _parse_inputs(pairs: list[str]) -> dict[str, str]:
             raise LoraflowError(f"--input {name} given twice")
         out[name] = uri
     return out
+
+
+class InputChangedError(ArtifactError):
+    """A step's input is not what its cache key was computed from (it changed after the lookup)."""
+
+
+def _parse_fingerprints(pairs: list[str], names: set[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not value:
+            raise LoraflowError(f"--fingerprint {pair!r}: write NAME=FINGERPRINT")
+        if name in out:
+            raise LoraflowError(f"--fingerprint {name} given twice")
+        out[name] = value
+    if out and set(out) != names:
+        raise LoraflowError(
+            f"--fingerprint is given for {sorted(out)} but the inputs are {sorted(names)}; "
+            "give one per input (as the runner does) or none"
+        )
+    return out
+
+
+def _check_key(fingerprints: dict[str, str], config: dict[str, Any], lock_version: str, key: str) -> None:
+    """The cache key must be the hash of the fingerprints the step is about to check its inputs against."""
+    if fingerprints and key and artifacts.cache_key(fingerprints, config, lock_version) != key:
+        raise InputChangedError(
+            f"--cache-key {key} is not the cache key of the given --fingerprint values, --config-json and "
+            "--lock-version; run the step with the argv the runner builds (loraflow plan shows its shape)"
+        )
+
+
+def _check_input(name: str, uri: str, actual: str, expected: dict[str, str], key: str) -> None:
+    if name in expected and expected[name] != actual:
+        raise InputChangedError(
+            f"input {name} ({uri}) is not what cache key {key} was computed from: its fingerprint is now "
+            f"{actual}, the runner saw {expected[name]}. It changed after the cache lookup; nothing was "
+            "fetched or committed. Re-run the stage: its key is computed again from what is there now"
+        )
 
 
 def _upstream_record(manifest: artifacts.Manifest) -> dict[str, str]:
@@ -114,7 +169,12 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
     gcs.split_uri(output)
     inputs = _parse_inputs(args.input)
     refs = _parse_inputs(args.ref)
+    both = sorted(set(inputs) & set(refs))
+    if both:
+        raise LoraflowError(f"{', '.join(both)} given both as --input and as --ref; give each input once")
     config = json.loads(args.config_json)
+    expected = _parse_fingerprints(args.fingerprint, set(inputs) | set(refs))
+    _check_key(expected, config, args.lock_version, args.cache_key)
 
     existing = artifacts.read_json(gcs.join(output, artifacts.MANIFEST))
     if existing is not None:
@@ -134,23 +194,29 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
         ctx.out.mkdir()
         ctx.work.mkdir()
         fingerprints: dict[str, dict[str, str]] = {}
-        for name, uri in inputs.items():
-            dest = root / "in" / name
+        listings: dict[str, dict[str, dict[str, Any]]] = {}
+        # Every input is looked at and checked against its expected fingerprint before any is fetched.
+        looked_at = {**inputs, **{name: artifacts.manifest_uri(uri) for name, uri in refs.items()}}
+        for name, uri in looked_at.items():
             if uri.endswith("/" + artifacts.MANIFEST):
                 manifest = artifacts.read_manifest(uri)
-                artifacts.fetch(manifest, dest)
+                _check_input(name, uri, artifacts.input_identity(manifest), expected, args.cache_key)
                 ctx.input_manifests[name] = manifest
                 fingerprints[name] = _upstream_record(manifest)
             else:
-                files = artifacts.fetch_source(uri, dest)
+                listings[name] = artifacts.source_files(uri)
+                _check_input(name, uri, artifacts.fingerprint(listings[name]), expected, args.cache_key)
                 ctx.input_manifests[name] = None
-                fingerprints[name] = {"uri": uri, "fingerprint": artifacts.fingerprint(files)}
+                fingerprints[name] = {"uri": uri, "fingerprint": artifacts.fingerprint(listings[name])}
+        for name, uri in inputs.items():
+            dest = safe_join(root / "in", name, what=f"--input {name}={uri}")
+            input_manifest = ctx.input_manifests[name]
+            if input_manifest is not None:
+                artifacts.fetch(input_manifest, dest)
+            else:
+                artifacts.fetch_source(uri, dest, listings[name])
             ctx.inputs[name] = dest
             ctx.progress(f"input {name}: {uri} fetched and verified")
-        for name, uri in refs.items():
-            manifest = artifacts.read_manifest(uri)
-            ctx.input_manifests[name] = manifest
-            fingerprints[name] = _upstream_record(manifest)
 
         try:
             summary = fn(ctx) or {}

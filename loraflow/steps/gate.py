@@ -48,6 +48,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "registry_uri": None,
     "pipeline": None,
+    # where the champion's model must lie (registry.champion refuses a model anywhere else)
+    "artifact_root": None,
 }
 METRIC_COLUMNS = {"accuracy": "correct", "format_rate": "format_ok"}
 
@@ -205,7 +207,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
     champion = None
     if cfg["registry_uri"]:
-        champion = registry.champion(str(cfg["registry_uri"]), str(cfg["pipeline"]))
+        champion = registry.champion(str(cfg["registry_uri"]), str(cfg["pipeline"]), cfg["artifact_root"])
     model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
     eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")
     decision, compared, champion_notes = against_champion(decision, champion, model_fp, eval_fp)

@@ -38,7 +38,7 @@ import re
 import time
 from typing import Any
 
-from loraflow import artifacts, gcs, vertex_registry
+from loraflow import artifacts, gcs, registry, vertex_registry
 from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.steps._harness import StepContext, run_step
 
@@ -46,7 +46,7 @@ STAGE = "publish"
 VERSION_FORMAT = "loraflow.registry.version/1"
 ALIAS_FORMAT = "loraflow.registry.alias/1"
 ALIAS = "champion"
-_VERSION_NAME = re.compile(r"^(\d{4,})\.json$")
+_VERSION_NAME = re.compile(r"([0-9]{4,})\.json")  # fullmatch; ASCII digits ('\d' takes any script's)
 MAX_ATTEMPTS = 50
 
 
@@ -74,6 +74,7 @@ class Registry:
     """A pipeline's model registry under ``{registry_uri}/{pipeline}/`` (google-cloud-storage)."""
 
     def __init__(self, registry_uri: str, pipeline: str):
+        self.registry_uri, self.pipeline = registry_uri, pipeline
         self.uri = gcs.join(registry_uri, pipeline)
         bucket_name, self.base = gcs.split_uri(self.uri)
         self.bucket = gcs.client().bucket(bucket_name)
@@ -82,7 +83,7 @@ class Registry:
         return "/".join(p for p in (self.base, *parts) if p)
 
     def version_uri(self, number: int) -> str:
-        return gcs.join(self.uri, "versions", f"{number:04d}.json")
+        return registry.version_uri(self.registry_uri, self.pipeline, number)
 
     @property
     def alias_uri(self) -> str:
@@ -93,7 +94,7 @@ class Registry:
         prefix = self._object("versions") + "/"
         found = {}
         for blob in gcs.client().list_blobs(self.bucket, prefix=prefix):
-            match = _VERSION_NAME.match(blob.name[len(prefix) :])
+            match = _VERSION_NAME.fullmatch(blob.name[len(prefix) :])
             if match:
                 found[int(match.group(1))] = blob
         return found
@@ -191,14 +192,14 @@ def run(ctx: StepContext) -> dict[str, Any]:
         raise LoraflowError(f"{STAGE}: {decision_path.name} is missing from the decision input; re-run the gate")
     decision = json.loads(decision_path.read_text())
     model_uri = artifacts.manifest_uri(cfg["model_manifest"]) if cfg.get("model_manifest") else None
-    registry = Registry(cfg["registry_uri"], cfg["pipeline"])
+    models = Registry(cfg["registry_uri"], cfg["pipeline"])
 
     if not decision.get("promote"):
         record = {
             "promoted": False,
             "version": None,
             "model_manifest": model_uri or getattr(ctx.input_manifests.get("model"), "uri", None),
-            "registry": registry.uri,
+            "registry": models.uri,
             "reason": decision.get("reason", "the gate did not promote this model"),
             "run_id": cfg["run_id"],
         }
@@ -211,10 +212,10 @@ def run(ctx: StepContext) -> dict[str, Any]:
     vertex_target = None
     if cfg.get("vertex_model_registry"):  # checked before anything is registered
         vertex_target = vertex_registry.Target.from_config(cfg["vertex_model_registry"], cfg["pipeline"])
-    existing = registry.find(cfg["run_id"], manifest.uri)
+    existing = models.find(cfg["run_id"], manifest.uri)
     if existing is not None:
         number, entry = existing
-        ctx.progress(f"this run already registered {registry.version_uri(number)}; reusing it")
+        ctx.progress(f"this run already registered {models.version_uri(number)}; reusing it")
     else:
         entry = {
             "format": VERSION_FORMAT,
@@ -227,9 +228,9 @@ def run(ctx: StepContext) -> dict[str, Any]:
             "run_id": cfg["run_id"],
             "created_at": _now(),
         }
-        number, entry = registry.register(entry)
-        ctx.progress(f"registered version {number} at {registry.version_uri(number)}")
-    moved = registry.move_alias(number, entry)
+        number, entry = models.register(entry)
+        ctx.progress(f"registered version {number} at {models.version_uri(number)}")
+    moved = models.move_alias(number, entry)
     ctx.progress(
         f"alias {ALIAS} now points at version {number}"
         if moved
@@ -238,12 +239,12 @@ def run(ctx: StepContext) -> dict[str, Any]:
     record = {
         "promoted": True,
         "version": number,
-        "version_uri": registry.version_uri(number),
+        "version_uri": models.version_uri(number),
         "alias": ALIAS if moved else None,
-        "alias_uri": registry.alias_uri,
+        "alias_uri": models.alias_uri,
         "model_manifest": manifest.uri,
         "model_fingerprint": manifest.fingerprint,
-        "registry": registry.uri,
+        "registry": models.uri,
         "run_id": cfg["run_id"],
         "reason": decision.get("reason"),
     }
