@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from loraflow.errors import LoraflowError
+from loraflow.local_paths import local_paths
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -192,10 +193,12 @@ def _shard_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise SafetensorsError(f"{index}: not a safetensors index (no weight_map: {exc})") from None
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (root / f).is_file()]
+        # The index comes from the bucket: its shard names are read only inside the checkpoint folder.
+        paths = local_paths(root, files, what=f"safetensors index {index}")
+        missing = [f for f in files if not paths[f].is_file()]
         if missing:
             raise SafetensorsError(f"{index} names shard(s) that are not in {root}: {missing}")
-        return [root / f for f in files], weight_map
+        return [paths[f] for f in files], weight_map
     if (root / SINGLE_FILE).is_file():
         return [root / SINGLE_FILE], None
     files = sorted(root.glob("*.safetensors"))

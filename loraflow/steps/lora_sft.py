@@ -49,6 +49,7 @@ from typing import Any
 
 from loraflow import checkpoint_sync, multihost
 from loraflow.errors import LoraflowError
+from loraflow.local_paths import safe_join
 from loraflow.steps._harness import StepContext, run_step
 from loraflow.steps.convert_checkpoint import CHECKPOINT_JSON, hardware_args, overrides_args
 
@@ -91,7 +92,9 @@ def _resolve_config(ctx: StepContext) -> dict[str, Any]:
             f"{meta['model_name']} {meta.get('model_overrides')}"
         )
     cfg["scan_layers"] = meta.get("scan_layers", True)
-    cfg["load_parameters_path"] = str(ctx.inputs["checkpoint"] / meta["load_parameters_path"])
+    cfg["load_parameters_path"] = str(
+        safe_join(ctx.inputs["checkpoint"], meta["load_parameters_path"], what=f"the checkpoint's {CHECKPOINT_JSON}")
+    )
     return cfg
 
 

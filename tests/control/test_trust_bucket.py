@@ -459,3 +459,16 @@ def test_the_runner_passes_the_fingerprints_its_key_was_computed_from_and_a_chan
     with pytest.raises(ArtifactError, match="no committed artifact"):
         runner.finish_stage(parity_spec, "validate_data", prepared.prefix, prepared.cache_key)
     assert os.listdir(cwd_and_scratch / "work" / "scratch") == []
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/outside.safetensors"])
+def test_a_safetensors_index_may_name_shards_only_inside_its_checkpoint(tmp_path: Path, shard: str) -> None:
+    """The index of a Hugging Face checkpoint comes from the bucket too: merge and evaluate read only
+    what lies inside the checkpoint folder."""
+    from loraflow.safetensors_io import INDEX_FILE, Checkpoint
+
+    checkpoint = tmp_path / "ckpt"
+    _write(checkpoint / INDEX_FILE, json.dumps({"weight_map": {"w": shard}}).encode())
+    with pytest.raises(UnsafeNameError) as err:
+        Checkpoint.open(checkpoint)
+    assert repr(shard) in str(err.value) and str(checkpoint / INDEX_FILE) in str(err.value)
