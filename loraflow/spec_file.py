@@ -73,7 +73,7 @@ def load_yaml(text: bytes | str, source: str) -> Any:
         raise SpecError(source, [("(yaml)", str(exc))]) from None
     except yaml.reader.ReaderError as exc:  # bytes that are not UTF-8 (or UTF-16 with a BOM) text
         raise SpecError(
-            source, [(f"byte {exc.position}", f"is not UTF-8 text ({exc.reason}); save the spec as UTF-8")]
+            source, [(f"byte {exc.position}", f"not valid YAML: not UTF-8 text ({exc.reason}); save the spec as UTF-8")]
         ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
