@@ -98,6 +98,15 @@ def check_expansion(root: Any) -> None:
 
     Iterative and linear in the number of distinct nodes: shared (aliased) nodes are measured once.
     """
+    from yaml import MappingNode, SequenceNode
+
+    def children(node: Any) -> list[Any]:
+        if isinstance(node, SequenceNode):
+            return list(node.value)
+        if isinstance(node, MappingNode):
+            return [n for pair in node.value for n in pair]
+        return []
+
     size: dict[int, int] = {}
     depth: dict[int, int] = {}
     open_nodes: set[int] = set()
@@ -105,7 +114,7 @@ def check_expansion(root: Any) -> None:
     while stack:
         node, children_done = stack.pop()
         key = id(node)
-        kids = _children(node)
+        kids = children(node)
         if children_done:
             open_nodes.discard(key)
             size[key] = 1 + sum(size[id(k)] for k in kids)
@@ -127,16 +136,6 @@ def check_expansion(root: Any) -> None:
             raise _TooLarge(_too_deep())
         stack.append((node, True))
         stack.extend((k, False) for k in kids if id(k) not in size)
-
-
-def _children(node: Any) -> list[Any]:
-    import yaml
-
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return []
 
 
 @cache
