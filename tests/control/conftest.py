@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,23 +82,9 @@ def parity_spec(gcs_bucket: str, tokenizer_dir: Path):
     return with_overrides(spec, {})
 
 
-@pytest.fixture(scope="session")
-def strict_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The endpoint of a fake-gcs-server on 127.0.0.1 that enforces preconditions (tests/strict_gcs.py)."""
-    from tests.strict_gcs import serve
-
-    for server in serve(tmp_path_factory.mktemp("strict-gcs")):
-        yield server.url
-
-
 @pytest.fixture
-def strict_gcs_bucket(strict_gcs: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A fresh ``gs://`` prefix on that server; loraflow's GCS client talks to it for this test only."""
-    from loraflow import gcs
-
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", strict_gcs)
-    gcs.client.cache_clear()
-    bucket = f"strict-{uuid.uuid4().hex[:12]}"
-    gcs.client().create_bucket(bucket)
-    yield f"gs://{bucket}/t"
-    gcs.client.cache_clear()  # the next test's client is built for the environment it restores
+def strict_gcs_bucket(gcs_bucket: str) -> str:
+    """A fresh ``gs://`` prefix for a test whose point is a GCS precondition: the session's emulator
+    (fake-gcs-server, loraflow/local_gcs.py) enforces them as GCS does, so this is ``gcs_bucket`` by
+    a name that says what the test relies on."""
+    return gcs_bucket

@@ -167,7 +167,7 @@ def test_a_claim_overwritten_by_a_racing_run_is_lost(team: HandoffSpec, monkeypa
     assert handoff.claim(team, "v1", "dag", "run-a") is False
 
 
-# On fake-gcs-server, which enforces the create-only precondition as GCS does (the emulator above ignores it).
+# The session's emulator (fake-gcs-server) enforces the create-only precondition as GCS does.
 
 
 @pytest.fixture

@@ -1,8 +1,7 @@
 """publish.run against the GCS emulator (the ``gcs_bucket`` fixture of tests/conftest.py).
 
-gcp-storage-emulator ignores ``ifGenerationMatch`` (it has no precondition support at all), so
-the module enforces GCS's precondition semantics on ``Blob.upload_from_string`` itself: without
-that, the tests of "never take a taken number" would pass or fail by luck rather than by the code.
+The emulator (fake-gcs-server) enforces ``ifGenerationMatch`` as GCS does, so "never take a taken
+number" and "never clobber a moved alias" are decided by the store's preconditions, as in production.
 """
 
 from __future__ import annotations
@@ -15,25 +14,6 @@ import pytest
 
 from loraflow import artifacts, gcs
 from loraflow.steps import publish
-
-
-@pytest.fixture(autouse=True)
-def gcs_preconditions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What GCS does and the emulator does not: refuse a write whose if_generation_match is stale."""
-    from google.api_core.exceptions import PreconditionFailed
-    from google.cloud.storage import Blob
-
-    original = Blob.upload_from_string
-
-    def upload_from_string(self, data, *args, if_generation_match=None, **kwargs):  # type: ignore[no-untyped-def]
-        if if_generation_match is not None:
-            current = self.bucket.get_blob(self.name)
-            generation = int(current.generation) if current is not None else 0
-            if generation != int(if_generation_match):
-                raise PreconditionFailed(f"{self.name}: generation {generation} != {if_generation_match}")
-        return original(self, data, *args, **kwargs)
-
-    monkeypatch.setattr(Blob, "upload_from_string", upload_from_string)
 
 
 def committed_model(root: str, tmp_path: Path, run: str = "run-1", payload: bytes = b"weights") -> artifacts.Manifest:
@@ -146,16 +126,6 @@ def test_a_lost_race_takes_the_next_number_and_never_overwrites(
     number, data = registry.register({"run_id": "me"})
     assert number == 2 and data["run_id"] == "me"
     assert read(registry.version_uri(1))["run_id"] == "other-publisher"
-
-
-def test_the_emulator_really_needs_the_precondition_patch(gcs_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """If this starts failing, the emulator learnt preconditions and gcs_preconditions can go."""
-    monkeypatch.undo()
-    bucket_name, base = gcs.split_uri(gcs_bucket)
-    blob = gcs.client().bucket(bucket_name).blob(f"{base}/x")
-    blob.upload_from_string(b"1", if_generation_match=0)
-    blob.upload_from_string(b"2", if_generation_match=0)  # real GCS answers 412 here
-    assert blob.download_as_bytes() == b"2"
 
 
 def test_concurrent_alias_writer_is_detected(gcs_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
