@@ -75,10 +75,44 @@ class BaseModelSpec(_Model):
     maxtext_model: str = Field(description="MaxText model name, e.g. llama3.1-8b")
     tokenizer: GsUri | None = Field(None, description="tokenizer directory; defaults to hf_checkpoint")
     model_overrides: dict[str, int | float | str | bool] = Field(
-        default_factory=dict, description="MaxText config overrides (e.g. the tiny model's dimensions)"
+        default_factory=dict,
+        description="MaxText model architecture overrides (e.g. the tiny model's dimensions); keys naming files, "
+        "folders, URLs, credentials, outputs or the run are refused",
     )
 
     _uris = field_validator("hf_checkpoint", "tokenizer")(lambda v: v if v is None else _gs_uri(v))
+
+    @field_validator("model_overrides")
+    @classmethod
+    def _architecture_only(cls, v: dict[str, int | float | str | bool]) -> dict[str, int | float | str | bool]:
+        bad = {k: why for k, val in v.items() if (why := _override_problem(k, val))}
+        if bad:
+            raise ValueError(
+                "; ".join(f"{k}: {why}" for k, why in bad.items()) + ". model_overrides become MaxText "
+                "key=value arguments and may set the model's architecture only (dimensions, layers, vocabulary); "
+                "files, folders, URLs, credentials, outputs and the run are loraflow's to set"
+            )
+        return v
+
+
+# MaxText settings a spec may not override: any key with one of these words names a file, folder,
+# URL, credential, output, cache or the run, which loraflow sets (a compilation cache, for one,
+# loads compiled code; an output directory writes outside the run's prefix).
+_OVERRIDE_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_NOT_ARCHITECTURE = re.compile(
+    r"(?:^|_)(?:path|paths|dir|directory|file|files|token|key|url|uri|bucket|output|cache|name|hardware|config|"
+    r"dataset|tokenizer|checkpoint|checkpointing|load|save|profiler|metrics|log|logs|run|steps)(?:_|$)"
+)
+
+
+def _override_problem(key: str, value: object) -> str | None:
+    if not _OVERRIDE_KEY.fullmatch(key):
+        return "not a MaxText setting name (lowercase letters, digits and '_')"
+    if _NOT_ARCHITECTURE.search(key):
+        return "names a file, folder, URL, credential, output or the run, not the model's architecture"
+    if isinstance(value, str) and ("://" in value or value.startswith(("/", "~")) or re.search(r"[\x00-\x1f]", value)):
+        return f"the value {value!r} is a path, a URL or holds control characters"
+    return None
 
 
 class DataSpec(_Model):

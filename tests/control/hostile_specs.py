@@ -87,6 +87,11 @@ EDITS: list[tuple[str, dict[str, Any], str, str]] = [
     ("bucket-upper", {"data.train": "gs://Bucket/train.jsonl"}, "data.train", "not a GCS bucket name"),
     ("uri-newline", {"data.eval": "gs://loraflow-demo/eval\n.jsonl"}, "data.eval", "control character"),
     ("uri-dot-segment", {"base_model.hf_checkpoint": "gs://loraflow-demo/./m"}, "base_model.hf_checkpoint", "'.' path segment"),
+    ("maxtext-jax-cache", {"base_model.model_overrides.jax_cache_dir": "gs://evil/cache"}, "base_model.model_overrides", "jax_cache_dir: names a file, folder"),
+    ("maxtext-output", {"base_model.model_overrides.base_output_directory": "gs://other-team/x"}, "base_model.model_overrides", "base_output_directory: names a file, folder"),
+    ("maxtext-token", {"base_model.model_overrides.hf_access_token": "t"}, "base_model.model_overrides", "hf_access_token: names a file, folder"),
+    ("maxtext-key-syntax", {"base_model.model_overrides": {"vocab_size=1 load_parameters_path": 1}}, "base_model.model_overrides", "not a MaxText setting name"),
+    ("maxtext-path-value", {"base_model.model_overrides.decoder_block": "gs://evil/x"}, "base_model.model_overrides", "is a path, a URL"),
     ("asset-bucket", {"schedule": {"asset": "gs://a/x"}}, "schedule", "not a GCS bucket name"),
 ]  # fmt: skip
 
