@@ -35,8 +35,8 @@ STAGES = (
 )
 # data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/handoff.py).
 HANDOFF_VERSION = "{version}"
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_CRON_FIELD = re.compile(r"^[\d*/,\-A-Za-z?LW#]+$")
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # whole names only: fullmatch (a `$` lets "\n" through)
+_CRON_FIELD = re.compile(r"[0-9*/,\-A-Za-z?LW#]+")
 _CRON_PRESETS = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
 
 
@@ -198,7 +198,7 @@ class VertexModelRegistrySpec(_Model):
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [k for k, val in v.items() if not _LABEL.match(k) or not _LABEL_VALUE.match(val)]
+        bad = [k for k, val in v.items() if not _LABEL.fullmatch(k) or not _LABEL_VALUE.fullmatch(val)]
         if bad:
             raise ValueError(
                 f"label(s) {bad} are not Vertex AI labels; use lowercase letters, digits, '-' and '_' (max 63)"
@@ -206,8 +206,8 @@ class VertexModelRegistrySpec(_Model):
         return v
 
 
-_LABEL = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
-_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+_LABEL = re.compile(r"[a-z][a-z0-9_-]{0,62}")
+_LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
 
 
 class PublishSpec(_Model):
@@ -297,7 +297,7 @@ class RetrySpec(_Model):
     max_delay_seconds: float = Field(600, ge=0, description="longest wait between two tries")
 
 
-_SECRET_FIELD = re.compile(r"^(password|login|host|extra\.[A-Za-z0-9_.-]+)$")
+_SECRET_FIELD = re.compile(r"password|login|host|extra\.[A-Za-z0-9_.-]+")
 
 
 class SecretSpec(_Model):
@@ -314,14 +314,14 @@ class SecretSpec(_Model):
     @field_validator("connection")
     @classmethod
     def _conn_id(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z0-9_.-]{1,250}$", v):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", v):
             raise ValueError(f"{v!r} is not a connection id; use letters, digits, '_', '.', '-'")
         return v
 
     @field_validator("field")
     @classmethod
     def _field(cls, v: str) -> str:
-        if not _SECRET_FIELD.match(v):
+        if not _SECRET_FIELD.fullmatch(v):
             raise ValueError(f"{v!r} is not a connection field; use password, login, host or extra.KEY")
         return v
 
@@ -359,7 +359,7 @@ class HandoffSpec(_Model):
     @field_validator("train", "eval")
     @classmethod
     def _file_name(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", v) or v.startswith("_"):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) or v.startswith("_"):
             raise ValueError(f"{v!r} is not a file name; write a plain name such as train.jsonl (no folders)")
         return v
 
@@ -385,7 +385,7 @@ class NotifySpec(_Model):
     def _target(self) -> NotifySpec:
         if self.kind == "file" and not (self.path and self.path.startswith("/")):
             raise ValueError("a file notifier needs path: an absolute file path, e.g. /var/log/loraflow/notices.jsonl")
-        if self.kind == "webhook" and not (self.connection and re.match(r"^[A-Za-z0-9_.-]{1,250}$", self.connection)):
+        if self.kind == "webhook" and not (self.connection and re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", self.connection)):
             raise ValueError(
                 "a webhook notifier needs connection: the id of an Airflow HTTP connection holding the URL"
             )
@@ -461,7 +461,7 @@ class PipelineSpec(_Model):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not a valid name; use lowercase letters, digits and dashes (max 63)")
         return v
 
@@ -477,7 +477,7 @@ class PipelineSpec(_Model):
         if v in _CRON_PRESETS:
             return v
         fields = v.split()
-        if len(fields) != 5 or not all(_CRON_FIELD.match(f) for f in fields):
+        if len(fields) != 5 or not all(_CRON_FIELD.fullmatch(f) for f in fields):
             raise ValueError(f"{v!r} is not a cron expression; write five fields like '0 3 * * 1' or @daily")
         return v
 

@@ -48,6 +48,7 @@ def test_every_problem_is_reported_at_once() -> None:
     ("change", "where", "says"),
     [
         (lambda d: d.update(name="Tiny_LLama"), "name", "lowercase letters"),
+        (lambda d: d.update(name="tiny-llama-lora\n"), "name", "lowercase letters"),  # `$` would let it through
         (lambda d: d.update(schedule="every day"), "schedule", "five fields"),
         (lambda d: d.update(schedule={"asset": "s3://x/y"}), "schedule", "gs://"),
         (lambda d: d.update(artifact_root="gs://bucket/../other"), "artifact_root", "'..'"),
