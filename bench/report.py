@@ -245,8 +245,8 @@ def sec_transfer(d: dict) -> list[str]:
         "## 3. Artifact transfer",
         "",
         f"{d['bytes'] / 2**20:.0f} MiB in {d['files']} files (4 shards + config) to and from the GCS emulator "
-        f"(gcp-storage-emulator, in memory, 127.0.0.1), google-cloud-storage {d['google_cloud_storage']}; median of "
-        f"{d['reps']} interleaved runs. The emulator (a Python HTTP server on the same 2 cores) is most of the cost: "
+        f"({d.get('emulator', 'gcp-storage-emulator, a Python HTTP server')}, in memory, 127.0.0.1), google-cloud-storage "
+        f"{d['google_cloud_storage']}; median of {d['reps']} interleaved runs. The emulator (on the same 2 cores) is most of the cost: "
         "absolute rates say nothing about real GCS, the differences between rows do.",
         "",
         "| method | upload (s) | upload MiB/s | download (s) | download MiB/s | vs loraflow (up / down) | verdict |",

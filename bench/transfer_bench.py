@@ -121,6 +121,7 @@ def main() -> None:
             "crc32c_mib_s": nbytes / 2**20 / median(crc_s),
             "crc32c_implementation": google_crc32c.implementation,
             "google_cloud_storage": google.cloud.storage.__version__,
+            "emulator": "fake-gcs-server, a Go HTTP server",
             "raw": raw,
         },
     )

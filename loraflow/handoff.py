@@ -13,9 +13,8 @@ A run picks exactly one version: the one named in the Asset event that triggered
 or else the newest version that is ready and neither claimed nor judged. Taking a version means creating
 ``_CLAIM`` with the precondition "only if absent" (``if_generation_match=0``): of two runs racing for
 the same version one wins, the other moves on to the next candidate or picks nothing. So no version
-trains twice, not even when polls overlap. (The GCS emulator ignores preconditions; the claim is
-therefore also read back and honoured only when it names this run, which narrows the race there to
-the moment between two writes. Real GCS enforces the precondition.)
+trains twice, not even when polls overlap. GCS decides the race with the precondition itself (as
+does the local emulator, fake-gcs-server): the claim is never read back to decide it.
 
 Airflow-free: operators/handoff.py calls ``pick`` and ``finish``.
 """
@@ -169,9 +168,7 @@ def claim(handoff: HandoffSpec, version: str, dag_id: str, run_id: str) -> bool:
         )
     except PreconditionFailed:
         return False  # another run created it between our read and our write
-    # Read back: where preconditions are not enforced (the emulator), the last writer holds it.
-    held = read_claim(handoff, version) or {}
-    return bool(held.get("dag_id") == dag_id and held.get("run_id") == run_id)
+    return True
 
 
 @dataclass(frozen=True)
