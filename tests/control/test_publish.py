@@ -7,6 +7,7 @@ number" and "never clobber a moved alias" are decided by the store's preconditio
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,6 +150,40 @@ def test_concurrent_alias_writer_is_detected(gcs_bucket: str, monkeypatch: pytes
     monkeypatch.setattr(type(registry.bucket), "get_blob", get_blob)
     assert registry.move_alias(3, entry) is False  # re-read after the 412: 5 is newer, left as is
     assert read(registry.alias_uri)["version"] == 5
+
+
+def _together(n: int, work: Callable[[int], object]) -> list[object]:
+    """Run ``work(i)`` for i < n on n threads released at once; their results in order."""
+    barrier, results = threading.Barrier(n), [None] * n
+
+    def one(i: int) -> None:
+        barrier.wait()
+        results[i] = work(i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def test_publishers_racing_for_version_numbers_each_get_their_own(gcs_bucket: str) -> None:
+    """Four publishers list the versions at once and all try 0001: GCS's create-only precondition
+    lets exactly one have each number; nobody's version is overwritten."""
+    results = _together(4, lambda i: publish.Registry(f"{gcs_bucket}/_registry", "race4").register({"run_id": f"r{i}"}))
+    numbers = sorted(number for number, _ in results)  # type: ignore[misc]
+    assert numbers == [1, 2, 3, 4]
+    registry = publish.Registry(f"{gcs_bucket}/_registry", "race4")
+    for number, data in results:  # type: ignore[misc]
+        assert read(registry.version_uri(number))["run_id"] == data["run_id"]
+
+
+def test_alias_writers_racing_leave_the_newest_version(gcs_bucket: str) -> None:
+    entry = {"model_manifest": "gs://b/m/_MANIFEST.json", "model_fingerprint": "f", "run_id": "r"}
+    registry = publish.Registry(f"{gcs_bucket}/_registry", "alias4")
+    moved = _together(4, lambda i: registry.move_alias(i + 1, entry))
+    assert read(registry.alias_uri)["version"] == 4 and moved[3] is True
 
 
 def test_the_alias_never_moves_back(gcs_bucket: str) -> None:
