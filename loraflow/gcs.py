@@ -24,6 +24,8 @@ def split_uri(uri: str) -> tuple[str, str]:
     bucket, _, path = uri[len("gs://") :].partition("/")
     if not bucket:
         raise ArtifactError(f"{uri!r} names no bucket; write gs://BUCKET/PATH")
+    if any(c in uri for c in "\r\n\x00"):  # GCS refuses CR and LF in object names; NUL is never meant
+        raise ArtifactError(f"{uri!r} contains a line break or NUL; GCS names cannot hold them")
     if any(part in {"..", "."} for part in path.split("/")):
         raise ArtifactError(
             f"{uri!r} contains '.' or '..' segments; write the full path (nothing may escape its prefix)"

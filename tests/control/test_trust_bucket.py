@@ -472,3 +472,19 @@ def test_a_safetensors_index_may_name_shards_only_inside_its_checkpoint(tmp_path
     with pytest.raises(UnsafeNameError) as err:
         Checkpoint.open(checkpoint)
     assert repr(shard) in str(err.value) and str(checkpoint / INDEX_FILE) in str(err.value)
+
+
+# ------------------------------------------------------------------------------ gs:// URIs
+
+
+@PROPERTY
+@given(uri=st.one_of(st.text(max_size=40), st.text(max_size=40).map(lambda t: "gs://" + t)))
+def test_a_uri_split_uri_accepts_names_a_bucket_and_a_path_that_cannot_escape(uri: str) -> None:
+    try:
+        bucket, path = gcs.split_uri(uri)
+    except artifacts.ArtifactError as exc:
+        assert repr(uri) in str(exc)
+        return
+    assert uri == f"gs://{bucket}" + (f"/{path}" if path or uri.endswith("/") else "")
+    assert bucket and "/" not in bucket
+    assert not {".", ".."} & set(path.split("/")) and not {"\r", "\n", "\x00"} & set(uri)
