@@ -32,7 +32,8 @@ import math
 import re
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -533,6 +534,15 @@ def copy_side_files(base_dir: Path, out_dir: Path) -> tuple[list[str], list[str]
     return copied, skipped
 
 
+def _scales(targets: Iterable[LoraTarget]) -> str:
+    """``r=16, scale=2`` for one setting; ``r/scale per module (rank_pattern / alpha_pattern): 8/2 x4, ...``."""
+    counts = Counter((t.rank, t.scale) for t in targets)
+    if len(counts) <= 1:
+        return ", ".join(f"r={r}, scale={scale:g}" for r, scale in counts)
+    parts = ", ".join(f"{r}/{scale:g} x{n}" for (r, scale), n in sorted(counts.items()))
+    return f"r/scale per module (rank_pattern / alpha_pattern): {parts}"
+
+
 def merge_checkpoint(
     base_dir: str | Path,
     adapter_dir: str | Path,
@@ -573,9 +583,8 @@ def merge_checkpoint(
     targets = plan_merge(adapter.tensors, base.tensors, cfg)
     check_finite(adapter)
     say(
-        f"{len(targets)} of {len(base)} base tensors get a LoRA update (r={cfg.r}, alpha={cfg.lora_alpha:g}, "
-        f"scale={lora_scale(cfg.r, cfg.lora_alpha, cfg.use_rslora):g}); writing shards of <= {shard_bytes / 2**20:g} MiB; "
-        + merge_kernel.status()
+        f"{len(targets)} of {len(base)} base tensors get a LoRA update ({_scales(targets.values())}); "
+        f"writing shards of <= {shard_bytes / 2**20:g} MiB; " + merge_kernel.status()
     )
 
     report = MergeReport()

@@ -359,9 +359,12 @@ def test_rank_and_alpha_patterns_set_each_modules_scale(base: Path, tmp_path: Pa
         n: (rank_alpha(n.removesuffix(".weight"))[0], s) for n, s in scales.items()
     }
 
-    report = merge_checkpoint(base, tmp_path / "adapter", tmp_path / "out")
+    lines: list[str] = []
+    report = merge_checkpoint(base, tmp_path / "adapter", tmp_path / "out", progress=lines.append)
     base_t, merged = load_file(str(base / "model.safetensors")), load_all(tmp_path / "out")
     assert report.merged == report.changed == len(scales) == 14
+    # the log tells the per-module settings, not the global r / alpha that no module here merges with alone
+    assert "r/scale per module (rank_pattern / alpha_pattern): 2/4 x2, 4/0.5 x2, 4/2 x7, 4/3 x2, 8/6 x1" in lines[0]
     for name, scale in scales.items():
         module = name.removesuffix(".weight")
         pair = {k: v for k, v in tensors.items() if k.startswith(f"base_model.model.{module}.lora_")}
