@@ -53,7 +53,7 @@ def _gs_uri(value: str) -> str:
         raise ValueError(f"{value!r} contains '..'; write the full path without parent references")
     if re.search(r"[\x00-\x1f\x7f]", value):
         raise ValueError(f"{value!r} contains a control character; write the path without it")
-    if "." in path.split("/") or "//" in path.rstrip("/"):
+    if "." in path.split("/") or "//" in path.rstrip("/") or path.startswith("/"):  # gs://B//x: object "/x"
         raise ValueError(f"{value!r} has an empty or '.' path segment; write gs://BUCKET/PATH with plain segments")
     return value.rstrip("/")
 

@@ -100,3 +100,44 @@ def test_overrides_are_validated_like_the_spec() -> None:
     with pytest.raises(SpecError) as err:
         with_overrides(spec, {"training.steps": 0, "lora.rank": "big"})
     assert {p for p, _ in err.value.problems} == {"training.steps", "lora.rank"}
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["gs://bucket/a/./b", "gs://bucket/a//b", "gs://bucket/./a", "gs://bucket//a", "gs:///a", "gs://", "s3://b/a"],
+)
+def test_gcs_uris_with_an_empty_or_dot_segment_are_refused(uri: str) -> None:
+    data = tiny_data()
+    data["data"]["train"] = uri
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert any(p == "data.train" and "write gs://BUCKET/PATH" in m for p, m in err.value.problems), err.value.problems
+
+
+def test_gcs_uris_lose_their_trailing_slash() -> None:
+    data = tiny_data()
+    data["base_model"]["hf_checkpoint"] = "gs://bucket/models/tiny/"
+    data["data"]["train"] = "gs://bucket/data/train.jsonl"
+    spec = validate_spec(data, "x.yaml")
+    assert spec.base_model.hf_checkpoint == "gs://bucket/models/tiny"
+    assert spec.data.train == "gs://bucket/data/train.jsonl"
+
+
+def test_a_stage_without_its_own_compute_section_uses_default_then_local() -> None:
+    data = tiny_data()
+    data["compute"] = {"default": {"launcher": "local", "env": {"XLA_FLAGS": "--x"}}, "lora_sft": {"launcher": "local"}}
+    spec = validate_spec(data, "x.yaml")
+    assert spec.compute_for("validate_data").env == {"XLA_FLAGS": "--x"}  # default
+    assert spec.compute_for("lora_sft").env == {}  # its own section, not merged with default
+    data["compute"] = {}
+    assert validate_spec(data, "x.yaml").compute_for("lora_sft").launcher == "local"
+
+
+def test_a_value_of_the_wrong_type_is_named_with_what_was_given() -> None:
+    data = tiny_data()
+    data["training"]["steps"] = "many"
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    (message,) = [m for p, m in err.value.problems if p == "training.steps"]
+    assert "valid integer" in message and "(got 'many')" in message
+    assert message[0].islower()  # the hint continues "training.steps: ..."
