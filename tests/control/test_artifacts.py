@@ -171,3 +171,55 @@ def test_harness_refuses_a_non_gcs_input(gcs_bucket: str, capsys: pytest.Capture
 def test_uris_that_could_escape_their_prefix_are_refused(uri: str) -> None:
     with pytest.raises(ArtifactError):
         gcs.split_uri(uri)
+
+
+# ------------------------------------------------------------------- keys, sources, partial fetch
+
+
+def test_cache_key_ignores_the_order_configs_and_inputs_were_written_in() -> None:
+    key = artifacts.cache_key({"a": "f1", "b": "f2"}, {"lr": 1, "opt": {"b": 2, "a": 1}}, "L1")
+    assert key == artifacts.cache_key({"b": "f2", "a": "f1"}, {"opt": {"a": 1, "b": 2}, "lr": 1}, "L1")
+    assert len(key) == 32 and int(key, 16) >= 0
+
+
+def test_a_second_commit_of_a_prefix_is_refused_and_the_first_kept(gcs_bucket: str, tmp_path: Path) -> None:
+    prefix = f"{gcs_bucket}/p/run-1/s"
+    first = commit_dir(tmp_path, prefix, {"a.bin": b"x"})
+    with pytest.raises(ArtifactError, match=r"committed by another writer first .* never overwritten"):
+        artifacts.commit(prefix, {}, stage="s", inputs={}, config={}, lock_version="L", cache_key="K2", summary={})
+    assert artifacts.read_manifest(prefix).data == first.data
+
+
+def test_a_source_prefix_lists_its_files_by_relative_name(gcs_bucket: str, tmp_path: Path) -> None:
+    blob(f"{gcs_bucket}/src/data/a.jsonl").upload_from_string(b"aa")
+    blob(f"{gcs_bucket}/src/data/sub/b.jsonl").upload_from_string(b"bbb")
+    blob(f"{gcs_bucket}/src/data-other/c.jsonl").upload_from_string(b"c")  # a sibling prefix: not part of it
+    files = artifacts.source_files(f"{gcs_bucket}/src/data")
+    assert artifacts.source_files(f"{gcs_bucket}/src/data/") == files
+    assert {n: (m["size"], m["object"].rsplit("/src/", 1)[-1]) for n, m in files.items()} == {
+        "a.jsonl": (2, "data/a.jsonl"),
+        "sub/b.jsonl": (3, "data/sub/b.jsonl"),
+    }
+    one = artifacts.source_files(f"{gcs_bucket}/src/data/sub/b.jsonl")
+    assert list(one) == ["b.jsonl"] and one["b.jsonl"]["size"] == 3
+    got = artifacts.fetch_source(f"{gcs_bucket}/src/data", tmp_path / "d")
+    assert got == files and (tmp_path / "d" / "sub" / "b.jsonl").read_bytes() == b"bbb"
+    with pytest.raises(ArtifactError, match=f"source {gcs_bucket}/src/nothing does not exist"):
+        artifacts.source_files(f"{gcs_bucket}/src/nothing")
+
+
+def test_fetch_only_downloads_the_named_files(gcs_bucket: str, tmp_path: Path) -> None:
+    commit_dir(tmp_path, f"{gcs_bucket}/p/run-1/s", {"a.bin": b"a", "b.bin": b"b", "e.bin": b""})
+    m = artifacts.read_manifest(f"{gcs_bucket}/p/run-1/s")  # an empty file (size 0) is a file like any other
+    out = artifacts.fetch(m, tmp_path / "out", only=["b.bin", "e.bin"])
+    assert sorted(p.name for p in out.iterdir()) == ["b.bin", "e.bin"] and (out / "e.bin").read_bytes() == b""
+
+
+@pytest.mark.parametrize("size", [-1, True, "5", None], ids=["negative", "bool", "string", "missing"])
+def test_a_manifest_whose_file_has_no_valid_size_is_refused(gcs_bucket: str, tmp_path: Path, size) -> None:
+    m = commit_dir(tmp_path, f"{gcs_bucket}/p/run-1/s", {"a.bin": b"x"})
+    data = json.loads(json.dumps(m.data))
+    data["files"]["a.bin"]["size"] = size
+    blob(m.uri).upload_from_string(json.dumps(data))
+    with pytest.raises(ArtifactError, match=r"file 'a\.bin' has no size and crc32c"):
+        artifacts.read_manifest(m.uri)
