@@ -329,3 +329,87 @@ def test_a_handoff_pipeline_is_wrapped_in_pick_and_verdict(tmp_path: Path) -> No
     assert pick.downstream_task_ids == {"validate_data", verdict.task_id}
     assert [o.uri for o in verdict.outlets] == ["loraflow://tiny-handoff/verdict"]
     assert "gs://team/handoff/parity" in str(dag.timetable.asset_condition)
+
+
+# ------------------------------------------------------------------------------------ more verdicts
+
+
+def test_judge_calls_a_run_that_ended_before_a_decision_failed_naming_the_tasks_not_done() -> None:
+    states = {"validate_data": "success", "gate": "success", "publish": "running", "report": "queued"}
+    assert handoff.judge(states, [], None, None) == (
+        "failed",
+        ["the run ended before a decision (tasks not done: publish, report)"],
+    )
+    done = {"validate_data": "success", "publish": "skipped"}
+    assert handoff.judge(done, [], None, None) == ("failed", ["the run ended before a decision (tasks not done: none)"])
+    # a promoting gate whose publish did not happen is no acceptance
+    assert handoff.judge(done, [], GATE_YES, {"promoted": False})[0] == "failed"
+    # data rejection outranks failed tasks; failed tasks outrank the gate
+    assert handoff.judge({"gate": "failed"}, ["x"], GATE_NO, None)[0] == "rejected"
+    assert handoff.judge({"b": "failed", "a": "failed"}, [], GATE_NO, None) == (
+        "failed",
+        ["task a failed; see its log in Airflow", "task b failed; see its log in Airflow"],
+    )
+    assert handoff.judge(ALL_OK, [], {"promote": False}, None) == (
+        "rejected",
+        ["quality gate: the tuned model was not better"],
+    )
+    assert handoff.judge(ALL_OK, [], None, {"promoted": True}) == (
+        "accepted",
+        ["the quality gate promoted the tuned model"],
+    )
+
+
+def test_a_rejected_result_names_no_model_and_keeps_the_gate_figures(team: HandoffSpec) -> None:
+    spec = handoff_spec(prefix=team.prefix)
+    doc = handoff.result_document(
+        spec, "d", "run-1", "v1", "rejected", ["quality gate: no"], {"promoted": False}, GATE_NO, None, "http://r"
+    )
+    assert doc["model"] is None and doc["report"] is None and doc["report_url"] == "http://r"
+    assert doc["gate"] == {k: GATE_NO[k] for k in ("promote", "base", "tuned", "reason")}
+    assert (doc["pipeline"], doc["dag_id"], doc["run_id"], doc["version"]) == ("tiny-handoff", "d", "run-1", "v1")
+    assert doc["reasons"] == ["quality gate: no"] and doc["verdict"] == "rejected"
+    assert doc["format"] == handoff.RESULT_FORMAT and doc["finished_at"].endswith("Z")
+    none = handoff.result_document(spec, "d", "run-1", "v1", "failed", [], None, None, None, None)
+    assert none["model"] is None and none["gate"] is None
+    extra = handoff.event_extra(none, "gs://x/_RESULT.json")
+    assert extra == {"pipeline": "tiny-handoff", "version": "v1", "dataset": f"{team.prefix}/v1", "verdict": "failed",
+                     "reasons": [], "model_version": None, "result": "gs://x/_RESULT.json", "report": None,
+                     "run_id": "run-1"}  # fmt: skip
+    many = handoff.event_extra({**none, "reasons": [str(i) for i in range(30)]}, "u")
+    assert many["reasons"] == [str(i) for i in range(10)]
+
+
+def test_the_state_of_a_version_reports_its_markers(team: HandoffSpec) -> None:
+    assert handoff.state_of(team, "v1") == handoff.VersionState("v1")
+    drop(team, "v1")
+    state = handoff.state_of(team, "v1")
+    assert state.ready_at is not None and not state.claimed and not state.judged and state.pending
+    assert state.files == {"train.jsonl", "eval.jsonl", handoff.READY}
+    handoff.claim(team, "v1", "dag", "run-a")
+    claimed = handoff.state_of(team, "v1")
+    assert claimed.claimed and not claimed.judged and not claimed.pending
+
+
+def test_a_scan_sees_each_version_folder_and_nothing_nested_or_loose(team: HandoffSpec) -> None:
+    drop(team, "v1")
+    drop(team, "v2", ready=False)
+    bucket, path = gcs.split_uri(team.prefix)
+    b = gcs.client().bucket(bucket)
+    b.blob(f"{path}/v1/sub/{handoff.READY}").upload_from_string(b"")  # nested: not a marker of v1
+    b.blob(f"{path}/loose.txt").upload_from_string(b"")  # not in a version folder
+    b.blob(f"{path}/_staging/{handoff.READY}").upload_from_string(b"")  # no valid version name
+    handoff.claim(team, "v1", "dag", "run-a")
+    states = {s.version: s for s in handoff.scan(team)}
+    assert set(states) == {"v1", "v2"}
+    assert states["v1"].files == {"train.jsonl", "eval.jsonl", handoff.READY, handoff.CLAIM}
+    assert states["v1"].claimed and states["v1"].ready_at is not None and not states["v1"].judged
+    assert states["v2"].ready_at is None and states["v2"].files == {"train.jsonl"}
+
+
+def test_data_failures_list_load_problems_before_failed_rules(gcs_bucket: str) -> None:
+    run = f"{gcs_bucket}/artifacts/p/run1"
+    bucket, path = gcs.split_uri(f"{run}/validate_data/_rejected/data_report.json")
+    report = {"load_problems": ["eval: line 3 is not JSON"], "failures": ["train: too few rows"]}
+    gcs.client().bucket(bucket).blob(path).upload_from_string(json.dumps(report))
+    assert handoff.data_failures(run) == ["eval: line 3 is not JSON", "train: too few rows"]
