@@ -39,8 +39,26 @@ class Target:
     deselect: list[str] = field(default_factory=list)
 
 
+# The tests of test_launch_and_runner.py that start real step programs (seconds each).
+RUNNER_SLOW = [
+    f"tests/control/test_launch_and_runner.py::{name}"
+    for name in (
+        "test_second_run_of_a_stage_is_a_cache_hit",
+        "test_a_rerun_on_changed_inputs_in_the_same_run_commits_beside_the_first",
+        "test_kill_stops_the_step_and_its_children",
+        "test_lines_are_streamed_as_they_come",
+        "test_a_failing_step_raises_with_its_last_error_line",
+    )
+]
+
 TARGETS: dict[str, Target] = {
-    "artifacts": Target("control", ["loraflow/artifacts.py"], ["tests/control/test_artifacts.py"]),
+    # artifacts.py is read by the runner (input identities, the cache): its fast tests count here too.
+    "artifacts": Target(
+        "control",
+        ["loraflow/artifacts.py"],
+        ["tests/control/test_artifacts.py", "tests/control/test_launch_and_runner.py"],
+        deselect=RUNNER_SLOW,
+    ),
     "spec": Target(
         "control",
         ["loraflow/spec.py"],
@@ -90,13 +108,7 @@ TARGETS: dict[str, Target] = {
         "control",
         ["loraflow/runner.py"],
         ["tests/control/test_launch_and_runner.py"],
-        deselect=[
-            "tests/control/test_launch_and_runner.py::test_second_run_of_a_stage_is_a_cache_hit",
-            "tests/control/test_launch_and_runner.py::test_a_rerun_on_changed_inputs_in_the_same_run_commits_beside_the_first",
-            "tests/control/test_launch_and_runner.py::test_kill_stops_the_step_and_its_children",
-            "tests/control/test_launch_and_runner.py::test_lines_are_streamed_as_they_come",
-            "tests/control/test_launch_and_runner.py::test_a_failing_step_raises_with_its_last_error_line",
-        ],
+        deselect=RUNNER_SLOW,
     ),
     "stages": Target(
         "control",
@@ -165,9 +177,11 @@ print(json.dumps(out))
 def mutmut(root: Path, target: Target, *args: str, log: Path | None = None) -> str:
     python = REPO / ".venvs" / target.env / "bin" / "python"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if log is not None:  # written as it runs: `tail -f .mutate/<target>/mutmut-run.log` shows the progress
+        with log.open("w") as fh:
+            subprocess.run([str(python), *args], cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
+        return ""
     out = subprocess.run([str(python), *args], cwd=root, env=env, capture_output=True, text=True, check=False)
-    if log is not None:
-        log.write_text(out.stdout + out.stderr)
     return out.stdout
 
 

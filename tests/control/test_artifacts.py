@@ -194,6 +194,7 @@ def test_a_source_prefix_lists_its_files_by_relative_name(gcs_bucket: str, tmp_p
     blob(f"{gcs_bucket}/src/data/a.jsonl").upload_from_string(b"aa")
     blob(f"{gcs_bucket}/src/data/sub/b.jsonl").upload_from_string(b"bbb")
     blob(f"{gcs_bucket}/src/data-other/c.jsonl").upload_from_string(b"c")  # a sibling prefix: not part of it
+    blob(f"{gcs_bucket}/src/data/sub/").upload_from_string(b"")  # a folder placeholder: no file
     files = artifacts.source_files(f"{gcs_bucket}/src/data")
     assert artifacts.source_files(f"{gcs_bucket}/src/data/") == files
     assert {n: (m["size"], m["object"].rsplit("/src/", 1)[-1]) for n, m in files.items()} == {
