@@ -51,6 +51,15 @@ RUNNER_SLOW = [
     )
 ]
 
+GUARDS_CHAMPION = [
+    "test_without_a_champion_the_base_comparison_decides",
+    "test_a_better_champion_blocks_promotion",
+    "test_a_tie_with_the_champion_is_not_a_win",
+    "test_beating_the_champion_promotes_and_says_against_whom",
+    "test_the_champion_itself_is_never_promoted_again",
+    "test_the_champion_moving_changes_the_decision",
+]
+
 TARGETS: dict[str, Target] = {
     # artifacts.py is read by the runner (input identities, the cache): its fast tests count here too.
     "artifacts": Target(
@@ -99,7 +108,14 @@ TARGETS: dict[str, Target] = {
     "registry": Target(
         "control",
         ["loraflow/registry.py", "loraflow/steps/publish.py"],
-        ["tests/control/test_publish.py", "tests/control/test_gate.py"],
+        [
+            "tests/control/test_publish.py",
+            "tests/control/test_gate.py",
+            # the champion as the gate reads it, and the aliases it refuses
+            *[f"tests/control/test_guards.py::{t}" for t in GUARDS_CHAMPION],
+            "tests/control/test_trust_bucket.py::test_a_champion_alias_of_this_registry_is_read",
+            "tests/control/test_trust_bucket.py::test_a_champion_alias_pointing_elsewhere_is_refused",
+        ],
         # the Vertex AI Model Registry mirror through its stand-in server (6 s)
         deselect=["tests/control/test_publish.py::test_vertex_model_registry_mirrors_versions_and_the_champion_alias"],
     ),

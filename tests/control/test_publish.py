@@ -252,3 +252,19 @@ def test_vertex_model_registry_without_a_project_registers_nothing(
     with pytest.raises(LoraflowError, match="needs a project"):
         publish.run(ctx)
     assert publish.Registry(f"{gcs_bucket}/_registry", "tiny").versions() == {}
+
+
+def test_the_metric_a_version_recorded_is_read_from_each_entry_format() -> None:
+    from loraflow.registry import recorded_metric
+
+    assert recorded_metric({"metrics": {"accuracy": 0.75}}, "accuracy") == 0.75
+    assert recorded_metric({"metrics": {"accuracy": 1}}, "accuracy") == 1.0
+    # versions registered before `metrics` was recorded: the decision's tuned figure of that metric
+    old = {"decision": {"metric": "accuracy", "tuned": 0.5, "tuned_metrics": {"f1": 0.25}}}
+    assert recorded_metric(old, "accuracy") == 0.5
+    assert recorded_metric(old, "f1") == 0.25
+    assert recorded_metric({"metrics": {"accuracy": None}, **old}, "accuracy") == 0.5
+    assert recorded_metric({"metrics": {"f1": 0.9}, **old}, "accuracy") == 0.5
+    assert recorded_metric(old, "exact_match") is None
+    assert recorded_metric({"decision": {"metric": "accuracy", "tuned": None}}, "accuracy") is None
+    assert recorded_metric({}, "accuracy") is None
