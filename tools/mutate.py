@@ -51,6 +51,17 @@ RUNNER_SLOW = [
     )
 ]
 
+TRUST_ARTIFACTS = [
+    "test_fetch_refuses_a_hostile_manifest_and_writes_nothing",
+    "test_a_hostile_object_name_under_a_source_prefix_is_refused_before_any_download",
+    "test_a_step_never_uploads_a_name_readers_would_refuse",
+    "test_a_cache_entry_pointing_at_a_commit_of_its_stage_is_a_hit",
+    "test_a_cache_entry_pointing_anywhere_else_is_a_miss_and_the_log_says_why",
+    "test_a_cache_entry_whose_manifest_claims_another_stage_is_a_miss",
+    "test_garbage_in_a_cache_entry_is_a_miss",
+    "test_the_cache_never_stores_a_pointer_it_would_refuse",
+]
+
 GUARDS_CHAMPION = [
     "test_without_a_champion_the_base_comparison_decides",
     "test_a_better_champion_blocks_promotion",
@@ -65,7 +76,12 @@ TARGETS: dict[str, Target] = {
     "artifacts": Target(
         "control",
         ["loraflow/artifacts.py"],
-        ["tests/control/test_artifacts.py", "tests/control/test_launch_and_runner.py"],
+        [
+            "tests/control/test_artifacts.py",
+            "tests/control/test_launch_and_runner.py",
+            # the bucket-writer lane's refusals that live in artifacts.py (hostile manifests, sources, cache entries)
+            *[f"tests/control/test_trust_bucket.py::{t}" for t in TRUST_ARTIFACTS],
+        ],
         deselect=RUNNER_SLOW,
     ),
     "spec": Target(
