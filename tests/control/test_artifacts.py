@@ -224,3 +224,18 @@ def test_a_manifest_whose_file_has_no_valid_size_is_refused(gcs_bucket: str, tmp
     blob(m.uri).upload_from_string(json.dumps(data))
     with pytest.raises(ArtifactError, match=r"file 'a\.bin' has no size and crc32c"):
         artifacts.read_manifest(m.uri)
+
+
+def test_where_stages_commit_and_the_cache_keeps_its_entries() -> None:
+    assert artifacts.stage_prefix("gs://b/root", "tiny", "manual__2026-12-02T21:00:00+00:00", "lora_sft") == (
+        "gs://b/root/tiny/manual__2026-12-02T21-00-00-00-00/lora_sft"
+    )
+    assert artifacts.cache_entry_uri("gs://b/root", "lora_sft", "k1") == "gs://b/root/_cache/lora_sft/k1.json"
+
+
+def test_a_lock_version_is_the_lock_files_hash(tmp_path: Path) -> None:
+    import hashlib
+
+    lock = tmp_path / "control.lock"
+    lock.write_bytes(b"numpy==2.0\n")
+    assert artifacts.lock_version(lock) == hashlib.sha256(b"numpy==2.0\n").hexdigest()[:16]
