@@ -210,8 +210,17 @@ def test_an_event_naming_a_version_takes_exactly_that_version(team: HandoffSpec)
     drop(team, "v2")
     picked = handoff.pick(team, "dag", "run-a", requested="v1")
     assert picked.version == "v1" and "asset event" in picked.reason
+    assert picked.to_xcom() == {
+        "version": "v1",
+        "reason": picked.reason,
+        "uri": f"{team.prefix}/v1",
+        "train": f"{team.prefix}/v1/train.jsonl",
+        "eval": f"{team.prefix}/v1/eval.jsonl",
+    }
+    assert handoff.read_claim(team, "v1")["dag_id"] == "dag"
     again = handoff.pick(team, "dag", "run-b", requested="v1")
-    assert again.version is None and "run-a" in again.reason
+    assert again.version is None and again.reason == f"{team.prefix}/v1 is being trained by run run-a of dag"
+    assert again.to_xcom()["uri"] is None
 
 
 def test_an_event_naming_a_version_that_is_not_ready_fails_saying_what_to_write(team: HandoffSpec) -> None:
