@@ -301,6 +301,10 @@ def test_the_result_is_written_beside_the_version_with_what_a_data_team_needs(te
     assert stored["verdict"] == "accepted" and stored["model"]["version"] == 3
     assert stored["dataset"] == f"{team.prefix}/v1" and stored["gate"]["ci"] == [0.35, 0.45]
     assert stored["model"]["registry"] == f"{spec.registry_uri}/tiny-handoff"
+    assert stored["model"]["model_manifest"] == "gs://x/merge_adapter/_MANIFEST.json"
+    assert stored["gate"] == GATE_YES and stored["dag_id"] == "tiny-handoff"
+    bucket, path = gcs.split_uri(uri)
+    assert gcs.client().bucket(bucket).get_blob(path).content_type == "application/json"
     assert stored["artifacts"].startswith(f"{spec.artifact_root}/tiny-handoff/manual__2026-12-03")
     extra = handoff.event_extra(stored, uri)
     assert extra["verdict"] == "accepted" and extra["model_version"] == 3 and extra["result"] == uri
