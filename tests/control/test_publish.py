@@ -6,6 +6,7 @@ number" and "never clobber a moved alias" are decided by the store's preconditio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from loraflow import artifacts, gcs
+from loraflow.errors import LoraflowError
 from loraflow.steps import publish
 
 
@@ -211,7 +213,11 @@ def test_vertex_model_registry_mirrors_versions_and_the_champion_alias(
 ) -> None:
     from tests.vertex_standin import VertexStandIn
 
-    vertex_cfg = {"project": "p1", "region": "us-east5", "serving_container_image": "us-docker.pkg.dev/p1/s/vllm:1"}
+    vertex_cfg = {
+        "project": "acme-p1",
+        "region": "us-east5",
+        "serving_container_image": "us-docker.pkg.dev/p1/s/vllm:1",
+    }
 
     def run(model: artifacts.Manifest, run_id: str) -> tuple[dict, dict]:
         config = {"registry_uri": f"{gcs_bucket}/_registry", "pipeline": "tiny", "run_id": run_id,
@@ -225,7 +231,7 @@ def test_vertex_model_registry_mirrors_versions_and_the_champion_alias(
         first = committed_model(gcs_bucket, tmp_path, "run-1", b"one")
         second = committed_model(gcs_bucket, tmp_path, "run-2", b"two")
         summary, entry = run(first, "run-1")
-        name = "projects/p1/locations/us-east5/models/loraflow-tiny"
+        name = "projects/acme-p1/locations/us-east5/models/loraflow-tiny"
         assert summary["vertex_model"] == f"{name}@1"
         assert entry["vertex_model_registry"]["artifact_uri"] == first.prefix  # the merged checkpoint's prefix
         assert entry["vertex_model_registry"]["labels"]["loraflow-run"] == "run-1"
@@ -268,3 +274,86 @@ def test_the_metric_a_version_recorded_is_read_from_each_entry_format() -> None:
     assert recorded_metric(old, "exact_match") is None
     assert recorded_metric({"decision": {"metric": "accuracy", "tuned": None}}, "accuracy") is None
     assert recorded_metric({}, "accuracy") is None
+
+
+def test_the_metrics_a_version_records_are_the_tuned_models_scalars_and_the_gates_figure() -> None:
+    decision = {"metric": "accuracy", "tuned": 0.75, "tuned_metrics": {"f1": 0.5, "n": 10, "label": "x",
+                "flag": True, "per_class": [1, 2], "accuracy": 0.7}}  # fmt: skip
+    assert publish.eval_metrics(decision) == {"f1": 0.5, "n": 10, "label": "x", "accuracy": 0.75}
+    assert publish.eval_metrics({"metric": "accuracy", "tuned": None, "tuned_metrics": {"f1": 0.5}}) == {"f1": 0.5}
+    assert publish.eval_metrics({"tuned": 0.75}) == {}
+    assert publish.eval_metrics({}) == {}
+
+
+def test_the_run_id_comes_from_the_output_prefix_when_the_config_has_none() -> None:
+    raw = {"registry_uri": "gs://b/_registry", "pipeline": "Tiny.v2"}
+    for out in ("gs://b/root/Tiny.v2/run-7/publish", "gs://b/root/Tiny.v2/run-7/publish/"):
+        assert publish.resolve_config(dict(raw), True, out).run_id == "run-7"
+    assert publish.resolve_config({**raw, "run_id": "given"}, True, "gs://b/root/p/run-7/publish").run_id == "given"
+    with pytest.raises(LoraflowError, match="model_manifest is required"):
+        publish.resolve_config({**raw, "run_id": "r"}, False)
+    with pytest.raises(LoraflowError, match="pipeline 'a/b' must be letters"):
+        publish.resolve_config({**raw, "run_id": "r", "pipeline": "a/b"}, True)
+
+
+def test_a_publish_records_what_a_later_gate_and_a_reader_need(
+    gcs_bucket: str, tmp_path: Path, make_ctx: Callable
+) -> None:
+    model = committed_model(gcs_bucket, tmp_path)
+    d = tmp_path / "d"
+    d.mkdir()
+    decision = {"promote": True, "metric": "accuracy", "tuned": 0.9, "eval_set_fingerprint": "e1", "reason": "better"}
+    (d / "decision.json").write_text(json.dumps(decision))
+    config = {"registry_uri": f"{gcs_bucket}/_registry", "pipeline": "tiny"}
+    ctx = make_ctx("publish", {"decision": d}, config, {"model": model})
+    ctx = dataclasses.replace(ctx, output_uri=f"{gcs_bucket}/artifacts/tiny/run-9/publish")
+    publish.run(ctx)
+    version = read(f"{gcs_bucket}/_registry/tiny/versions/0001.json")
+    assert version["metrics"] == {"accuracy": 0.9} and version["eval_set_fingerprint"] == "e1"
+    assert version["run_id"] == "run-9" and version["version"] == 1
+    alias = read(f"{gcs_bucket}/_registry/tiny/aliases/champion.json")
+    assert alias["run_id"] == "run-9" and alias["alias"] == "champion"
+    assert alias["version_uri"] == f"{gcs_bucket}/_registry/tiny/versions/0001.json"
+    entry = json.loads((ctx.out / "registry_entry.json").read_text())
+    assert entry["alias"] == "champion" and entry["alias_uri"] == f"{gcs_bucket}/_registry/tiny/aliases/champion.json"
+    assert entry["run_id"] == "run-9" and entry["reason"] == "better" and entry["version"] == 1
+
+
+def test_a_retried_older_publish_leaves_the_newer_champion_and_says_so(
+    gcs_bucket: str, tmp_path: Path, publish_run: Callable
+) -> None:
+    first = committed_model(gcs_bucket, tmp_path, "run-1", b"one")
+    second = committed_model(gcs_bucket, tmp_path, "run-2", b"two")
+    publish_run(first, True, "run-1")
+    publish_run(second, True, "run-2")
+    summary, ctx = publish_run(first, True, "run-1")  # run-1's publish retried after run-2 promoted
+    assert summary["version"] == 1
+    assert read(f"{gcs_bucket}/_registry/tiny/aliases/champion.json")["version"] == 2
+    assert json.loads((ctx.out / "registry_entry.json").read_text())["alias"] is None
+    # the same run publishing another model is a new version, not the retry of the first
+    third = committed_model(gcs_bucket, tmp_path, "run-1b", b"three")
+    assert publish_run(third, True, "run-1")[0]["version"] == 3
+
+
+def test_a_model_given_as_input_and_by_config_must_agree(gcs_bucket: str, tmp_path: Path, make_ctx: Callable) -> None:
+    model = committed_model(gcs_bucket, tmp_path, "run-1", b"one")
+    other = committed_model(gcs_bucket, tmp_path, "run-2", b"two")
+    config = {"registry_uri": f"{gcs_bucket}/_registry", "pipeline": "tiny", "run_id": "r",
+              "model_manifest": other.uri}  # fmt: skip
+    ctx = make_ctx("publish", {"decision": decision_dir(tmp_path, True)}, config, {"model": model})
+    with pytest.raises(LoraflowError, match=r"the model input is .* but config model_manifest is"):
+        publish.run(ctx)
+    config["model_manifest"] = model.prefix  # the same model, named by its prefix
+    ctx = make_ctx("publish", {"decision": decision_dir(tmp_path, True)}, config, {"model": model})
+    assert publish.run(ctx)["model_manifest"] == model.uri
+
+
+def test_a_model_not_promoted_is_named_in_the_record_when_given_as_input(
+    gcs_bucket: str, tmp_path: Path, publish_run: Callable
+) -> None:
+    model = committed_model(gcs_bucket, tmp_path)
+    summary, ctx = publish_run(model, False, "run-1", as_ref=True)
+    assert summary["model_manifest"] == model.uri
+    entry = json.loads((ctx.out / "registry_entry.json").read_text())
+    assert entry["model_manifest"] == model.uri and entry["run_id"] == "run-1"
+    assert entry["registry"] == f"{gcs_bucket}/_registry/tiny"
