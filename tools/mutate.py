@@ -84,20 +84,6 @@ TARGETS: dict[str, Target] = {
         ],
         deselect=RUNNER_SLOW,
     ),
-    "spec": Target(
-        "control",
-        ["loraflow/spec.py"],
-        [
-            "tests/control/test_spec.py",
-            "tests/control/test_spec_corpus.py",
-            "tests/control/test_plan_and_cli.py",
-            "tests/control/test_trigger_params.py",
-        ],
-        # parses the DAG folder with the whole hostile corpus (5 s); each spec of it is validated in test_spec_corpus
-        deselect=[
-            "tests/control/test_spec_corpus.py::test_the_whole_corpus_in_the_dag_folder_leaves_the_valid_dag_loading"
-        ],
-    ),
     "gate_rule": Target("control", ["loraflow/gate_rule.py"], ["tests/control/test_gate.py"]),
     # The planning half of the merge; the numerics (merge_lora, the kernel) have their own reference tests.
     "merge": Target(
@@ -147,6 +133,21 @@ TARGETS: dict[str, Target] = {
         ["operators/stages.py"],
         ["tests/control/test_dags.py::test_trigger_values_reach_the_resolved_spec"],
         ["operators.stages.x_resolve_spec__mutmut_*"],
+    ),
+    # Last: the longest list of test files.
+    "spec": Target(
+        "control",
+        ["loraflow/spec.py"],
+        [
+            "tests/control/test_spec.py",
+            "tests/control/test_spec_corpus.py",
+            "tests/control/test_plan_and_cli.py",
+            "tests/control/test_trigger_params.py",
+        ],
+        # parses the DAG folder with the whole hostile corpus (5 s); each spec of it is validated in test_spec_corpus
+        deselect=[
+            "tests/control/test_spec_corpus.py::test_the_whole_corpus_in_the_dag_folder_leaves_the_valid_dag_loading"
+        ],
     ),
 }
 
