@@ -141,3 +141,47 @@ def test_a_value_of_the_wrong_type_is_named_with_what_was_given() -> None:
     (message,) = [m for p, m in err.value.problems if p == "training.steps"]
     assert "valid integer" in message and "(got 'many')" in message
     assert message[0].islower()  # the hint continues "training.steps: ..."
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("scan_layers", "gs://b/x", "is a path, a URL or holds control characters"),
+        ("scan_layers", "/etc/x", "is a path, a URL or holds control characters"),
+        ("scan_layers", "~/x", "is a path, a URL or holds control characters"),
+        ("scan_layers", "a\x01b", "is a path, a URL or holds control characters"),
+        ("Scan-Layers", True, "not a MaxText setting name"),
+        ("base_output_directory", "out", "not the model's architecture"),
+    ],
+)
+def test_model_overrides_that_are_no_architecture_setting_are_refused(key: str, value: object, says: str) -> None:
+    data = tiny_data()
+    data["base_model"]["model_overrides"] = {key: value}
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert any(p.startswith("base_model.model_overrides") and says in m for p, m in err.value.problems), (
+        err.value.problems
+    )
+
+
+def test_plain_model_overrides_pass() -> None:
+    data = tiny_data()
+    data["base_model"]["model_overrides"] = {"scan_layers": False, "remat_policy": "full", "mlp_dim": 256}
+    assert validate_spec(data, "x.yaml").base_model.model_overrides == data["base_model"]["model_overrides"]
+
+
+def test_a_spec_that_is_no_mapping_is_refused_as_a_whole() -> None:
+    with pytest.raises(SpecError) as err:
+        validate_spec(["name: x"], "list.yaml")
+    assert err.value.problems == [("(top level)", "a spec is a YAML mapping of keys such as name, base_model, data")]
+    assert "list.yaml" in str(err.value)
+
+
+def test_a_value_that_fits_no_branch_of_a_union_is_reported_at_its_own_key() -> None:
+    data = tiny_data()
+    data["base_model"]["model_overrides"] = {"scan_layers": [1]}  # str | int | float | bool
+    data["params"][0]["minimum"] = "low"  # int | float
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert {p for p, _ in err.value.problems} == {"base_model.model_overrides.scan_layers", "params.0.minimum"}
+    assert len(err.value.problems) == 6  # each branch's complaint, once

@@ -109,3 +109,33 @@ def test_pick_dataset_refuses_an_unknown_conf_key_before_it_claims_a_version(mon
     with pytest.raises(SpecError, match=r"gate_min_improvment: .*did you mean gate_min_improvement\?"):
         op.execute({"params": {**DEFAULTS, "gate_min_improvment": 0.1}, "run_id": "manual__1", "ti": FakeTI()})
     assert claims == []
+
+
+def test_each_param_is_a_trigger_form_field_with_its_value_type_bounds_and_choices() -> None:
+    data = yaml.safe_load(yaml.safe_dump(DATA))
+    data["params"] = [
+        {"path": "training.steps", "description": "optimizer steps", "minimum": 10, "maximum": 2000},
+        {"path": "training.learning_rate", "minimum": 0.00001},
+        {"path": "training.dtype", "enum": ["float32", "bfloat16"]},
+        {"path": "lora.rank"},
+    ]
+    fields = trigger_fields(validate_spec(data, "tiny"))
+    assert fields == {
+        "training_steps": {"default": 200, "title": "training.steps", "type": "integer", "minimum": 10,
+                           "maximum": 2000, "description": "optimizer steps (minimum 10, maximum 2000)"},
+        "training_learning_rate": {"default": 0.003, "title": "training.learning_rate", "type": "number",
+                                   "minimum": 1e-05, "description": "overrides training.learning_rate (minimum 1e-05)"},
+        "training_dtype": {"default": SPEC.training.dtype, "title": "training.dtype", "type": "string",
+                           "enum": ["float32", "bfloat16"], "description": "overrides training.dtype"},
+        "lora_rank": {"default": 16, "title": "lora.rank", "type": "integer", "description": "overrides lora.rank"},
+    }  # fmt: skip
+
+
+def test_a_typo_names_the_nearest_param_also_when_written_dotted() -> None:
+    with pytest.raises(SpecError) as err:
+        check_trigger_keys(SPEC, ["training.step", "lora_rnk", "zzz"])
+    hints = {key: message.split("; ")[1].split(" Trigger")[0] for key, message in err.value.problems}
+    assert hints == {"training.step": "did you mean training_steps?", "lora_rnk": "did you mean lora_rank?",
+                     "zzz": "Trigger parameters: gate_min_improvement, lora_rank, training_learning_rate, "
+                            "training_steps. Remove the key from the run's conf, or declare its setting under "
+                            "params in the spec"}  # fmt: skip
