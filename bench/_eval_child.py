@@ -16,7 +16,13 @@ T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
-SPEC_EVAL = {"max_new_tokens": 4, "batch_size": 100, "answer_pattern": r"^\s*([A-Za-z]+)", "max_model_len": 128}
+SPEC_EVAL = {
+    "max_new_tokens": 4,
+    "batch_size": 100,
+    "answer_pattern": r"^\s*([A-Za-z]+)",
+    "max_model_len": 128,
+    "dtype": "float32",  # the tiny spec trains (and so serves) in float32
+}
 LONG = 32
 
 

@@ -13,6 +13,16 @@ from typing import Any
 from loraflow import artifacts
 from loraflow.environments import ENVIRONMENTS, Environment
 from loraflow.spec import STAGES, PipelineSpec
+from loraflow.step_configs import (
+    ConvertCheckpointConfig,
+    EvaluateConfig,
+    GateConfig,
+    LoraSftConfig,
+    MergeAdapterConfig,
+    PublishConfig,
+    ReportConfig,
+    ValidateDataConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -73,22 +83,21 @@ class StagePlan:
 def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
     """Every stage of the pipeline, in an order where each stage follows its inputs."""
     ctl, trn, srv = ENVIRONMENTS["control"], ENVIRONMENTS["trainer"], ENVIRONMENTS["serving"]
-    model = {"model_name": spec.base_model.maxtext_model, "model_overrides": dict(spec.base_model.model_overrides)}
-    evaluation = spec.evaluation.model_dump(mode="json") | {"dtype": spec.training.dtype}
+    evaluation = EvaluateConfig.from_spec(spec).wire()
     plans = [
         StagePlan(
             "validate_data",
             ctl,
             "loraflow.steps.validate_data",
             {"train": Source(spec.data.train), "eval": Source(spec.data.eval), "tokenizer": Source(spec.tokenizer_uri)},
-            spec.data.model_dump(mode="json", exclude={"train", "eval"}),
+            ValidateDataConfig.from_spec(spec).wire(),
         ),
         StagePlan(
             "convert_checkpoint",
             trn,
             "loraflow.steps.convert_checkpoint",
             {"hf_checkpoint": Source(spec.base_model.hf_checkpoint)},
-            model | {"scan_layers": True},
+            ConvertCheckpointConfig.from_spec(spec).wire(),
         ),
         StagePlan(
             "evaluate_base",
@@ -106,14 +115,14 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
                 "dataset": Upstream("validate_data"),
                 "tokenizer": Source(spec.tokenizer_uri),
             },
-            model | spec.lora.model_dump(mode="json") | spec.training.model_dump(mode="json"),
+            LoraSftConfig.from_spec(spec).wire(),
         ),
         StagePlan(
             "merge_adapter",
             trn,
             "loraflow.steps.merge_adapter",
             {"base": Source(spec.base_model.hf_checkpoint), "adapter": Upstream("lora_sft")},
-            {"shard_size_mb": 500},
+            MergeAdapterConfig.from_spec(spec).wire(),
         ),
         StagePlan(
             "evaluate_tuned",
@@ -127,8 +136,7 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
             ctl,
             "loraflow.steps.gate",
             {"base_eval": Upstream("evaluate_base"), "tuned_eval": Upstream("evaluate_tuned")},
-            spec.gate.model_dump(mode="json")
-            | {"registry_uri": spec.registry_uri, "pipeline": spec.name, "artifact_root": spec.artifact_root},
+            GateConfig.from_spec(spec).wire(),
             # It also compares with the registry's current champion, which moves between runs
             # without any input changing: a cached decision could promote a model the champion beats.
             cacheable=False,
@@ -138,12 +146,7 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
             ctl,
             "loraflow.steps.publish",
             {"model": Upstream("merge_adapter", fetch=False), "decision": Upstream("gate")},
-            {"registry_uri": spec.registry_uri, "pipeline": spec.name}
-            | (
-                {"vertex_model_registry": spec.publish.vertex_model_registry.model_dump(mode="json")}
-                if spec.publish.vertex_model_registry
-                else {}
-            ),
+            PublishConfig.from_spec(spec).wire(),
             cacheable=False,
         ),
         StagePlan(
@@ -152,7 +155,7 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
             "loraflow.steps.report",
             # Every input optional: the report also describes a run where a stage failed.
             {stage: Upstream(stage, fetch=False, optional=True) for stage in REPORTED},
-            {"pipeline": spec.name, "stages": [*REPORTED, "publish"]},
+            ReportConfig.from_spec(spec).wire(),
             cacheable=False,  # it reports this run: its cache hits, its publish outcome
         ),
     ]

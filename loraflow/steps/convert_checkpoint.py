@@ -1,7 +1,9 @@
 """convert_checkpoint: a Hugging Face checkpoint -> a MaxText (Orbax, scanned) parameter checkpoint.
 
 Input ``hf_checkpoint``: a directory with config.json, *.safetensors and the tokenizer files.
-Config: ``{"model_name": "llama3.1-8b", "model_overrides": {MaxText key: value}, "scan_layers": true}``.
+Config (``loraflow.step_configs.ConvertCheckpointConfig``): ``{"model_name": "llama3.1-8b",
+"model_overrides": {MaxText key: value}, "scan_layers": true}``; model_name is required (the spec's
+base_model.maxtext_model); internal: ``save_dtype`` (float32), ``hardware`` (from JAX's devices).
 
 Uses MaxText's own converter, ``maxtext.checkpoint_conversion.to_maxtext.main``, in-process, with
 its snags handled:
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.step_configs import ConvertCheckpointConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 CHECKPOINT_JSON = "loraflow_checkpoint.json"
@@ -166,25 +169,25 @@ def convert(
 
 def run(ctx: StepContext) -> dict[str, Any]:
     hf_dir = ctx.inputs["hf_checkpoint"]
-    cfg = ctx.config
-    model_name = cfg.get("model_name", "llama3.1-8b")
-    overrides = dict(cfg.get("model_overrides") or {})
-    scan_layers = bool(cfg.get("scan_layers", True))
-    save_dtype = cfg.get("save_dtype", "float32")
+    cfg = parse(ConvertCheckpointConfig, ctx.config)
     if not (hf_dir / "config.json").is_file() or not list(hf_dir.glob("*.safetensors")):
         raise LoraflowError(f"{hf_dir} holds no HF checkpoint (config.json + *.safetensors)")
 
-    ctx.progress(f"converting {hf_dir.name} to MaxText {model_name} (scan_layers={scan_layers}, {save_dtype})")
+    ctx.progress(
+        f"converting {hf_dir.name} to MaxText {cfg.model_name} (scan_layers={cfg.scan_layers}, {cfg.save_dtype})"
+    )
     started = time.monotonic()
-    facts = convert(hf_dir, ctx.out, model_name, overrides, scan_layers, cfg, save_dtype)
+    facts = convert(
+        hf_dir, ctx.out, cfg.model_name, cfg.model_overrides, cfg.scan_layers, cfg.model_dump(), cfg.save_dtype
+    )
     seconds = round(time.monotonic() - started, 1)
     meta = {
         "format": "loraflow.maxtext_checkpoint/1",
         "load_parameters_path": PARAMS_RELPATH,
-        "model_name": model_name,
-        "model_overrides": overrides,
-        "scan_layers": scan_layers,
-        "save_dtype": save_dtype,
+        "model_name": cfg.model_name,
+        "model_overrides": cfg.model_overrides,
+        "scan_layers": cfg.scan_layers,
+        "save_dtype": cfg.save_dtype,
         "parameters": facts.get("parameters"),
     }
     (ctx.out / CHECKPOINT_JSON).write_text(json.dumps(meta, indent=2))

@@ -10,10 +10,11 @@ Inputs
                  ``{"id", "messages": [{"role": "user", "content": ...}], "reference"}``
                  (``{"prompt", "completion"}`` rows are accepted too).
 
-Config (defaults in :data:`DEFAULTS`)
-    ``max_new_tokens``, ``batch_size``, ``seed``, ``temperature`` (0 = greedy), ``answer_pattern``
-    (see :mod:`loraflow.scoring`), ``max_examples`` (first N rows; null = all), ``max_model_len``,
-    ``dtype``; engine keys for serving hosts: ``tensor_parallel_size``, ``pipeline_parallel_size``,
+Config (``loraflow.step_configs.EvaluateConfig``; defaults the spec's ``evaluation`` and
+``training.dtype``)
+    ``max_new_tokens``, ``batch_size``, ``seed``, ``answer_pattern`` (see :mod:`loraflow.scoring`),
+    ``max_examples`` (first N rows; null = all), ``max_model_len``, ``dtype``; internal (not spec
+    keys): ``temperature`` (0 = greedy) and engine keys for serving hosts: ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (null: "uni" for one device, vLLM's choice otherwise),
     ``enforce_eager`` (null: true on CPU), ``kv_cache_memory_bytes`` (null: 256 MiB on CPU, vLLM's
     profiling elsewhere), ``gpu_memory_utilization``, ``engine_args`` (any other ``vllm.LLM`` kwargs).
@@ -44,26 +45,8 @@ from typing import Any
 
 from loraflow import scoring
 from loraflow.errors import LoraflowError
+from loraflow.step_configs import EvaluateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
-
-DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 8,
-    "batch_size": 64,
-    "seed": 0,
-    "temperature": 0.0,
-    "answer_pattern": scoring.DEFAULT_ANSWER_PATTERN,
-    "max_examples": None,
-    "max_model_len": 256,
-    "dtype": "float32",
-    # engine settings; None = chosen for the platform in engine_kwargs()
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "distributed_executor_backend": None,
-    "enforce_eager": None,
-    "kv_cache_memory_bytes": None,
-    "gpu_memory_utilization": None,
-    "engine_args": {},
-}
 
 #: KV cache for the CPU backend when the config does not say: vLLM's default takes about half the
 #: machine's memory and profiles a warm-up pass first (~30 s on 2 cores); eval prompts are short.
@@ -78,29 +61,9 @@ METRICS_JSON = "metrics.json"
 # ------------------------------------------------------------------------------------ config
 
 
-def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The stage config over :data:`DEFAULTS` (a null value means the default), checked."""
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:
-        raise LoraflowError(f"evaluate: unknown config key(s) {unknown}; known: {sorted(DEFAULTS)}")
-    cfg = dict(DEFAULTS)
-    cfg.update({k: v for k, v in config.items() if v is not None})
-    for key in ("max_new_tokens", "batch_size", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
-            raise LoraflowError(f"evaluate: config {key} must be a positive integer, got {cfg[key]!r}")
-    if cfg["max_examples"] is not None and (not isinstance(cfg["max_examples"], int) or cfg["max_examples"] < 1):
-        raise LoraflowError(
-            f"evaluate: config max_examples must be null or a positive integer, got {cfg['max_examples']!r}"
-        )
-    if float(cfg["temperature"]) < 0:
-        raise LoraflowError(f"evaluate: config temperature must be >= 0, got {cfg['temperature']!r}")
-    if not isinstance(cfg["engine_args"], dict):
-        raise LoraflowError("evaluate: config engine_args must be a mapping of vllm.LLM keyword arguments")
-    try:
-        scoring.compile_pattern(cfg["answer_pattern"])
-    except ValueError as exc:
-        raise LoraflowError(f"evaluate: {exc}") from None
-    return cfg
+def resolve_config(config: dict[str, Any]) -> EvaluateConfig:
+    """The stage config, checked (``loraflow.step_configs.EvaluateConfig``: the spec's defaults)."""
+    return parse(EvaluateConfig, config)
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -205,30 +168,30 @@ def on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def engine_kwargs(model_dir: Path, cfg: dict[str, Any], cpu: bool) -> dict[str, Any]:
+def engine_kwargs(model_dir: Path, cfg: EvaluateConfig, cpu: bool) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for a resolved config on this platform."""
-    parallel = cfg["tensor_parallel_size"] * cfg["pipeline_parallel_size"]
+    parallel = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "tokenizer": str(model_dir),
-        "dtype": cfg["dtype"],
-        "max_model_len": cfg["max_model_len"],
-        "seed": cfg["seed"],
-        "tensor_parallel_size": cfg["tensor_parallel_size"],
-        "pipeline_parallel_size": cfg["pipeline_parallel_size"],
-        "enforce_eager": cpu if cfg["enforce_eager"] is None else bool(cfg["enforce_eager"]),
-        "max_num_seqs": max(cfg["batch_size"], 1),
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "seed": cfg.seed,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        "enforce_eager": cpu if cfg.enforce_eager is None else bool(cfg.enforce_eager),
+        "max_num_seqs": max(cfg.batch_size, 1),
         "disable_log_stats": True,
     }
-    backend = cfg["distributed_executor_backend"] or ("uni" if parallel == 1 else None)
+    backend = cfg.distributed_executor_backend or ("uni" if parallel == 1 else None)
     if backend:
         kwargs["distributed_executor_backend"] = backend
-    kv = cfg["kv_cache_memory_bytes"] or (CPU_KV_CACHE_BYTES if cpu else None)
+    kv = cfg.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if cpu else None)
     if kv:
         kwargs["kv_cache_memory_bytes"] = int(kv)
-    if cfg["gpu_memory_utilization"] is not None:
-        kwargs["gpu_memory_utilization"] = float(cfg["gpu_memory_utilization"])
-    kwargs.update(cfg["engine_args"])
+    if cfg.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
+    kwargs.update(cfg.engine_args)
     return kwargs
 
 
@@ -264,7 +227,7 @@ class Engine:
         gc.collect()
 
 
-def build_engine(model_dir: Path, cfg: dict[str, Any], progress: Any = print) -> Engine:
+def build_engine(model_dir: Path, cfg: EvaluateConfig, progress: Any = print) -> Engine:
     """Load the checkpoint into an in-process ``vllm.LLM`` for a resolved config."""
     # In-process engine core: no engine subprocess to spawn, a clean traceback on failure.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -310,7 +273,7 @@ def evaluate(ctx: StepContext, engine: Engine | None = None) -> dict[str, Any]:
     cfg = resolve_config(ctx.config)
     model_dir = find_model_dir(ctx.inputs["model"])
     eval_file = find_eval_file(ctx.inputs["eval_set"])
-    examples = load_examples(eval_file, cfg["max_examples"])
+    examples = load_examples(eval_file, cfg.max_examples)
     ctx.progress(f"{len(examples)} example(s) from {eval_file.name}; model {model_dir.name}")
 
     own_engine = engine is None
@@ -324,21 +287,21 @@ def evaluate(ctx: StepContext, engine: Engine | None = None) -> dict[str, Any]:
 
 
 def _evaluate(
-    ctx: StepContext, engine: Engine, cfg: dict[str, Any], examples: list[Example], started: float
+    ctx: StepContext, engine: Engine, cfg: EvaluateConfig, examples: list[Example], started: float
 ) -> dict[str, Any]:
     from vllm import SamplingParams
 
     texts, prompt_ids = render_prompts(engine.tokenizer, examples)
     longest = max(len(p) for p in prompt_ids)
-    if longest + cfg["max_new_tokens"] > cfg["max_model_len"]:
+    if longest + cfg.max_new_tokens > cfg.max_model_len:
         raise LoraflowError(
-            f"evaluate: the longest prompt has {longest} tokens; with max_new_tokens={cfg['max_new_tokens']} it "
-            f"exceeds max_model_len={cfg['max_model_len']}: raise max_model_len"
+            f"evaluate: the longest prompt has {longest} tokens; with max_new_tokens={cfg.max_new_tokens} it "
+            f"exceeds max_model_len={cfg.max_model_len}: raise max_model_len"
         )
     sampling = SamplingParams(
-        temperature=float(cfg["temperature"]),
-        max_tokens=cfg["max_new_tokens"],
-        seed=cfg["seed"],
+        temperature=float(cfg.temperature),
+        max_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
         skip_special_tokens=True,
     )
     # Same seed, same batches, empty cache -> the same generations run after run.
@@ -348,7 +311,7 @@ def _evaluate(
     generations: list[str] = []
     gen_tokens: list[int] = []
     finish: list[str | None] = []
-    bs = cfg["batch_size"]
+    bs = cfg.batch_size
     n_batches = (len(examples) + bs - 1) // bs
     gen_started = time.monotonic()
     for b in range(n_batches):
@@ -371,7 +334,7 @@ def _evaluate(
     total_tokens = sum(gen_tokens)
     tokens_per_s = total_tokens / generate_s if generate_s > 0 else 0.0
 
-    pattern = scoring.compile_pattern(cfg["answer_pattern"])
+    pattern = scoring.compile_pattern(cfg.answer_pattern)
     scored = scoring.score_all(generations, [ex.reference for ex in examples], pattern)
     metrics = scoring.aggregate(scored)
 
@@ -396,7 +359,7 @@ def _evaluate(
         "correct": metrics["correct"],
         "format_ok": metrics["format_ok"],
         "timing": timing,
-        "config": cfg,
+        "config": cfg.model_dump(mode="json"),
         "engine": {k: v for k, v in engine.kwargs.items() if k not in ("model", "tokenizer")},
         "device": engine.device,
         "vllm_version": engine.vllm_version,

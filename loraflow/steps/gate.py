@@ -5,15 +5,13 @@ Inputs (local directories from the evaluate stages): ``base_eval`` and ``tuned_e
 correct, format_ok, answer, reference, generation; ``predictions.jsonl`` is read when the
 Parquet file is absent).
 
-Config (every key optional)::
+Config (``loraflow.step_configs.GateConfig``; every key optional, defaults the spec's ``gate``)::
 
-    metric: accuracy            accuracy (column correct) or format_rate (column format_ok)
-    min_improvement: 0.3        smallest absolute gain worth promoting
-    confidence: 0.95            level of the paired bootstrap interval of the gain
-    bootstrap_samples: 2000
-    seed: 0
+    metric, min_improvement, confidence, bootstrap_samples   the spec's gate section
     registry_uri: gs://.../_registry   with pipeline: where this pipeline's champion is registered
     pipeline: NAME                     (both or neither; publish registers promoted models there)
+    artifact_root                      where the champion's model must lie
+    seed: 0                            internal: the bootstrap's seed
 
 The rule itself lives in loraflow.gate_rule.decide (promote iff the gain >= min_improvement and
 the interval's lower bound > 0). When the registry holds a ``champion`` for this pipeline, the
@@ -37,31 +35,16 @@ from typing import Any
 from loraflow import registry
 from loraflow.errors import LoraflowError
 from loraflow.gate_rule import Decision, GateError, decide
+from loraflow.step_configs import GateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "gate"
-DEFAULTS: dict[str, Any] = {
-    "metric": "accuracy",
-    "min_improvement": 0.3,
-    "confidence": 0.95,
-    "bootstrap_samples": 2000,
-    "seed": 0,
-    "registry_uri": None,
-    "pipeline": None,
-    # where the champion's model must lie (registry.champion refuses a model anywhere else)
-    "artifact_root": None,
-}
 METRIC_COLUMNS = {"accuracy": "correct", "format_rate": "format_ok"}
 
 
-def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(raw) - set(DEFAULTS))
-    if unknown:
-        raise LoraflowError(f"{STAGE}: unknown config key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
-    cfg = {**DEFAULTS, **raw}
-    if cfg["metric"] not in METRIC_COLUMNS:
-        raise LoraflowError(f"{STAGE}: metric {cfg['metric']!r} is not one of {', '.join(METRIC_COLUMNS)}")
-    if bool(cfg["registry_uri"]) != bool(cfg["pipeline"]):
+def resolve_config(raw: dict[str, Any]) -> GateConfig:
+    cfg = parse(GateConfig, raw)
+    if bool(cfg.registry_uri) != bool(cfg.pipeline):
         raise LoraflowError(
             f"{STAGE}: give registry_uri and pipeline together (to compare with the champion), or neither"
         )
@@ -163,7 +146,7 @@ def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool],
 
 def run(ctx: StepContext) -> dict[str, Any]:
     cfg = resolve_config(dict(ctx.config))
-    metric = cfg["metric"]
+    metric = cfg.metric
     for name in ("base_eval", "tuned_eval"):
         if name not in ctx.inputs:
             raise LoraflowError(f"{STAGE}: input {name!r} is missing; give --input {name}=gs://.../_MANIFEST.json")
@@ -175,10 +158,10 @@ def run(ctx: StepContext) -> dict[str, Any]:
         base,
         tuned,
         metric=metric,
-        min_improvement=float(cfg["min_improvement"]),
-        confidence=float(cfg["confidence"]),
-        bootstrap_samples=int(cfg["bootstrap_samples"]),
-        seed=int(cfg["seed"]),
+        min_improvement=cfg.min_improvement,
+        confidence=cfg.confidence,
+        bootstrap_samples=cfg.bootstrap_samples,
+        seed=cfg.seed,
     )
 
     notes = []
@@ -206,8 +189,8 @@ def run(ctx: StepContext) -> dict[str, Any]:
             )
 
     champion = None
-    if cfg["registry_uri"]:
-        champion = registry.champion(str(cfg["registry_uri"]), str(cfg["pipeline"]), cfg["artifact_root"])
+    if cfg.registry_uri:
+        champion = registry.champion(cfg.registry_uri, str(cfg.pipeline), cfg.artifact_root)
     model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
     eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")
     decision, compared, champion_notes = against_champion(decision, champion, model_fp, eval_fp)

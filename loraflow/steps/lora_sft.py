@@ -2,9 +2,11 @@
 
 Inputs: ``checkpoint`` (the convert_checkpoint output: Orbax params + loraflow_checkpoint.json),
 ``dataset`` (``train.jsonl`` of ``{"messages": [...]}`` rows), ``tokenizer`` (the HF checkpoint dir).
-Config: model_name, model_overrides, rank, alpha, target_modules (regexes or null = MaxText's
-default for the model), steps, batch_size (global, packed rows), learning_rate, max_length, seed,
-checkpoint_period, dtype; optional warmup_fraction, hardware, checkpoint_storage ("sync"|"direct").
+Config (``loraflow.step_configs.LoraSftConfig``; defaults the spec's ``lora`` and ``training``):
+model_name, model_overrides (null: the converted checkpoint's), rank, alpha, target_modules (regexes
+or null = MaxText's default for the model), steps, batch_size (global, packed rows), learning_rate,
+max_length, seed, checkpoint_period, dtype; internal: warmup_fraction, hardware, log_every,
+checkpoint_storage ("sync"|"direct"), packing, shuffle.
 
 MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflow adds:
 
@@ -29,7 +31,7 @@ local directory that must be on a disk every process sees (loopback; otherwise u
 Only process 0 downloads/uploads checkpoints and writes the outputs; it does so after every process
 has finished training, and the harness commits the manifest from process 0 only. The other
 processes write nothing and, through JAX's shutdown barrier, exit when process 0 does.
-Optional configs ``packing`` (default true: several examples per row; false: one padded example
+Internal configs ``packing`` (default true: several examples per row; false: one padded example
 per row) and ``shuffle`` (default true: MaxText shuffles each epoch). MaxText's loader gives each
 host its own shards of a shuffled multi-epoch stream and packs per host; with both false every
 host count trains on the same examples in every step (the multi-host equivalence test uses that).
@@ -50,33 +52,17 @@ from typing import Any
 from loraflow import checkpoint_sync, multihost
 from loraflow.errors import LoraflowError
 from loraflow.local_paths import safe_join
+from loraflow.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 from loraflow.steps.convert_checkpoint import CHECKPOINT_JSON, hardware_args, overrides_args
 
-DEFAULTS: dict[str, Any] = {
-    "model_name": None,
-    "model_overrides": None,
-    "rank": 16,
-    "alpha": 32.0,
-    "target_modules": None,
-    "steps": 200,
-    "batch_size": 8,
-    "learning_rate": 3e-3,
-    "max_length": 64,
-    "seed": 0,
-    "checkpoint_period": 50,
-    "dtype": "float32",
-    "warmup_fraction": 0.05,
-    "checkpoint_storage": "sync",
-    "packing": True,
-    "shuffle": True,
-}
 ADAPTER_JSON = "loraflow_adapter.json"
 RUN_NAME = "sft"
 
 
 def _resolve_config(ctx: StepContext) -> dict[str, Any]:
-    cfg = {**DEFAULTS, **{k: v for k, v in ctx.config.items() if v is not None or k == "target_modules"}}
+    """The validated config, with the model and its layout completed from the converted checkpoint."""
+    cfg = parse(LoraSftConfig, ctx.config).model_dump()
     meta_path = ctx.inputs["checkpoint"] / CHECKPOINT_JSON
     if not meta_path.is_file():
         raise LoraflowError(f"input checkpoint has no {CHECKPOINT_JSON}: not a convert_checkpoint artifact")
@@ -196,7 +182,7 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
             seconds = max(time.perf_counter() - self._lf_t0, 1e-9)
             tps = self._lf_tokens / seconds
             rows.append((int(train_step), loss, tps))
-            if train_step <= 3 or train_step % max(1, cfg.get("log_every", 10)) == 0 or train_step == cfg["steps"]:
+            if train_step <= 3 or train_step % max(1, cfg["log_every"]) == 0 or train_step == cfg["steps"]:
                 ctx.progress(
                     f"step {train_step}/{cfg['steps']} loss {loss:.4f} tokens/s {tps:.0f} "
                     f"({seconds:.3f}s/step, t+{time.monotonic() - t_start:.0f}s)"

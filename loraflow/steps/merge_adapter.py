@@ -2,7 +2,8 @@
 
 Inputs: ``base`` (HF checkpoint directory: config.json, tokenizer, ``model*.safetensors``) and
 ``adapter`` (the lora_sft artifact; its PEFT export, ``adapter_model.safetensors`` +
-``adapter_config.json``, lies in ``peft/``). Config: ``{"shard_size_mb": 500}``.
+``adapter_config.json``, lies in ``peft/``). Config (``loraflow.step_configs.MergeAdapterConfig``):
+``{"shard_size_mb": 500}``, fixed by loraflow (the largest shard of the merged checkpoint).
 
 Output: a checkpoint transformers and vLLM load as is: ``model.safetensors`` or
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``, plus every non-weight file
@@ -20,6 +21,7 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.merge import MergeReport, find_adapter, merge_checkpoint
+from loraflow.step_configs import MergeAdapterConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 
@@ -31,9 +33,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
     base, adapter = ctx.inputs.get("base"), ctx.inputs.get("adapter")
     if base is None or adapter is None:
         raise LoraflowError(f"merge_adapter needs inputs base and adapter, got {sorted(ctx.inputs)}")
-    shard_mb = ctx.config.get("shard_size_mb", 500)
-    if not isinstance(shard_mb, (int, float)) or isinstance(shard_mb, bool) or shard_mb <= 0:
-        raise LoraflowError(f"shard_size_mb must be a positive number of MiB, got {shard_mb!r}")
+    shard_mb = parse(MergeAdapterConfig, ctx.config).shard_size_mb
     weights, _ = find_adapter(adapter)
     ctx.progress(f"merging {weights.relative_to(adapter)} into {base.name} (shards <= {shard_mb} MiB)")
     started = time.monotonic()

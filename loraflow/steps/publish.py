@@ -5,7 +5,7 @@ merged checkpoint's manifest, best given with ``--ref model=gs://.../merge_adapt
 (verified, not downloaded: publishing needs the model's identity, not its bytes). Without it the
 manifest named by ``config["model_manifest"]`` is read and verified instead.
 
-Config::
+Config (``loraflow.step_configs.PublishConfig``)::
 
     registry_uri     gs://BUCKET/.../_registry   (required)
     pipeline         the pipeline's name          (required)
@@ -40,6 +40,7 @@ from typing import Any
 
 from loraflow import artifacts, gcs, registry, vertex_registry
 from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.step_configs import PublishConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "publish"
@@ -54,20 +55,19 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def resolve_config(raw: dict[str, Any], has_model_input: bool, output_uri: str | None = None) -> dict[str, Any]:
-    if output_uri and not raw.get("run_id"):
+def resolve_config(raw: dict[str, Any], has_model_input: bool, output_uri: str | None = None) -> PublishConfig:
+    cfg = parse(PublishConfig, raw)
+    if output_uri and not cfg.run_id:
         # {artifact_root}/{pipeline}/{run_id}/publish: the run is the prefix's parent.
-        raw = {**raw, "run_id": output_uri.rstrip("/").split("/")[-2]}
-    known = {"registry_uri", "pipeline", "run_id", "model_manifest", "vertex_model_registry"}
-    problems = [f"unknown key {k!r}" for k in sorted(set(raw) - known)]
+        cfg = cfg.model_copy(update={"run_id": output_uri.rstrip("/").split("/")[-2]})
     required = ["registry_uri", "pipeline", "run_id"] + ([] if has_model_input else ["model_manifest"])
-    problems += [f"{k} is required" for k in required if not raw.get(k)]
+    problems = [f"{k} is required" for k in required if not getattr(cfg, k)]
     if problems:
         raise LoraflowError(f"{STAGE}: invalid config: " + "; ".join(problems))
-    gcs.split_uri(raw["registry_uri"])
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", str(raw["pipeline"])):
-        raise LoraflowError(f"{STAGE}: pipeline {raw['pipeline']!r} must be letters, digits, '.', '_' or '-'")
-    return dict(raw)
+    gcs.split_uri(cfg.registry_uri)
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.pipeline):
+        raise LoraflowError(f"{STAGE}: pipeline {cfg.pipeline!r} must be letters, digits, '.', '_' or '-'")
+    return cfg
 
 
 class Registry:
@@ -169,9 +169,9 @@ def eval_metrics(decision: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _model_manifest(ctx: StepContext, cfg: dict[str, Any]) -> artifacts.Manifest:
+def _model_manifest(ctx: StepContext, cfg: PublishConfig) -> artifacts.Manifest:
     given = ctx.input_manifests.get("model")
-    wanted = cfg.get("model_manifest")
+    wanted = cfg.model_manifest
     if given is not None:
         if wanted and artifacts.manifest_uri(wanted) != given.uri:
             raise LoraflowError(
@@ -191,8 +191,9 @@ def run(ctx: StepContext) -> dict[str, Any]:
     if not decision_path.exists():
         raise LoraflowError(f"{STAGE}: {decision_path.name} is missing from the decision input; re-run the gate")
     decision = json.loads(decision_path.read_text())
-    model_uri = artifacts.manifest_uri(cfg["model_manifest"]) if cfg.get("model_manifest") else None
-    models = Registry(cfg["registry_uri"], cfg["pipeline"])
+    model_uri = artifacts.manifest_uri(cfg.model_manifest) if cfg.model_manifest else None
+    models = Registry(cfg.registry_uri, cfg.pipeline)
+    run_id = str(cfg.run_id)
 
     if not decision.get("promote"):
         record = {
@@ -201,7 +202,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
             "model_manifest": model_uri or getattr(ctx.input_manifests.get("model"), "uri", None),
             "registry": models.uri,
             "reason": decision.get("reason", "the gate did not promote this model"),
-            "run_id": cfg["run_id"],
+            "run_id": run_id,
         }
         (ctx.out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
         ctx.progress(f"not promoted, nothing registered: {record['reason']}")
@@ -210,22 +211,22 @@ def run(ctx: StepContext) -> dict[str, Any]:
     manifest = _model_manifest(ctx, cfg)
     ctx.progress(f"model {manifest.uri} verified (fingerprint {manifest.fingerprint[:12]})")
     vertex_target = None
-    if cfg.get("vertex_model_registry"):  # checked before anything is registered
-        vertex_target = vertex_registry.Target.from_config(cfg["vertex_model_registry"], cfg["pipeline"])
-    existing = models.find(cfg["run_id"], manifest.uri)
+    if cfg.vertex_model_registry:  # checked before anything is registered
+        vertex_target = vertex_registry.Target.from_config(cfg.vertex_model_registry.model_dump(), cfg.pipeline)
+    existing = models.find(run_id, manifest.uri)
     if existing is not None:
         number, entry = existing
         ctx.progress(f"this run already registered {models.version_uri(number)}; reusing it")
     else:
         entry = {
             "format": VERSION_FORMAT,
-            "pipeline": cfg["pipeline"],
+            "pipeline": cfg.pipeline,
             "model_manifest": manifest.uri,
             "model_fingerprint": manifest.fingerprint,
             "metrics": eval_metrics(decision),
             "eval_set_fingerprint": decision.get("eval_set_fingerprint"),
             "decision": decision,
-            "run_id": cfg["run_id"],
+            "run_id": run_id,
             "created_at": _now(),
         }
         number, entry = models.register(entry)
@@ -245,16 +246,16 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "model_manifest": manifest.uri,
         "model_fingerprint": manifest.fingerprint,
         "registry": models.uri,
-        "run_id": cfg["run_id"],
+        "run_id": run_id,
         "reason": decision.get("reason"),
     }
     summary: dict[str, Any] = {"promoted": True, "version": number, "model_manifest": manifest.uri}
     if vertex_target is not None:
-        vertex = vertex_registry.VertexModelRegistry(vertex_target, cfg["pipeline"]).publish(
+        vertex = vertex_registry.VertexModelRegistry(vertex_target, cfg.pipeline).publish(
             version=number,
             champion=moved,
             artifact_uri=manifest.prefix,
-            run_id=cfg["run_id"],
+            run_id=run_id,
             fingerprint=manifest.fingerprint,
             manifest_uri=manifest.uri,
             progress=ctx.progress,

@@ -18,10 +18,10 @@ Durations and cache hits come from the manifests themselves: each records the se
 program took, and a stage whose manifest lies under another run's prefix was a cache hit in this
 run (it is reported as reused from that run). Nothing from Airflow is needed.
 
-Config::
+Config (``loraflow.step_configs.ReportConfig``)::
 
     pipeline    the pipeline's name (for the title)
-    stages      the stages in pipeline order (the table's rows)
+    stages      the stages in pipeline order (the table's rows; default every stage before the report)
 
 Writes ``report.html`` (inline CSS, inline SVG plots: opens offline) and ``loss.svg``.
 """
@@ -37,6 +37,7 @@ from typing import Any
 
 from loraflow import artifacts, gcs, report
 from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.step_configs import ReportConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "report"
@@ -78,7 +79,7 @@ def _small(metrics: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (metrics or {}).items() if k not in _BULKY_METRICS}
 
 
-def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
+def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
     """Everything the page shows, as plain data (fetched from the input manifests)."""
     run_prefix = ctx.output_uri.rstrip("/").rsplit("/", 1)[0]
     run_id = run_prefix.rsplit("/", 1)[-1]
@@ -98,7 +99,7 @@ def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
             gcs.join(run_prefix, "validate_data", report.REJECTED, "data_report.json")
         )
     table: list[dict[str, Any]] = []
-    for stage in stages:
+    for stage in cfg.stages:
         if stage == STAGE:
             continue
         manifest = ctx.input_manifests.get(stage)
@@ -143,7 +144,7 @@ def collect(ctx: StepContext, stages: list[str]) -> dict[str, Any]:
         else:
             docs = report.data_docs_uri(gcs.join(run_prefix, "validate_data"), rejected=True)
     return {
-        "pipeline": ctx.config.get("pipeline", ""),
+        "pipeline": cfg.pipeline,
         "run_id": run_id,
         "run_prefix": run_prefix,
         "generated_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -199,8 +200,7 @@ def _publish_manifest(run_prefix: str) -> artifacts.Manifest | None:
 
 
 def run(ctx: StepContext) -> dict[str, Any]:
-    stages = list(ctx.config.get("stages") or [*WANTED, "convert_checkpoint", "merge_adapter", "publish"])
-    data = collect(ctx, stages)
+    data = collect(ctx, parse(ReportConfig, ctx.config))
     (ctx.out / "report.html").write_text(report.render(data), encoding="utf-8")
     (ctx.out / "loss.svg").write_text(report.loss_svg(data["loss"]), encoding="utf-8")
     hits = [s["stage"] for s in data["stages"] if s["status"] == "reused"]

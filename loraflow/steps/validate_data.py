@@ -5,7 +5,7 @@ Inputs (local directories, fetched by the harness):
     eval        one dataset file, same formats
     tokenizer   an HF checkpoint directory holding tokenizer.json (+ tokenizer_config.json)
 
-Config::
+Config (``loraflow.step_configs.ValidateDataConfig``)::
 
     expectations: {RULE: {level: fail|warn, ...thresholds}}   the spec's data.expectations
                                                                (loraflow.expectations; all optional)
@@ -50,6 +50,7 @@ from typing import Any
 from loraflow import dataset as ds
 from loraflow import expectations as contract
 from loraflow.errors import DataValidationError, LoraflowError
+from loraflow.step_configs import ValidateDataConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "validate_data"
@@ -62,18 +63,10 @@ _DOCS_SITE = "loraflow"
 
 def resolve_config(raw: dict[str, Any]) -> contract.DataExpectations:
     """The rules from the stage config (``{"expectations": {...}}``), every problem at once."""
-    from pydantic import ValidationError
-
-    unknown = sorted(set(raw) - {"expectations"})
-    if unknown:
-        moved = [k for k in unknown if k in contract.MOVED]
-        hint = f" ({contract.moved_keys_message(moved)})" if moved else ""
-        raise LoraflowError(f"{STAGE}: unknown config key(s) {', '.join(unknown)}{hint}; known: expectations")
-    try:
-        return contract.DataExpectations.model_validate(raw.get("expectations") or {})
-    except ValidationError as exc:
-        problems = [f"expectations.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise LoraflowError(f"{STAGE}: invalid config: " + "; ".join(problems)) from None
+    moved = sorted(k for k in raw if k in contract.MOVED)
+    if moved:
+        raise LoraflowError(f"{STAGE}: unknown config key(s) {', '.join(moved)} ({contract.moved_keys_message(moved)})")
+    return parse(ValidateDataConfig, raw).expectations
 
 
 # ------------------------------------------------------------------------------- token counting

@@ -88,20 +88,24 @@ def read_predictions(out: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------- no vLLM needed
 
 
-def test_resolve_config_defaults_and_nulls() -> None:
-    cfg = evaluate.resolve_config({"max_new_tokens": 4, "max_examples": None, "dtype": None})
-    assert cfg["max_new_tokens"] == 4
-    assert cfg["max_examples"] is None
-    assert cfg["dtype"] == "float32"
-    assert cfg["batch_size"] == 64
-    assert cfg["temperature"] == 0.0
+def test_resolve_config_defaults_are_the_specs() -> None:
+    from loraflow.spec import EvaluationSpec, TrainingSpec
+
+    cfg = evaluate.resolve_config({"max_new_tokens": 4, "max_examples": None})
+    assert cfg.max_new_tokens == 4
+    assert cfg.max_examples is None
+    assert cfg.dtype == TrainingSpec().dtype
+    assert cfg.batch_size == EvaluationSpec().batch_size
+    assert cfg.max_model_len == EvaluationSpec().max_model_len
+    assert cfg.temperature == 0.0
 
 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
         ({"batch_sz": 3}, "unknown config key"),
-        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"batch_size": 0}, "batch_size: Input should be greater than or equal to 1"),
+        ({"dtype": None}, "dtype: Input should be 'float32' or 'bfloat16'"),
         ({"max_examples": -1}, "max_examples"),
         ({"answer_pattern": "([a"}, "not a valid regular expression"),
         ({"temperature": -1}, "temperature"),
