@@ -38,6 +38,7 @@ from loraflow.spec import (
 )
 
 Scalar = int | float | str | bool
+Hardware = Literal["tpu", "gpu", "gpu_multiprocess", "cpu"]  # MaxText's hardware values
 
 
 class StepConfig(BaseModel):
@@ -113,7 +114,7 @@ class ConvertCheckpointConfig(StepConfig):
     # Fixed by loraflow, sent (so part of the key): lora_sft reads the layout back from the checkpoint.
     scan_layers: bool = True
     save_dtype: Literal["float32", "bfloat16"] = "float32"
-    hardware: Literal["cpu", "gpu", "tpu"] | None = None
+    hardware: Hardware | None = None
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> ConvertCheckpointConfig:
@@ -138,7 +139,7 @@ class LoraSftConfig(LoraSpec, TrainingSpec, StepConfig):
     checkpoint_storage: Literal["sync", "direct"] = "sync"
     packing: bool = True
     shuffle: bool = True
-    hardware: Literal["cpu", "gpu", "tpu"] | None = None
+    hardware: Hardware | None = None
     log_every: int = Field(10, ge=1)
 
     @classmethod
