@@ -239,3 +239,25 @@ def test_a_lock_version_is_the_lock_files_hash(tmp_path: Path) -> None:
     lock = tmp_path / "control.lock"
     lock.write_bytes(b"numpy==2.0\n")
     assert artifacts.lock_version(lock) == hashlib.sha256(b"numpy==2.0\n").hexdigest()[:16]
+
+
+def test_the_cache_key_of_given_inputs_is_the_same_in_every_loraflow_version() -> None:
+    # A change to how the key is computed misses every cache entry written before it: do it on purpose.
+    assert artifacts.cache_key({"a": "f1"}, {"lr": 1}, "L1") == "3045fa6890156dfed1f8cbb03d52eec6"
+
+
+def test_a_file_downloaded_in_many_pieces_is_checked_whole(gcs_bucket: str, tmp_path: Path) -> None:
+    payload = bytes(range(256)) * 8192  # 2 MiB: the client writes it in many pieces
+    commit_dir(tmp_path, f"{gcs_bucket}/p/run-1/s", {"big.bin": payload})
+    out = artifacts.fetch(artifacts.read_manifest(f"{gcs_bucket}/p/run-1/s"), tmp_path / "out")
+    assert (out / "big.bin").read_bytes() == payload
+
+
+def test_a_stale_cache_entry_is_replaced_by_the_next_commit(gcs_bucket: str, tmp_path: Path) -> None:
+    first = commit_dir(tmp_path / "1", f"{gcs_bucket}/p/run-1/s", {"a.bin": b"x"})
+    artifacts.cache_store(gcs_bucket, "s", "K", first)
+    blob(f"{gcs_bucket}/p/run-1/s/a.bin").delete()  # the cached commit lost a file
+    assert artifacts.cache_lookup(gcs_bucket, "s", "K") is None
+    second = commit_dir(tmp_path / "2", f"{gcs_bucket}/p/run-2/s", {"a.bin": b"x"})
+    artifacts.cache_store(gcs_bucket, "s", "K", second)
+    assert artifacts.cache_lookup(gcs_bucket, "s", "K").uri == second.uri
