@@ -446,6 +446,28 @@ def test_plan_lists_every_problem_of_an_adapter() -> None:
         plan_merge({}, base, LoraConfig(r=2, lora_alpha=4))
 
 
+def test_plan_lists_the_problems_that_follow_each_kind_of_problem() -> None:
+    """Each refusal moves on to the next module: whatever comes first, every problem is listed."""
+    base = {"m.o.weight": info("m.o.weight", (6, 4)), "m.q.weight": info("m.q.weight", (6, 4))}
+    u_a = "base_model.model.m.u.lora_A.weight"
+    adapter = {
+        "junk.weight": info("junk.weight", (2, 4)),  # no PEFT LoRA key
+        u_a: info(u_a, (2, 4)),  # no lora_B
+        **lora_pair("m.o", 2, 4, 6),  # not in target_modules
+        **lora_pair("m.x", 2, 4, 6),  # no such base tensor
+        **lora_pair("m.q", 2, 4, 6),  # fine
+    }
+    with pytest.raises(MergeError) as err:
+        plan_merge(adapter, base, LoraConfig(r=2, lora_alpha=4, target_modules=["q", "x", "u"]))
+    text = str(err.value)
+    assert "cannot merge this adapter (4 problem(s))" in text
+    assert "'junk.weight'" in text and f"{u_a!r} has no lora_B partner" in text
+    assert "module m.o is not in target_modules" in text and "'m.x.weight', which the base checkpoint" in text
+    twice = {**lora_pair("m.q", 2, 4, 6), "base_model.model.m.q.lora_A.default.weight": info("x", (2, 4))}
+    with pytest.raises(MergeError, match=r"both give lora_A of m\.q: keep one adapter"):
+        plan_merge(twice, base, LoraConfig(r=2, lora_alpha=4))
+
+
 # ------------------------------------------------------------------------------------- failures
 
 
