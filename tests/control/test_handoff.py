@@ -126,6 +126,7 @@ def test_a_poll_takes_the_newest_ready_version_and_no_run_takes_it_again(team: H
     drop(team, "v3", ready=False)
     first = handoff.pick(team, "dag", "run-a")
     assert first.version == "v2" and first.train == f"{team.prefix}/v2/train.jsonl"
+    assert first.reason == f"the newest ready version under {team.prefix}"
     second = handoff.pick(team, "dag", "run-b")
     assert second.version == "v1"
     third = handoff.pick(team, "dag", "run-c")
@@ -308,6 +309,7 @@ def test_the_result_is_written_beside_the_version_with_what_a_data_team_needs(te
     assert stored["artifacts"].startswith(f"{spec.artifact_root}/tiny-handoff/manual__2026-12-03")
     extra = handoff.event_extra(stored, uri)
     assert extra["verdict"] == "accepted" and extra["model_version"] == 3 and extra["result"] == uri
+    assert extra["report"] == "gs://x/report/report.html"
     assert len(json.dumps(extra)) < 2048
     # Not ready for another run any more.
     assert handoff.pick(team, "dag", "run-z").version is None
