@@ -357,3 +357,61 @@ def test_a_model_not_promoted_is_named_in_the_record_when_given_as_input(
     entry = json.loads((ctx.out / "registry_entry.json").read_text())
     assert entry["model_manifest"] == model.uri and entry["run_id"] == "run-1"
     assert entry["registry"] == f"{gcs_bucket}/_registry/tiny"
+
+
+# ------------------------------------------------------------------ the champion as the gate reads it
+
+
+def test_the_gate_reads_the_champion_where_publish_writes_it(gcs_bucket: str, tmp_path: Path, publish_run) -> None:
+    from loraflow import registry
+
+    reg = f"{gcs_bucket}/_registry"
+    assert registry.alias_uri(reg, "tiny") == f"{reg}/tiny/aliases/champion.json"
+    assert registry.alias_uri(reg, "tiny") == publish.Registry(reg, "tiny").alias_uri
+    assert registry.version_uri(reg, "tiny", 7) == f"{reg}/tiny/versions/0007.json"
+    model = committed_model(gcs_bucket, tmp_path)
+    assert registry.champion(reg, "tiny") is None
+    publish_run(model, True, "run-1")
+    champion = registry.champion(reg, "tiny", f"{gcs_bucket}/artifacts")
+    assert champion is not None and champion["version"] == 1 and champion["model_manifest"] == model.uri
+    assert champion["version_uri"] == f"{reg}/tiny/versions/0001.json"
+
+
+def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_bucket: str, tmp_path: Path) -> None:
+    from loraflow import registry
+    from loraflow.errors import ArtifactError
+
+    reg, root = f"{gcs_bucket}/_registry", f"{gcs_bucket}/artifacts"
+    model = committed_model(gcs_bucket, tmp_path)
+    # an alias with only its version, a version entry without its number: both as publish reads them
+    artifacts.write_json(registry.alias_uri(reg, "tiny"), {"version": 1})
+    artifacts.write_json(registry.version_uri(reg, "tiny", 1), {"model_manifest": model.uri})
+    champion = registry.champion(reg, "tiny", root)
+    assert champion == {"model_manifest": model.uri, "version_uri": registry.version_uri(reg, "tiny", 1)}
+    artifacts.write_json(registry.version_uri(reg, "tiny", 1), ["not", "an", "entry"])
+    with pytest.raises(ArtifactError, match="does not hold version 1"):
+        registry.champion(reg, "tiny", root)
+    artifacts.write_json(registry.alias_uri(reg, "tiny"), [1])
+    with pytest.raises(ArtifactError, match="its version is None, not a version number"):
+        registry.champion(reg, "tiny", root)
+
+
+def test_a_decision_without_a_reason_is_recorded_with_the_default_one(
+    gcs_bucket: str, tmp_path: Path, make_ctx: Callable
+) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "decision.json").write_text(json.dumps({"promote": False}))
+    config = {
+        "registry_uri": f"{gcs_bucket}/_registry",
+        "pipeline": "tiny",
+        "run_id": "r",
+        "model_manifest": "gs://b/m",
+    }
+    ctx = make_ctx("publish", {"decision": d}, config)
+    publish.run(ctx)
+    entry = json.loads((ctx.out / "registry_entry.json").read_text())
+    assert (
+        entry["reason"] == "the gate did not promote this model"
+        and entry["model_manifest"] == "gs://b/m/_MANIFEST.json"
+    )
