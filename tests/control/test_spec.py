@@ -185,3 +185,22 @@ def test_a_value_that_fits_no_branch_of_a_union_is_reported_at_its_own_key() -> 
         validate_spec(data, "x.yaml")
     assert {p for p, _ in err.value.problems} == {"base_model.model_overrides.scan_layers", "params.0.minimum"}
     assert len(err.value.problems) == 6  # each branch's complaint, once
+
+
+def test_a_refusal_reads_as_the_rule_and_names_the_value_given() -> None:
+    data = tiny_data()
+    data["data"]["train"] = "/home/me/x"
+    data["training"]["dtype"] = "float16"
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    problems = dict(err.value.problems)
+    assert problems["data.train"] == "'/home/me/x' is not a GCS URI; write gs://BUCKET/PATH"  # no "Value error, "
+    assert problems["training.dtype"] == "Input should be 'float32' or 'bfloat16' (got 'float16')"
+
+
+def test_a_gcs_uri_names_a_valid_bucket() -> None:
+    data = tiny_data()
+    data["data"]["train"] = "gs://-bucket/train.jsonl"
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert [p for p, _ in err.value.problems] == ["data.train"]

@@ -139,3 +139,10 @@ def test_a_typo_names_the_nearest_param_also_when_written_dotted() -> None:
                      "zzz": "Trigger parameters: gate_min_improvement, lora_rank, training_learning_rate, "
                             "training_steps. Remove the key from the run's conf, or declare its setting under "
                             "params in the spec"}  # fmt: skip
+
+
+def test_a_param_for_a_setting_without_a_value_is_a_text_field() -> None:
+    data = yaml.safe_load(yaml.safe_dump(DATA))
+    data["params"] = [{"path": "base_model.tokenizer"}]
+    field = trigger_fields(validate_spec(data, "tiny"))["base_model_tokenizer"]
+    assert field["type"] == "string" and field["default"] is None
