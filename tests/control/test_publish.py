@@ -388,6 +388,9 @@ def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_buc
     artifacts.write_json(registry.version_uri(reg, "tiny", 1), {"model_manifest": model.uri})
     champion = registry.champion(reg, "tiny", root)
     assert champion == {"model_manifest": model.uri, "version_uri": registry.version_uri(reg, "tiny", 1)}
+    artifacts.write_json(registry.version_uri(reg, "tiny", 1), {"version": 2, "model_manifest": model.uri})
+    with pytest.raises(ArtifactError, match="does not hold version 1"):
+        registry.champion(reg, "tiny", root)
     artifacts.write_json(registry.version_uri(reg, "tiny", 1), ["not", "an", "entry"])
     with pytest.raises(ArtifactError, match="does not hold version 1"):
         registry.champion(reg, "tiny", root)

@@ -141,6 +141,10 @@ def test_a_value_of_the_wrong_type_is_named_with_what_was_given() -> None:
     (message,) = [m for p, m in err.value.problems if p == "training.steps"]
     assert "valid integer" in message and "(got 'many')" in message
     assert message[0].islower()  # the hint continues "training.steps: ..."
+    data["training"]["steps"] = [1]  # not a string to parse: a type error
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert dict(err.value.problems)["training.steps"] == "input should be a valid integer (got [1])"
 
 
 @pytest.mark.parametrize(
