@@ -114,6 +114,15 @@ def test_gcs_uris_with_an_empty_or_dot_segment_are_refused(uri: str) -> None:
     assert any(p == "data.train" and "write gs://BUCKET/PATH" in m for p, m in err.value.problems), err.value.problems
 
 
+@pytest.mark.parametrize("uri", ["gs://bucket/a\nb", "gs://bucket/a\x00b", "gs://bucket/a\x7fb"])
+def test_gcs_uris_with_a_control_character_are_refused(uri: str) -> None:
+    data = tiny_data()
+    data["data"]["train"] = uri
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert dict(err.value.problems)["data.train"].endswith("contains a control character; write the path without it")
+
+
 def test_gcs_uris_lose_their_trailing_slash() -> None:
     data = tiny_data()
     data["base_model"]["hf_checkpoint"] = "gs://bucket/models/tiny/"
