@@ -130,7 +130,11 @@ def start(bucket: str, data_dir: Path | None = None, port: int | None = None, lo
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             if _answers(host):
-                _create_bucket(host, bucket)
+                try:
+                    _create_bucket(host, bucket)
+                except BaseException:
+                    emulator.stop()  # never leave a server behind that nobody holds
+                    raise
                 return emulator
             time.sleep(0.1)
         emulator.stop()

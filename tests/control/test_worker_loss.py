@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loraflow import artifacts, gcs
-from loraflow.errors import ArtifactError
+from loraflow.errors import ArtifactError, LoraflowError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,3 +147,20 @@ def test_a_commit_never_replaces_a_committed_manifest(strict_gcs_bucket: str) ->
     with pytest.raises(ArtifactError, match="committed by another writer first"):
         commit_as(prefix, "second")
     assert artifacts.read_manifest(prefix).summary["writer"] == "first"
+
+
+def test_an_emulator_whose_bucket_cannot_be_made_is_not_left_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The project's own commands start the emulator; a start that fails stops what it started."""
+    from loraflow import local_gcs
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):  # type: ignore[no-untyped-def]
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(local_gcs.subprocess, "Popen", popen)
+    with pytest.raises(LoraflowError, match="refused to create bucket 'Not_A_Bucket'"):
+        local_gcs.start("Not_A_Bucket")
+    assert started and all(p.poll() is not None for p in started)
