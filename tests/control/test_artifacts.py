@@ -261,3 +261,22 @@ def test_a_stale_cache_entry_is_replaced_by_the_next_commit(gcs_bucket: str, tmp
     second = commit_dir(tmp_path / "2", f"{gcs_bucket}/p/run-2/s", {"a.bin": b"x"})
     artifacts.cache_store(gcs_bucket, "s", "K", second)
     assert artifacts.cache_lookup(gcs_bucket, "s", "K").uri == second.uri
+
+
+def test_names_that_begin_or_end_with_a_capital_x_keep_it(gcs_bucket: str, tmp_path: Path) -> None:
+    """Stripping '/' (or '-' and '.') strips only those: a run id, a source folder, an artifact root
+    or a committed prefix whose name ends in 'X' keeps it (`strip("XX/XX")` mutants of make mutate)."""
+    assert artifacts.safe_run_id("Xmanual__run-X") == "Xmanual__run-X"
+    src = tmp_path / "dataX"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    table = artifacts.upload_tree(src, f"{gcs_bucket}/srcX/dataX")
+    for uri in (f"{gcs_bucket}/srcX/dataX", f"{gcs_bucket}/srcX/dataX/"):
+        assert set(artifacts.source_files(uri)) == {"a.txt"}, uri
+    prefix = f"{gcs_bucket}/rootX/pipeX/runX/validate_data"
+    manifest = artifacts.commit(
+        prefix, table, stage="validate_data", inputs={}, config={}, lock_version="L", cache_key="K", summary={}
+    )
+    assert manifest.data["prefix"] == prefix
+    assert artifacts.stage_manifest_problem(manifest.uri, f"{gcs_bucket}/rootX", "validate_data") is None
+    assert artifacts.stage_manifest_problem(manifest.uri, f"{gcs_bucket}/rootX/", "validate_data") is None

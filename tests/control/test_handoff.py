@@ -428,3 +428,10 @@ def test_data_failures_list_load_problems_before_failed_rules(gcs_bucket: str) -
     report = {"load_problems": ["eval: line 3 is not JSON"], "failures": ["train: too few rows"]}
     gcs.client().bucket(bucket).blob(path).upload_from_string(json.dumps(report))
     assert handoff.data_failures(run) == ["eval: line 3 is not JSON", "train: too few rows"]
+
+
+def test_a_handoff_prefix_ending_in_a_capital_x_is_scanned_whole(gcs_bucket: str) -> None:
+    """Only '/' is stripped from the prefix: a team folder named `parityX` keeps its X."""
+    team = HandoffSpec(prefix=f"{gcs_bucket}/handoff/parityX")
+    drop(team, "v1")
+    assert [s.version for s in handoff.scan(team)] == ["v1"]

@@ -418,3 +418,9 @@ def test_a_decision_without_a_reason_is_recorded_with_the_default_one(
         entry["reason"] == "the gate did not promote this model"
         and entry["model_manifest"] == "gs://b/m/_MANIFEST.json"
     )
+
+
+def test_the_run_id_read_from_the_output_prefix_keeps_a_trailing_capital_x(gcs_bucket: str) -> None:
+    config = {"registry_uri": f"{gcs_bucket}/_registry", "pipeline": "tiny"}
+    for out in (f"{gcs_bucket}/runs/tiny/runX/publish", f"{gcs_bucket}/runs/tiny/runX/publish/"):
+        assert publish.resolve_config(config, True, out).run_id == "runX", out

@@ -217,3 +217,12 @@ def test_a_gcs_uri_names_a_valid_bucket() -> None:
     with pytest.raises(SpecError) as err:
         validate_spec(data, "x.yaml")
     assert [p for p, _ in err.value.problems] == ["data.train"]
+
+
+def test_a_gs_uri_ending_in_a_capital_x_keeps_it() -> None:
+    """URIs lose a trailing '/' and nothing else (an `rstrip("XX/XX")` mutant of make mutate)."""
+    data = tiny_data()
+    data["artifact_root"] = "gs://loraflow-demo/runsX/"
+    data["data"]["train"] = "gs://loraflow-demo/datasets/trainX"
+    spec = validate_spec(data, "x.yaml")
+    assert (spec.artifact_root, spec.data.train) == ("gs://loraflow-demo/runsX", "gs://loraflow-demo/datasets/trainX")
