@@ -258,7 +258,13 @@ class LocalAirflow:
 
     def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
         self.call("PATCH", f"/dags/{dag_id}", {"is_paused": False})
-        status, body = self.call("POST", f"/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}})
+        for attempt in range(3):
+            status, body = self.call("POST", f"/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}})
+            # SQLite answers a write that met a busy database with HTTP 500 "Database error"; the
+            # transaction rolled back (no run was created), so asking again is safe.
+            if not (status == 500 and "Database error" in json.dumps(body)) or attempt == 2:
+                break
+            time.sleep(2 * (attempt + 1))
         if status != 200:
             raise LoraflowError(f"Airflow refused the run (HTTP {status}): {body}")
         run_id: str = body["dag_run_id"]
