@@ -23,13 +23,13 @@ NO_TORCH_EXTRAS := --no-emit-package torchvision --no-emit-package torchaudio --
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
 
-# The native merge kernel (loraflow/native): a C compiler builds it; Debian's gcc is installed if there is none.
-NATIVE := loraflow/native/libloraflow_merge.so
+# The native merge kernel (loraflow/lora/native): a C compiler builds it; Debian's gcc is installed if there is none.
+NATIVE := loraflow/lora/native/libloraflow_merge.so
 
-$(NATIVE): loraflow/native/merge_rows.c loraflow/native/build.sh
+$(NATIVE): loraflow/lora/native/merge_rows.c loraflow/lora/native/build.sh
 	@command -v $${CC:-cc} >/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev))
-	loraflow/native/build.sh
+	loraflow/lora/native/build.sh
 
 $(VENVS)/.uv/bin/uv:
 	python3 -m venv $(VENVS)/.uv && $(VENVS)/.uv/bin/pip install -q uv
@@ -59,10 +59,10 @@ lock: | $(UV)  ## re-resolve the three lock files from envs/*.in
 		$(if $(PIP_CONSTRAINTS),--constraint $(PIP_CONSTRAINTS)) $(NO_TORCH_EXTRAS)
 
 demo: envs  ## run the tiny pipeline end to end on a local Airflow + GCS emulator, print the verdict, stop
-	$(CONTROL) -m loraflow.demo run
+	$(CONTROL) -m loraflow.dev.demo run
 
 ui: envs  ## start Airflow + the GCS emulator on 127.0.0.1 and keep them up (credentials printed)
-	$(CONTROL) -m loraflow.demo ui
+	$(CONTROL) -m loraflow.dev.demo ui
 
 lint: envs  ## ruff
 	$(VENVS)/control/bin/ruff check .

@@ -73,7 +73,7 @@ def run_hf(model: Path, eval_file: Path, out: Path) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraflow import scoring
+    from loraflow.evaluation import scoring
     from loraflow.steps import evaluate as ev
 
     t = time.perf_counter()

@@ -1,7 +1,7 @@
 """Children of merge_bench.py. argv[1] says which:
 
 gen OUT LAYERS HIDDEN INTER VOCAB         (serving env: torch + safetensors) base checkpoint + adapter
-loraflow BASE ADAPTER OUT                 (trainer env) loraflow.merge.merge_checkpoint
+loraflow BASE ADAPTER OUT                 (trainer env) loraflow.lora.merge.merge_checkpoint
 naive BASE ADAPTER OUT                    (serving env) load every tensor, merge in torch, save_file
 peft BASE ADAPTER OUT                     (serving env + PEFT on PYTHONPATH) merge_and_unload + save_pretrained
 compare A B                               (serving env) tensor-by-tensor bit comparison
@@ -134,7 +134,7 @@ def gen(out: Path, layers: int, hidden: int, inter: int, vocab: int) -> None:
 
 
 def merge_loraflow(base: Path, adapter: Path, out: Path) -> None:
-    from loraflow.merge import merge_checkpoint
+    from loraflow.lora.merge import merge_checkpoint
 
     t = time.perf_counter()
     rep = merge_checkpoint(base, adapter, out, shard_bytes=SHARD)

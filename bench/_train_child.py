@@ -23,7 +23,7 @@ T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
-from loraflow import tinymodel  # noqa: E402
+from loraflow.dev import tinymodel  # noqa: E402
 
 MODEL = tinymodel.MAXTEXT_MODEL
 OVERRIDES = tinymodel.MAXTEXT_OVERRIDES

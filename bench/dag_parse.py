@@ -183,7 +183,7 @@ after = {h for h in heavy if h in sys.modules}
 sys.path.insert(0, "bench")
 from common import emit
 emit({"heavy": {"imported_by_loraflow_parse": sorted(after - before), "already_loaded_by_airflow": sorted(before),
-     "spec_models_imported": "loraflow.spec" in sys.modules, "dags": len(bag.dags), "errors": list(bag.import_errors)}})
+     "spec_models_imported": "loraflow.spec.schema" in sys.modules, "dags": len(bag.dags), "errors": list(bag.import_errors)}})
 """
 
 

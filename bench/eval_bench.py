@@ -18,7 +18,7 @@ def tiny_model(dest: Path) -> Path:
             [
                 PY["serving"],
                 "-m",
-                "loraflow.tinymodel",
+                "loraflow.dev.tinymodel",
                 "--out",
                 str(dest),
                 "--corpus",

@@ -1,4 +1,4 @@
-"""2. Merge: loraflow.merge.merge_checkpoint against a naive load-everything torch merge, PEFT's
+"""2. Merge: loraflow.lora.merge.merge_checkpoint against a naive load-everything torch merge, PEFT's
 merge_and_unload + save_pretrained, and `cp -r` of the same base, on a generated ~1.1B-parameter
 Llama-architecture bf16 checkpoint (sharded safetensors) with a rank-16 adapter on all projections.
 Interleaved A B C D per repetition; wall time, peak RSS (/usr/bin/time -v), bytes written; the

@@ -1,5 +1,5 @@
 """6. Orchestration: the tiny pipeline through a real local Airflow + GCS emulator
-(loraflow.demo.local_stack, temporary home, emulator in memory): the run's wall time against its
+(loraflow.dev.demo.local_stack, temporary home, emulator in memory): the run's wall time against its
 step programs' own seconds (each manifest's summary), and a cached re-run against the first run.
 One run each (a run takes minutes). Run with the control env's Python.
 """
@@ -15,8 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import WORK, save, say
 
-from loraflow import artifacts, demo
-from loraflow.plan import stage_plans
+from loraflow.dev import demo
+from loraflow.pipeline import artifacts
+from loraflow.pipeline.plan import stage_plans
 
 
 def _ts(s: str | None) -> float | None:

@@ -69,7 +69,7 @@ def sec_dag(d: dict) -> list[str]:
         f"empty DAG file (Airflow's own lazy imports paid, as in the DAG processor), against a DAG file that builds "
         f"one empty DAG. Median of {d['reps']} interleaved runs; `import airflow` itself took "
         f"{d['import_airflow_s_median']:.1f} s per interpreter and is not counted. The warm-up parse also fills "
-        "the spec cache (`loraflow/spec_cache.py`), as the DAG processor's first parse does: the loraflow rows "
+        "the spec cache (`loraflow/spec/cache.py`), as the DAG processor's first parse does: the loraflow rows "
         "read unchanged specs back from it, except *all validated* (cache off: the first parse after every spec "
         "changed).",
         "",
@@ -240,7 +240,7 @@ def sec_merge(d: dict) -> list[str]:
 
 def sec_transfer(d: dict) -> list[str]:
     s = d["summary"]
-    lf = s["loraflow.artifacts (crc32c verified)"]
+    lf = s["loraflow.pipeline.artifacts (crc32c verified)"]
     out = [
         "## 3. Artifact transfer",
         "",
@@ -295,7 +295,7 @@ def sec_eval(d: dict) -> list[str]:
     out = [
         "## 4. Evaluation",
         "",
-        f"The tiny model (`loraflow.tinymodel`), the parity eval set ({d['prompts']} prompts, chat-rendered the way "
+        f"The tiny model (`loraflow.dev.tinymodel`), the parity eval set ({d['prompts']} prompts, chat-rendered the way "
         "the evaluate stage renders them), batches of 100, greedy. *spec* = the tiny spec's settings (max 4 new "
         "tokens, stop at EOS); *32 tok* = 32 new tokens per prompt, EOS ignored (decode throughput). Fresh process "
         f"each, interleaved, median of {d['reps']}. vLLM runs through `loraflow.steps.evaluate` (`build_engine` + "
@@ -430,7 +430,7 @@ def sec_orch(d: dict) -> list[str]:
         "## 6. Orchestration",
         "",
         f"The tiny pipeline through a real local Airflow (API server, scheduler with LocalExecutor, DAG processor) and "
-        f"the GCS emulator (in memory), `loraflow.demo.local_stack` in a temporary home; one run each. Stack start-up: "
+        f"the GCS emulator (in memory), `loraflow.dev.demo.local_stack` in a temporary home; one run each. Stack start-up: "
         f"{d['stack_startup_s']:.0f} s (not counted).",
         "",
         "| run | state | run wall (s) | sum of step seconds (s) | critical path of step seconds (s) | critical path of Airflow task durations (s) | overhead (wall − step critical path) |",

@@ -24,8 +24,8 @@ VERSIONS = {
 # (common.env), and without this the first child of a comparison would also compile the modules of
 # JAX, MaxText, vLLM... (20+ s) while the others find them compiled.
 WARM = {
-    "control": ["airflow.dag_processing.dagbag", "operators.dag_factory", "loraflow.demo"],
-    "trainer": ["loraflow.steps.convert_checkpoint", "loraflow.steps.lora_sft", "loraflow.merge",
+    "control": ["airflow.dag_processing.dagbag", "operators.dag_factory", "loraflow.dev.demo"],
+    "trainer": ["loraflow.steps.convert_checkpoint", "loraflow.steps.lora_sft", "loraflow.lora.merge",
                 "maxtext.checkpoint_conversion.to_maxtext", "maxtext.trainers.post_train.sft.train_sft"],
     "serving": ["loraflow.steps.evaluate", "vllm", "transformers", "peft"],
 }  # fmt: skip

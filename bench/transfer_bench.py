@@ -1,5 +1,5 @@
 """3. Artifact transfer on the GCS emulator (in memory): a sharded checkpoint (~500 MiB) through
-loraflow.artifacts (upload_tree + commit; read_manifest + fetch, crc32c verified) against the plain
+loraflow.pipeline.artifacts (upload_tree + commit; read_manifest + fetch, crc32c verified) against the plain
 google-cloud-storage client one file after another (its defaults, checksum="auto"; and with
 checksum=None, no verification at all), interleaved. Plus the time crc32c over the same files
 takes. Run with the control env's Python.
@@ -16,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QUICK, WORK, median, save, say
 
-from loraflow import artifacts, gcs, local_gcs
+from loraflow.dev import local_gcs
+from loraflow.pipeline import artifacts, gcs
 
 SHARDS, SHARD_MIB = (4, 16) if QUICK else (4, 128)
 
@@ -60,7 +61,7 @@ def main() -> None:
     os.environ.update(emu.env())
     gcs.client.cache_clear()
     say(f"transfer: {nbytes / 2**20:.0f} MiB in {SHARDS + 1} files; emulator {emu.host}")
-    methods = ["loraflow.artifacts (crc32c verified)", "plain client, defaults", "plain client, checksum=None"]
+    methods = ["loraflow.pipeline.artifacts (crc32c verified)", "plain client, defaults", "plain client, checksum=None"]
     raw: dict[str, dict[str, list[float]]] = {m: {"upload_s": [], "download_s": []} for m in methods}
     crc_s: list[float] = []
     reps = 1 if QUICK else 3

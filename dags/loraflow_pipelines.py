@@ -2,7 +2,7 @@
 
 An invalid spec becomes an import error of this file that names the spec and every problem in it;
 the DAGs of all valid specs still load. Parsing imports no ML library; its only I/O is reading the
-spec files and the spec cache (loraflow/spec_cache.py: an unchanged spec is not validated again).
+spec files and the spec cache (loraflow/spec/cache.py: an unchanged spec is not validated again).
 """
 
 import os

@@ -11,7 +11,7 @@ COPY envs/ envs/
 COPY loraflow/ loraflow/
 # The native merge kernel (merge_adapter); the compiler is removed once it is built.
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev \
-    && loraflow/native/build.sh \
+    && loraflow/lora/native/build.sh \
     && apt-get purge -y -q gcc libc6-dev && apt-get autoremove -y -q && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/opt/loraflow \

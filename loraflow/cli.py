@@ -7,14 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from loraflow.environments import REPO_ROOT
 from loraflow.errors import LoraflowError, SpecError
+from loraflow.launchers.environments import REPO_ROOT
 
 DEFAULT_DIR = REPO_ROOT / "pipelines"
 
 
 def _specs(paths: list[Path]) -> list[Path]:
-    from loraflow.spec_cache import discover
+    from loraflow.spec.cache import discover
 
     if not paths:
         return discover(DEFAULT_DIR)
@@ -25,7 +25,7 @@ def _specs(paths: list[Path]) -> list[Path]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from loraflow.spec import load_spec
+    from loraflow.spec.schema import load_spec
 
     bad = 0
     specs = _specs(args.specs)
@@ -44,8 +44,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from loraflow.plan import describe
-    from loraflow.spec import load_spec
+    from loraflow.pipeline.plan import describe
+    from loraflow.spec.schema import load_spec
 
     plan = describe(load_spec(args.spec), args.run_id)
     if args.json:
@@ -75,7 +75,7 @@ def _quote(arg: str) -> str:
 
 
 def cmd_seed(args: argparse.Namespace) -> int:
-    from loraflow.demo import seed_sources
+    from loraflow.dev.demo import seed_sources
 
     for line in seed_sources(args.spec, args.model_dir):
         print(line)
@@ -83,7 +83,7 @@ def cmd_seed(args: argparse.Namespace) -> int:
 
 
 def cmd_spec_reference(args: argparse.Namespace) -> int:
-    from loraflow.specdoc import render
+    from loraflow.spec.reference import render
 
     print(render(), end="")
     return 0
@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_spec_reference)
     s = sub.add_parser("seed", help="upload a spec's tiny model and datasets to the (emulated) GCS bucket")
     s.add_argument("spec", type=Path)
-    s.add_argument("--model-dir", type=Path, required=True, help="the tiny HF checkpoint made by loraflow.tinymodel")
+    s.add_argument(
+        "--model-dir", type=Path, required=True, help="the tiny HF checkpoint made by loraflow.dev.tinymodel"
+    )
     s.set_defaults(fn=cmd_seed)
     return p
 

@@ -1,6 +1,6 @@
 """The Airflow side of a spec's ``secrets``: read connections at execute time, mask the values.
 
-The core (``loraflow.credentials``) decides which secrets a stage gets and reads their fields; here
+The core (``loraflow.launchers.credentials``) decides which secrets a stage gets and reads their fields; here
 the lookup is Airflow's (connections from the metadata DB, ``AIRFLOW_CONN_*`` variables or the
 configured secrets backend), and every value is registered with Airflow's secret masker before any
 log line could carry it.
@@ -8,8 +8,8 @@ log line could carry it.
 
 from __future__ import annotations
 
-from loraflow import credentials
-from loraflow.spec import PipelineSpec
+from loraflow.launchers import credentials
+from loraflow.spec.schema import PipelineSpec
 
 
 def resolve_secrets(spec: PipelineSpec, stage: str) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """Build one Airflow DAG per pipeline spec. Imports nothing heavy; an unchanged spec is read back
-from the spec cache (loraflow/spec_cache.py) as plain data, without validating it again."""
+from the spec cache (loraflow/spec/cache.py) as plain data, without validating it again."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from airflow.sdk import DAG, Asset, Param
 
 from loraflow.errors import SpecError
-from loraflow.spec_cache import CompiledSpec, compiled, discover
+from loraflow.spec.cache import CompiledSpec, compiled, discover
 from operators.handoff import wrap_in_handoff
 from operators.notifiers import attach_notifiers
 from operators.stages import OPERATORS
@@ -23,7 +23,7 @@ def trigger_params(fields: dict[str, dict[str, Any]]) -> dict[str, Param]:
 
 # Failures a retry cannot fix: the step refused its input, the spec or trigger parameters are invalid.
 _NOT_RETRIED: list[type[BaseException] | str] = [
-    "loraflow.launch.StepRefused",
+    "loraflow.launchers.local.StepRefused",
     "loraflow.errors.SpecError",
     "loraflow.errors.DataValidationError",
 ]

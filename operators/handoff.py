@@ -1,4 +1,4 @@
-"""The two hand-off tasks around a pipeline whose spec has a ``handoff`` section (loraflow/handoff.py).
+"""The two hand-off tasks around a pipeline whose spec has a ``handoff`` section (loraflow/data/handoff.py).
 
 ``pick_dataset`` (a setup task, first) takes one dataset version: the one the triggering Asset event
 names, or the newest ready, unclaimed one; with nothing to take it skips, and so does the run.
@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator, Context
 
-from loraflow import artifacts, gcs, handoff
-from loraflow.report import browser_url
+from loraflow.data import handoff
+from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting.report import browser_url
 
 if TYPE_CHECKING:
-    from loraflow.spec import PipelineSpec
+    from loraflow.spec.schema import PipelineSpec
 
 
 def _spec(data: dict[str, Any]) -> PipelineSpec:
-    from loraflow.spec import validate_spec
+    from loraflow.spec.schema import validate_spec
 
     spec = validate_spec(data, f"pipeline {data.get('name')}")
     if spec.handoff is None:
@@ -51,7 +52,7 @@ class PickDatasetOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.exceptions import AirflowSkipException
 
-        from loraflow.spec import check_trigger_keys
+        from loraflow.spec.schema import check_trigger_keys
 
         spec = _spec(self.spec)
         assert spec.handoff is not None

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from airflow.sdk import BaseOperator, BaseOperatorLink
 
-from loraflow import artifacts, gcs
-from loraflow.report import browser_url
+from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting.report import browser_url
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey

@@ -1,6 +1,6 @@
 """Airflow notifiers for a spec's ``notify`` list: failure, promotion and hand-off verdict notices.
 
-Each notifier gathers the facts of its event from the Airflow context, lets loraflow/notify.py word
+Each notifier gathers the facts of its event from the Airflow context, lets loraflow/reporting/notify.py word
 the message, and sends it: ``FileNotifier`` appends one JSON line to a file, ``WebhookNotifier`` posts
 JSON (``text`` plus the structured ``loraflow`` fields, the shape chat webhooks accept) to the URL of
 an Airflow HTTP connection. The DAG factory attaches them: failure notices as every task's
@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseNotifier, Context
 
-from loraflow import artifacts, gcs, handoff
-from loraflow import notify as notices
+from loraflow.data import handoff
+from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting import notify as notices
 
 if TYPE_CHECKING:
-    from loraflow.spec import PipelineSpec
+    from loraflow.spec.schema import PipelineSpec
 
 WEBHOOK_TIMEOUT_S = 15
 
@@ -57,7 +58,7 @@ def message_for(event: str, spec: PipelineSpec, context: Context) -> notices.Mes
 
 
 class LoraflowNotifier(BaseNotifier, ABC):
-    """Words the notice with loraflow.notify and hands it to ``send``."""
+    """Words the notice with loraflow.reporting.notify and hands it to ``send``."""
 
     def __init__(self, *, event: str, spec: dict[str, Any]) -> None:
         super().__init__()
@@ -65,7 +66,7 @@ class LoraflowNotifier(BaseNotifier, ABC):
         self.spec = spec
 
     def notify(self, context: Context) -> None:
-        from loraflow.spec import PipelineSpec
+        from loraflow.spec.schema import PipelineSpec
 
         message = message_for(self.event, PipelineSpec.model_validate(self.spec), context)
         if message is not None:

@@ -7,17 +7,18 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
-from loraflow import artifacts, gcs, handoff
+from loraflow.data import handoff
 from loraflow.errors import StepError
-from loraflow.report import browser_url, data_docs_uri, site_url
+from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting.report import browser_url, data_docs_uri, site_url
 from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger
 
-    from loraflow import runner
-    from loraflow.launch import KillSwitch
-    from loraflow.spec import PipelineSpec
+    from loraflow.launchers.local import KillSwitch
+    from loraflow.pipeline import runner
+    from loraflow.spec.schema import PipelineSpec
 
 # The spec models, the planner, the launchers, the runner and the clients they use are imported
 # where a task runs, not at DAG parse time (docs/benchmarks.md, section 1).
@@ -27,7 +28,7 @@ def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
     """The spec as this run sees it: the DAG's spec with the trigger form's values applied. A key of
     ``params`` that is no declared param (a typo in the run's conf) fails the task, naming the key and
     the nearest declared one, before the stage does anything."""
-    from loraflow.spec import check_trigger_keys, param_name, validate_spec, with_overrides
+    from loraflow.spec.schema import check_trigger_keys, param_name, validate_spec, with_overrides
 
     base = validate_spec(spec, f"pipeline {spec.get('name')}")
     check_trigger_keys(base, params)
@@ -69,7 +70,7 @@ class LoraflowStageOperator(BaseOperator):
         return op
 
     def upstream_manifests(self, context: Context, spec: PipelineSpec) -> dict[str, str]:
-        from loraflow.plan import stage_plans
+        from loraflow.pipeline.plan import stage_plans
 
         ti = context["ti"]
         out = {}
@@ -80,8 +81,8 @@ class LoraflowStageOperator(BaseOperator):
         return out
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from loraflow import runner
-        from loraflow.launch import KillSwitch
+        from loraflow.launchers.local import KillSwitch
+        from loraflow.pipeline import runner
         from operators.connections import resolve_secrets
 
         spec = run_spec(self.spec, context)
@@ -116,8 +117,8 @@ class LoraflowStageOperator(BaseOperator):
         """Inlets: the stage's inputs (sources, upstream stages' prefixes); outlet: its committed prefix."""
         from airflow.sdk import Asset
 
-        from loraflow import runner
-        from loraflow.plan import stage_plans
+        from loraflow.pipeline import runner
+        from loraflow.pipeline.plan import stage_plans
 
         inputs = runner.resolve_inputs(stage_plans(spec)[self.stage], upstream)
         uris = [uri.rsplit("/", 1)[0] if uri.endswith("/" + artifacts.MANIFEST) else uri for uri in inputs.values()]
@@ -127,8 +128,11 @@ class LoraflowStageOperator(BaseOperator):
     def execute_deferrable(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:
         """A vertex or gke stage: submit (or reattach to) its workload, then wait in the triggerer, not in
         this worker slot."""
-        from loraflow import gke, launch_vertex, runner, vertex
-        from loraflow.launch import KillSwitch
+        from loraflow.launchers import gke_jobset as gke
+        from loraflow.launchers import vertex as launch_vertex
+        from loraflow.launchers import vertex_job as vertex
+        from loraflow.launchers.local import KillSwitch
+        from loraflow.pipeline import runner
         from operators.triggers import GkeJobSetTrigger, VertexJobTrigger
 
         prepared = runner.prepare_stage(
@@ -181,7 +185,7 @@ class LoraflowStageOperator(BaseOperator):
         self, context: Context, event: dict[str, Any], job_name: str, prefix: str, cache_key: str
     ) -> dict[str, Any]:
         """Back from the trigger: the workload's outcome. Success: verify the manifest, fill the cache."""
-        from loraflow import runner
+        from loraflow.pipeline import runner
 
         spec = run_spec(self.spec, context)
         if event.get("status") != "success":
@@ -196,7 +200,10 @@ class LoraflowStageOperator(BaseOperator):
         fix, ``StepError`` (retried) otherwise."""
         from airflow.sdk.exceptions import AirflowFailException
 
-        from loraflow import launch_gke, launch_vertex, runner, vertex_errors
+        from loraflow.launchers import gke as launch_gke
+        from loraflow.launchers import vertex as launch_vertex
+        from loraflow.launchers import vertex_errors
+        from loraflow.pipeline import runner
 
         compute = spec.compute_for(self.stage)
         code, message, state = event.get("code"), str(event.get("message", "")), str(event.get("state") or "")
@@ -244,7 +251,7 @@ class ValidateDataOperator(LoraflowStageOperator):
     def link_data_docs(self, context: Context, committed: str | None) -> None:
         """Point the 'Data docs' link at the committed artifact's data docs, or the rejected data's."""
         if committed is None:
-            from loraflow.plan import output_prefix
+            from loraflow.pipeline.plan import output_prefix
 
             prefix = output_prefix(run_spec(self.spec, context), context["run_id"], self.stage)
             uri = data_docs_uri(prefix, rejected=True)

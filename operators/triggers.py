@@ -1,7 +1,7 @@
 """Triggers: what a deferred stage waits on in Airflow's triggerer. Thin: the polling is loraflow's.
 
-``VertexJobTrigger`` polls one Vertex AI CustomJob (``loraflow.launch_vertex.watch_job``, async REST),
-``GkeJobSetTrigger`` one JobSet (``loraflow.launch_gke.watch_jobset``, kubernetes_asyncio), until it
+``VertexJobTrigger`` polls one Vertex AI CustomJob (``loraflow.launchers.vertex.watch_job``, async REST),
+``GkeJobSetTrigger`` one JobSet (``loraflow.launchers.gke.watch_jobset``, kubernetes_asyncio), until it
 ends, and fires one event naming the workload, its state and its own error. When a user marks the
 deferred task failed or succeeded, or clears it, Airflow calls ``on_kill`` and the job is cancelled
 (the JobSet deleted); a triggerer restart or hand-over to another triggerer does not call it, so the
@@ -16,7 +16,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from loraflow import launch_gke, launch_vertex
+from loraflow.launchers import gke as launch_gke
+from loraflow.launchers import vertex as launch_vertex
 
 
 class VertexJobTrigger(BaseTrigger):

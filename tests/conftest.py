@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import local_gcs
+from loraflow.dev import local_gcs
 
 
 @pytest.fixture(scope="session", autouse=True)
 def spec_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The session's own spec cache (loraflow/spec_cache.py), empty at start, never the user's; every
+    """The session's own spec cache (loraflow/spec/cache.py), empty at start, never the user's; every
     DAG parse of the session, in process or in an Airflow it starts, uses it."""
     folder = tmp_path_factory.mktemp("spec-cache")
     with pytest.MonkeyPatch.context() as mp:
@@ -28,7 +28,7 @@ def gcs_emulator() -> Iterator[local_gcs.Emulator]:
     emulator = local_gcs.start("loraflow-test")
     saved = {k: os.environ.get(k) for k in emulator.env()}
     os.environ.update(emulator.env())
-    from loraflow import gcs
+    from loraflow.pipeline import gcs
 
     gcs.client.cache_clear()
     yield emulator

@@ -75,7 +75,7 @@ TARGETS: dict[str, Target] = {
     # artifacts.py is read by the runner (input identities, the cache): its fast tests count here too.
     "artifacts": Target(
         "control",
-        ["loraflow/artifacts.py"],
+        ["loraflow/pipeline/artifacts.py"],
         [
             "tests/control/test_artifacts.py",
             "tests/control/test_launch_and_runner.py",
@@ -84,24 +84,24 @@ TARGETS: dict[str, Target] = {
         ],
         deselect=RUNNER_SLOW,
     ),
-    "gate_rule": Target("control", ["loraflow/gate_rule.py"], ["tests/control/test_gate.py"]),
+    "gate_rule": Target("control", ["loraflow/evaluation/gate_rule.py"], ["tests/control/test_gate.py"]),
     # The planning half of the merge; the numerics (merge_lora, the kernel) have their own reference tests.
     "merge": Target(
         "trainer",
-        ["loraflow/merge.py"],
+        ["loraflow/lora/merge.py"],
         ["tests/trainer/test_merge.py"],
         [
-            "loraflow.merge.x_plan_merge__mutmut_*",
-            "loraflow.merge.x_lora_scale__mutmut_*",
-            "loraflow.merge.x_load_adapter_config__mutmut_*",
-            "loraflow.merge.x__pattern_key__mutmut_*",
-            "loraflow.merge.x_peft_module__mutmut_*",
-            "loraflow.merge.xǁLoraConfigǁ*",
+            "loraflow.lora.merge.x_plan_merge__mutmut_*",
+            "loraflow.lora.merge.x_lora_scale__mutmut_*",
+            "loraflow.lora.merge.x_load_adapter_config__mutmut_*",
+            "loraflow.lora.merge.x__pattern_key__mutmut_*",
+            "loraflow.lora.merge.x_peft_module__mutmut_*",
+            "loraflow.lora.merge.xǁLoraConfigǁ*",
         ],
     ),
     "handoff": Target(
         "control",
-        ["loraflow/handoff.py"],
+        ["loraflow/data/handoff.py"],
         ["tests/control/test_handoff.py"],
         # builds the hand-off DAG (5 s): the operators' wiring, not handoff.py's decisions
         deselect=["tests/control/test_handoff.py::test_a_handoff_pipeline_is_wrapped_in_pick_and_verdict"],
@@ -109,7 +109,7 @@ TARGETS: dict[str, Target] = {
     # registry.py is read by the gate step (the champion comparison), written by publish.
     "registry": Target(
         "control",
-        ["loraflow/registry.py", "loraflow/steps/publish.py"],
+        ["loraflow/registry/store.py", "loraflow/steps/publish.py"],
         [
             "tests/control/test_publish.py",
             "tests/control/test_gate.py",
@@ -124,7 +124,7 @@ TARGETS: dict[str, Target] = {
     # The runner around a stand-in step (FakeStep); the tests that start real step programs are left out.
     "runner": Target(
         "control",
-        ["loraflow/runner.py"],
+        ["loraflow/pipeline/runner.py"],
         ["tests/control/test_launch_and_runner.py"],
         deselect=RUNNER_SLOW,
     ),
@@ -137,7 +137,7 @@ TARGETS: dict[str, Target] = {
     # Last: the longest list of test files.
     "spec": Target(
         "control",
-        ["loraflow/spec.py"],
+        ["loraflow/spec/schema.py"],
         [
             "tests/control/test_spec.py",
             "tests/control/test_spec_corpus.py",

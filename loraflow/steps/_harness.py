@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraflow import artifacts, faults, gcs
 from loraflow.errors import ArtifactError, DataValidationError, LoraflowError
-from loraflow.local_paths import safe_join
+from loraflow.pipeline import artifacts, faults, gcs
+from loraflow.pipeline.local_paths import safe_join
 
 log = logging.getLogger("loraflow.step")
 

@@ -1,7 +1,7 @@
 """convert_checkpoint: a Hugging Face checkpoint -> a MaxText (Orbax, scanned) parameter checkpoint.
 
 Input ``hf_checkpoint``: a directory with config.json, *.safetensors and the tokenizer files.
-Config (``loraflow.step_configs.ConvertCheckpointConfig``): ``{"model_name": "llama3.1-8b",
+Config (``loraflow.spec.step_configs.ConvertCheckpointConfig``): ``{"model_name": "llama3.1-8b",
 "model_overrides": {MaxText key: value}, "scan_layers": true}``; model_name is required (the spec's
 base_model.maxtext_model); internal: ``save_dtype`` (float32), ``hardware`` (from JAX's devices).
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.step_configs import ConvertCheckpointConfig, parse
+from loraflow.spec.step_configs import ConvertCheckpointConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 CHECKPOINT_JSON = "loraflow_checkpoint.json"

@@ -10,9 +10,9 @@ Inputs
                  ``{"id", "messages": [{"role": "user", "content": ...}], "reference"}``
                  (``{"prompt", "completion"}`` rows are accepted too).
 
-Config (``loraflow.step_configs.EvaluateConfig``; defaults the spec's ``evaluation`` and
+Config (``loraflow.spec.step_configs.EvaluateConfig``; defaults the spec's ``evaluation`` and
 ``training.dtype``)
-    ``max_new_tokens``, ``batch_size``, ``seed``, ``answer_pattern`` (see :mod:`loraflow.scoring`),
+    ``max_new_tokens``, ``batch_size``, ``seed``, ``answer_pattern`` (see :mod:`loraflow.evaluation.scoring`),
     ``max_examples`` (first N rows; null = all), ``max_model_len``, ``dtype``; internal (not spec
     keys): ``temperature`` (0 = greedy) and engine keys for serving hosts: ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (null: "uni" for one device, vLLM's choice otherwise),
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraflow import scoring
 from loraflow.errors import LoraflowError
-from loraflow.step_configs import EvaluateConfig, parse
+from loraflow.evaluation import scoring
+from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 #: KV cache for the CPU backend when the config does not say: vLLM's default takes about half the
@@ -62,7 +62,7 @@ METRICS_JSON = "metrics.json"
 
 
 def resolve_config(config: dict[str, Any]) -> EvaluateConfig:
-    """The stage config, checked (``loraflow.step_configs.EvaluateConfig``: the spec's defaults)."""
+    """The stage config, checked (``loraflow.spec.step_configs.EvaluateConfig``: the spec's defaults)."""
     return parse(EvaluateConfig, config)
 
 

@@ -5,7 +5,7 @@ Inputs (local directories from the evaluate stages): ``base_eval`` and ``tuned_e
 correct, format_ok, answer, reference, generation; ``predictions.jsonl`` is read when the
 Parquet file is absent).
 
-Config (``loraflow.step_configs.GateConfig``; every key optional, defaults the spec's ``gate``)::
+Config (``loraflow.spec.step_configs.GateConfig``; every key optional, defaults the spec's ``gate``)::
 
     metric, min_improvement, confidence, bootstrap_samples   the spec's gate section
     registry_uri: gs://.../_registry   with pipeline: where this pipeline's champion is registered
@@ -13,7 +13,7 @@ Config (``loraflow.step_configs.GateConfig``; every key optional, defaults the s
     artifact_root                      where the champion's model must lie
     seed: 0                            internal: the bootstrap's seed
 
-The rule itself lives in loraflow.gate_rule.decide (promote iff the gain >= min_improvement and
+The rule itself lives in loraflow.evaluation.gate_rule.decide (promote iff the gain >= min_improvement and
 the interval's lower bound > 0). When the registry holds a ``champion`` for this pipeline, the
 tuned model must also beat the champion's recorded eval metric (and not be the champion itself);
 the champion compared against is recorded in the decision. Because the champion moves between runs
@@ -32,10 +32,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loraflow import registry
 from loraflow.errors import LoraflowError
-from loraflow.gate_rule import Decision, GateError, decide
-from loraflow.step_configs import GateConfig, parse
+from loraflow.evaluation.gate_rule import Decision, GateError, decide
+from loraflow.registry import store as registry
+from loraflow.spec.step_configs import GateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "gate"

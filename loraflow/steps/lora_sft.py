@@ -2,7 +2,7 @@
 
 Inputs: ``checkpoint`` (the convert_checkpoint output: Orbax params + loraflow_checkpoint.json),
 ``dataset`` (``train.jsonl`` of ``{"messages": [...]}`` rows), ``tokenizer`` (the HF checkpoint dir).
-Config (``loraflow.step_configs.LoraSftConfig``; defaults the spec's ``lora`` and ``training``):
+Config (``loraflow.spec.step_configs.LoraSftConfig``; defaults the spec's ``lora`` and ``training``):
 model_name, model_overrides (null: the converted checkpoint's), rank, alpha, target_modules (regexes
 or null = MaxText's default for the model), steps, batch_size (global, packed rows), learning_rate,
 max_length, seed, checkpoint_period, dtype; internal: warmup_fraction, hardware, log_every,
@@ -22,7 +22,7 @@ MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflo
 * outputs: ``adapter/`` (the final LoRA params, Orbax, + ``loraflow_adapter.json``), ``peft/`` (the
   PEFT export in HF layout, checked against MaxText's own MaxText->HF weight hooks) and ``loss.csv``.
 
-Multi-host: when ``loraflow.multihost`` finds a job of several processes (a Vertex AI worker pool, a
+Multi-host: when ``loraflow.launchers.multihost`` finds a job of several processes (a Vertex AI worker pool, a
 GKE JobSet, or N local processes on loopback), every process calls ``jax.distributed.initialize``
 with its wiring before JAX starts; MaxText's mesh then spans every process's devices (parameters
 sharded across hosts, each host loading its share of every batch). Checkpoints go to one directory
@@ -49,10 +49,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraflow import checkpoint_sync, multihost
 from loraflow.errors import LoraflowError
-from loraflow.local_paths import safe_join
-from loraflow.step_configs import LoraSftConfig, parse
+from loraflow.launchers import multihost
+from loraflow.pipeline import checkpoint_sync
+from loraflow.pipeline.local_paths import safe_join
+from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 from loraflow.steps.convert_checkpoint import CHECKPOINT_JSON, hardware_args, overrides_args
 

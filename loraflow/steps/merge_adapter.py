@@ -2,14 +2,14 @@
 
 Inputs: ``base`` (HF checkpoint directory: config.json, tokenizer, ``model*.safetensors``) and
 ``adapter`` (the lora_sft artifact; its PEFT export, ``adapter_model.safetensors`` +
-``adapter_config.json``, lies in ``peft/``). Config (``loraflow.step_configs.MergeAdapterConfig``):
+``adapter_config.json``, lies in ``peft/``). Config (``loraflow.spec.step_configs.MergeAdapterConfig``):
 ``{"shard_size_mb": 500}``, fixed by loraflow (the largest shard of the merged checkpoint).
 
 Output: a checkpoint transformers and vLLM load as is: ``model.safetensors`` or
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``, plus every non-weight file
-of the base. The merge streams one tensor at a time (``loraflow.merge``): memory stays around the
+of the base. The merge streams one tensor at a time (``loraflow.lora.merge``): memory stays around the
 largest adapted tensor, whatever the model size. Needs numpy (+ ml_dtypes for bf16 weights); runs
-on the native kernel (``loraflow/native``, built by ``make envs`` and the trainer image) where it
+on the native kernel (``loraflow/lora/native``, built by ``make envs`` and the trainer image) where it
 is built, else on numpy (same arithmetic), and says which in the log.
 Fails (NoOpMergeError) when no stored weight changed: an adapter that did nothing is never passed on.
 """
@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.merge import MergeReport, find_adapter, merge_checkpoint
-from loraflow.step_configs import MergeAdapterConfig, parse
+from loraflow.lora.merge import MergeReport, find_adapter, merge_checkpoint
+from loraflow.spec.step_configs import MergeAdapterConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 

@@ -5,14 +5,14 @@ merged checkpoint's manifest, best given with ``--ref model=gs://.../merge_adapt
 (verified, not downloaded: publishing needs the model's identity, not its bytes). Without it the
 manifest named by ``config["model_manifest"]`` is read and verified instead.
 
-Config (``loraflow.step_configs.PublishConfig``)::
+Config (``loraflow.spec.step_configs.PublishConfig``)::
 
     registry_uri     gs://BUCKET/.../_registry   (required)
     pipeline         the pipeline's name          (required)
     run_id           the run being published      (default: the run of the output prefix)
     model_manifest   gs://.../merge_adapter/_MANIFEST.json  (required unless the model input is given)
     vertex_model_registry   the spec's publish.vertex_model_registry (optional): also register the
-                     promoted model in Vertex AI Model Registry (loraflow.vertex_registry), its
+                     promoted model in Vertex AI Model Registry (loraflow.registry.vertex), its
                      ``champion`` alias mirroring the GCS registry's
 
 The registry of a pipeline lives under ``{registry_uri}/{pipeline}/``::
@@ -38,14 +38,16 @@ import re
 import time
 from typing import Any
 
-from loraflow import artifacts, gcs, registry, vertex_registry
 from loraflow.errors import ArtifactError, LoraflowError
-from loraflow.step_configs import PublishConfig, parse
+from loraflow.pipeline import artifacts, gcs
+from loraflow.registry import store as registry
+from loraflow.registry import vertex as vertex_registry
+from loraflow.spec.step_configs import PublishConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "publish"
-VERSION_FORMAT = "loraflow.registry.version/1"
-ALIAS_FORMAT = "loraflow.registry.alias/1"
+VERSION_FORMAT = "loraflow.registry.store.version/1"
+ALIAS_FORMAT = "loraflow.registry.store.alias/1"
 ALIAS = "champion"
 _VERSION_NAME = re.compile(r"([0-9]{4,})\.json")  # fullmatch; ASCII digits ('\d' takes any script's)
 MAX_ATTEMPTS = 50

@@ -18,7 +18,7 @@ Durations and cache hits come from the manifests themselves: each records the se
 program took, and a stage whose manifest lies under another run's prefix was a cache hit in this
 run (it is reported as reused from that run). Nothing from Airflow is needed.
 
-Config (``loraflow.step_configs.ReportConfig``)::
+Config (``loraflow.spec.step_configs.ReportConfig``)::
 
     pipeline    the pipeline's name (for the title)
     stages      the stages in pipeline order (the table's rows; default every stage before the report)
@@ -35,9 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraflow import artifacts, gcs, report
 from loraflow.errors import ArtifactError, LoraflowError
-from loraflow.step_configs import ReportConfig, parse
+from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting import report
+from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "report"

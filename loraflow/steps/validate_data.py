@@ -5,12 +5,12 @@ Inputs (local directories, fetched by the harness):
     eval        one dataset file, same formats
     tokenizer   an HF checkpoint directory holding tokenizer.json (+ tokenizer_config.json)
 
-Config (``loraflow.step_configs.ValidateDataConfig``)::
+Config (``loraflow.spec.step_configs.ValidateDataConfig``)::
 
     expectations: {RULE: {level: fail|warn, ...thresholds}}   the spec's data.expectations
-                                                               (loraflow.expectations; all optional)
+                                                               (loraflow.data.expectations; all optional)
 
-Two layers of checks. First the loader (loraflow.dataset) checks structure: the file decodes,
+Two layers of checks. First the loader (loraflow.data.dataset) checks structure: the file decodes,
 each line is a JSON object, the columns and roles are known; it reports every problem with its
 line, and an unreadable dataset always fails. Then a Great Expectations suite per dataset checks
 the spec's rules on a flat frame with one row per example: format (last turn an assistant answer,
@@ -47,10 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraflow import dataset as ds
-from loraflow import expectations as contract
+from loraflow.data import dataset as ds
+from loraflow.data import expectations as contract
 from loraflow.errors import DataValidationError, LoraflowError
-from loraflow.step_configs import ValidateDataConfig, parse
+from loraflow.spec.step_configs import ValidateDataConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "validate_data"

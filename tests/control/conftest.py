@@ -17,12 +17,12 @@ PARITY = REPO / "pipelines" / "data" / "parity"
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tokenizer.json + tokenizer_config.json (with the chat template) as loraflow.tinymodel makes them.
+    """tokenizer.json + tokenizer_config.json (with the chat template) as loraflow.dev.tinymodel makes them.
 
     Built here with the tokenizers library alone: the full tiny checkpoint needs safetensors,
     which the control environment does not have.
     """
-    from loraflow import tinymodel
+    from loraflow.dev import tinymodel
 
     out = tmp_path_factory.mktemp("tokenizer")
     tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([PARITY / "train.jsonl"])))
@@ -64,8 +64,8 @@ def make_ctx(tmp_path: Path) -> Callable[..., StepContext]:
 @pytest.fixture
 def parity_spec(gcs_bucket: str, tokenizer_dir: Path):
     """The tiny spec pointed at a fresh GCS prefix holding the parity data and a tokenizer."""
-    from loraflow import gcs
-    from loraflow.spec import load_spec, with_overrides
+    from loraflow.pipeline import gcs
+    from loraflow.spec.schema import load_spec, with_overrides
 
     bucket_name, base = gcs.split_uri(gcs_bucket)
     bucket = gcs.client().bucket(bucket_name)
@@ -85,6 +85,6 @@ def parity_spec(gcs_bucket: str, tokenizer_dir: Path):
 @pytest.fixture
 def strict_gcs_bucket(gcs_bucket: str) -> str:
     """A fresh ``gs://`` prefix for a test whose point is a GCS precondition: the session's emulator
-    (fake-gcs-server, loraflow/local_gcs.py) enforces them as GCS does, so this is ``gcs_bucket`` by
+    (fake-gcs-server, loraflow/dev/local_gcs.py) enforces them as GCS does, so this is ``gcs_bucket`` by
     a name that says what the test relies on."""
     return gcs_bucket

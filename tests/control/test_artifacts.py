@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import artifacts, gcs
 from loraflow.errors import ArtifactError, DataValidationError
+from loraflow.pipeline import artifacts, gcs
 from loraflow.steps._harness import StepContext, run_step
 
 

@@ -101,7 +101,7 @@ def test_invalid_spec_is_an_import_error_and_the_others_still_load(tmp_path: Pat
 def test_trigger_values_reach_the_resolved_spec() -> None:
     """What a task runs with: the DAG's spec with the run's trigger values (context["params"]) applied."""
     from loraflow.errors import SpecError
-    from loraflow.spec import trigger_fields, validate_spec
+    from loraflow.spec.schema import trigger_fields, validate_spec
     from operators.stages import resolve_spec, run_spec
 
     data = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())

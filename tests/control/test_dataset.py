@@ -1,4 +1,4 @@
-"""loraflow.dataset: reading, format detection, normalisation, and what it says about broken files."""
+"""loraflow.data.dataset: reading, format detection, normalisation, and what it says about broken files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import dataset as ds
+from loraflow.data import dataset as ds
 from loraflow.errors import DataValidationError
 
 PC_ROWS = [{"prompt": "Is 12 even or odd?", "completion": "even"}, {"prompt": "Is 7 even or odd?", "completion": "odd"}]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.demo import LocalAirflow
+from loraflow.dev.demo import LocalAirflow
 
 
 @pytest.fixture

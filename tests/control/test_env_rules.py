@@ -14,9 +14,12 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loraflow import env_rules, gke, launch, vertex
 from loraflow.errors import SpecError
-from loraflow.spec import ComputeSpec, validate_spec
+from loraflow.launchers import gke_jobset as gke
+from loraflow.launchers import local as launch
+from loraflow.launchers import vertex_job as vertex
+from loraflow.spec import env_rules
+from loraflow.spec.schema import ComputeSpec, validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import artifacts, gcs
 from loraflow.errors import ArtifactError
-from loraflow.launch import step_environment
+from loraflow.launchers.local import step_environment
+from loraflow.pipeline import artifacts, gcs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,8 +79,8 @@ def test_a_stage_name_only_matches_the_last_segment_of_the_output(gcs_bucket: st
 
 def test_the_retry_policy_fails_refusals_at_once_and_retries_crashes() -> None:
     from loraflow.errors import SpecError, StepError
-    from loraflow.launch import StepRefused
-    from loraflow.spec import load_spec
+    from loraflow.launchers.local import StepRefused
+    from loraflow.spec.schema import load_spec
     from operators.dag_factory import retry_args
 
     args = retry_args(load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml").model_dump(mode="json")["retry"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.gate_rule import GateError, decide
+from loraflow.evaluation.gate_rule import GateError, decide
 from loraflow.steps import gate
 
 

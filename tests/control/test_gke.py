@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from loraflow import gke
 from loraflow.errors import StepError
-from loraflow.launch import KillSwitch
-from loraflow.launch_gke import GkeLauncher
-from loraflow.multihost import distributed_config
-from loraflow.plan import describe
-from loraflow.spec import ComputeSpec, load_spec
-from loraflow.vertex import JobIdentity
+from loraflow.launchers import gke_jobset as gke
+from loraflow.launchers.gke import GkeLauncher
+from loraflow.launchers.local import KillSwitch
+from loraflow.launchers.multihost import distributed_config
+from loraflow.launchers.vertex_job import JobIdentity
+from loraflow.pipeline.plan import describe
+from loraflow.spec.schema import ComputeSpec, load_spec
 from tests.gke_standin import GkeStandIn, serve
 
 IMAGE = "us-docker.pkg.dev/acme-ml/loraflow/trainer:0.1.0"
@@ -89,7 +89,7 @@ def test_the_name_is_deterministic_and_short_enough_for_pod_host_names() -> None
 @pytest.mark.parametrize("webhook", [False, True])
 def test_every_pod_finds_the_same_coordinator_through_multihost(webhook: bool) -> None:
     """What each pod gets (our env + Kubernetes' JOB_COMPLETION_INDEX, and on TPU nodes GKE's
-    TPU_WORKER_ID / TPU_WORKER_HOSTNAMES) leads loraflow.multihost to pod 0 behind the headless service."""
+    TPU_WORKER_ID / TPU_WORKER_HOSTNAMES) leads loraflow.launchers.multihost to pod 0 behind the headless service."""
     js = gke.jobset(TRAINING, IDENTITY, ARGV)
     name = js["metadata"]["name"]
     hosts = [f"{name}-workers-0-{i}.{name}" for i in range(4)]  # JobSet's pod host names in its subdomain
@@ -227,7 +227,7 @@ def test_the_schema_checks_catch_mistakes() -> None:
 def test_plan_prints_the_jobset_offline(tmp_path) -> None:
     import yaml
 
-    from loraflow.environments import REPO_ROOT
+    from loraflow.launchers.environments import REPO_ROOT
 
     raw = yaml.safe_load((REPO_ROOT / "pipelines" / "llama31-8b-lora.yaml").read_text())
     raw["compute"]["lora_sft"] = TRAINING.model_dump(mode="json", exclude_defaults=True)
@@ -380,7 +380,7 @@ def play_the_pod(js: dict[str, Any], emulator: Any) -> None:
     import subprocess
     import sys
 
-    from loraflow.environments import REPO_ROOT
+    from loraflow.launchers.environments import REPO_ROOT
 
     [container] = _pod_spec(js)["containers"]
     pod_env = {e["name"]: e["value"] for e in container["env"]} | {"JOB_COMPLETION_INDEX": "0"}
@@ -400,8 +400,8 @@ def test_runner_sends_a_gke_stage_to_the_cluster_end_to_end(standin: GkeStandIn,
     container command with the pod's env, as Kubernetes would, then marks the JobSet completed) and
     the runner returns the committed manifest."""
 
-    from loraflow import artifacts, runner
-    from loraflow.spec import with_overrides
+    from loraflow.pipeline import artifacts, runner
+    from loraflow.spec.schema import with_overrides
 
     spec = with_overrides(
         parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": COMPUTE}}), {}

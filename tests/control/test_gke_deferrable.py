@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts
 from loraflow.errors import StepError
-from loraflow.spec import PipelineSpec, with_overrides
+from loraflow.pipeline import artifacts
+from loraflow.spec.schema import PipelineSpec, with_overrides
 from operators.links import WorkloadLink
 from operators.stages import OPERATORS
 from operators.triggers import GkeJobSetTrigger

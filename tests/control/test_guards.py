@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loraflow import artifacts, gcs, registry
-from loraflow.safetensors_io import ShardedWriter, TensorSpec
+from loraflow.lora.safetensors_io import ShardedWriter, TensorSpec
+from loraflow.pipeline import artifacts, gcs
+from loraflow.registry import store as registry
 from loraflow.steps import gate, merge_adapter, publish
 
 from .test_gate import write_eval

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, gcs, handoff
+from loraflow.data import handoff
 from loraflow.errors import SpecError
-from loraflow.spec import HandoffSpec, PipelineSpec, load_spec, validate_spec
+from loraflow.pipeline import artifacts, gcs
+from loraflow.spec.schema import HandoffSpec, PipelineSpec, load_spec, validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"

@@ -14,7 +14,7 @@ import yaml
 
 from loraflow.cli import main
 from loraflow.errors import SpecError
-from loraflow.spec import load_spec, parse_spec, validate_spec
+from loraflow.spec.schema import load_spec, parse_spec, validate_spec
 
 from .hostile_specs import EDITS, alias_bomb, files, tiny_with
 from .test_dags import parse
@@ -133,7 +133,7 @@ def test_a_spec_that_breaks_loading_in_an_unforeseen_way_is_still_only_its_own_i
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Defence in depth: whatever a spec raises (not only SpecError), the other pipelines still load."""
-    from loraflow import spec_cache
+    from loraflow.spec import cache as spec_cache
     from operators import dag_factory
 
     folder = tmp_path / "pipelines"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import artifacts
 from loraflow.errors import StepError
-from loraflow.launch import LocalLauncher, step_environment
+from loraflow.launchers.local import LocalLauncher, step_environment
+from loraflow.pipeline import artifacts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def test_secrets_of_the_worker_do_not_leak_into_steps(monkeypatch: pytest.Monkey
 
 def test_second_run_of_a_stage_is_a_cache_hit(parity_spec) -> None:
     """validate_data through the runner twice: the second time nothing is launched."""
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     spec = parity_spec
 
@@ -99,8 +99,8 @@ def test_second_run_of_a_stage_is_a_cache_hit(parity_spec) -> None:
 
 def test_a_rerun_on_changed_inputs_in_the_same_run_commits_beside_the_first(parity_spec) -> None:
     """A task cleared and re-run with other inputs (or config) keeps the first commit untouched."""
-    from loraflow import runner
-    from loraflow.spec import with_overrides
+    from loraflow.pipeline import runner
+    from loraflow.spec.schema import with_overrides
 
     first = runner.run_stage(parity_spec, "validate_data", "run-c", {}, lambda _: None)
     before = artifacts.read_manifest(first.manifest).data
@@ -168,7 +168,7 @@ def upstream_commit(root: str, stage: str, key: str, payload: str = "x") -> str:
 
 @pytest.fixture
 def fake_step(monkeypatch: pytest.MonkeyPatch) -> FakeStep:
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     step = FakeStep()
     monkeypatch.setattr(runner, "LocalLauncher", step)
@@ -176,7 +176,7 @@ def fake_step(monkeypatch: pytest.MonkeyPatch) -> FakeStep:
 
 
 def test_a_miss_launches_and_caches_a_hit_launches_nothing(parity_spec, fake_step: FakeStep) -> None:
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     log: list[str] = []
     first = runner.run_stage(parity_spec, "validate_data", "run-a", {}, log.append)
@@ -206,8 +206,8 @@ def test_a_miss_launches_and_caches_a_hit_launches_nothing(parity_spec, fake_ste
 
 
 def test_the_cache_key_follows_config_data_and_environment(parity_spec, fake_step: FakeStep, gcs_bucket: str) -> None:
-    from loraflow import runner
-    from loraflow.spec import with_overrides
+    from loraflow.pipeline import runner
+    from loraflow.spec.schema import with_overrides
 
     def key(spec, stage="validate_data", upstream=None) -> str:
         prepared = runner.prepare_stage(spec, stage, "run-k", upstream or {}, lambda _: None)
@@ -228,7 +228,7 @@ def test_the_cache_key_follows_config_data_and_environment(parity_spec, fake_ste
     assert set(fingerprints) == {"train", "eval", "tokenizer"}  # each source by its files' fingerprint
     assert fingerprints["train"] == artifacts.fingerprint(artifacts.source_files(parity_spec.data.train))
     # new bytes in a source: another key
-    from loraflow import gcs
+    from loraflow.pipeline import gcs
 
     bucket, path = gcs.split_uri(parity_spec.data.train)
     gcs.client().bucket(bucket).blob(path).upload_from_string(b'{"prompt": "a", "completion": "b"}\n')
@@ -236,7 +236,7 @@ def test_the_cache_key_follows_config_data_and_environment(parity_spec, fake_ste
 
 
 def test_an_upstream_stage_counts_by_its_cache_key_not_its_bytes(parity_spec, fake_step: FakeStep) -> None:
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     root = parity_spec.artifact_root
     a = upstream_commit(root, "evaluate_base", "k-base")
@@ -259,8 +259,8 @@ def test_an_upstream_stage_counts_by_its_cache_key_not_its_bytes(parity_spec, fa
 
 
 def test_a_missing_upstream_is_refused_unless_optional(parity_spec) -> None:
-    from loraflow import runner
     from loraflow.errors import LoraflowError
+    from loraflow.pipeline import runner
 
     plans = runner.stage_plans(parity_spec)
     with pytest.raises(LoraflowError, match="gate needs the output of evaluate_tuned, which did not run"):
@@ -272,7 +272,7 @@ def test_a_missing_upstream_is_refused_unless_optional(parity_spec) -> None:
 
 
 def test_a_stage_that_is_never_cached_launches_every_time(parity_spec, fake_step: FakeStep) -> None:
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     root = parity_spec.artifact_root
     upstream = {"evaluate_base": upstream_commit(root, "evaluate_base", "kb"),
@@ -290,8 +290,8 @@ def test_a_stage_that_is_never_cached_launches_every_time(parity_spec, fake_step
 def test_a_rerun_with_another_key_commits_beside_and_the_same_key_finds_its_own(
     parity_spec, fake_step: FakeStep
 ) -> None:
-    from loraflow import runner
-    from loraflow.spec import with_overrides
+    from loraflow.pipeline import runner
+    from loraflow.spec.schema import with_overrides
 
     prefix = artifacts.stage_prefix(parity_spec.artifact_root, parity_spec.name, "run-c", "validate_data")
     assert runner.commit_prefix(prefix, "a" * 64) == prefix  # nothing there yet
@@ -307,7 +307,7 @@ def test_a_rerun_with_another_key_commits_beside_and_the_same_key_finds_its_own(
 
 
 def test_a_commit_for_another_key_fails_the_stage_and_is_not_cached(parity_spec, monkeypatch) -> None:
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     monkeypatch.setattr(runner, "LocalLauncher", FakeStep(commit_key="f" * 64))
     with pytest.raises(
@@ -328,7 +328,7 @@ def test_a_commit_for_another_key_fails_the_stage_and_is_not_cached(parity_spec,
 
 
 def test_a_failing_step_fails_the_stage_and_caches_nothing(parity_spec, monkeypatch) -> None:
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     class Failing(FakeStep):
         def run(self, argv, sink, env, secrets=None) -> None:
@@ -342,8 +342,9 @@ def test_a_failing_step_fails_the_stage_and_caches_nothing(parity_spec, monkeypa
 
 
 def test_secrets_reach_a_local_step_and_only_their_fingerprint_the_log(parity_spec, fake_step: FakeStep) -> None:
-    from loraflow import credentials, runner
-    from loraflow.launch import KillSwitch
+    from loraflow.launchers import credentials
+    from loraflow.launchers.local import KillSwitch
+    from loraflow.pipeline import runner
 
     log: list[str] = []
     switch = KillSwitch()
@@ -359,9 +360,9 @@ def test_secrets_reach_a_local_step_and_only_their_fingerprint_the_log(parity_sp
 
 @pytest.mark.parametrize("launcher", ["vertex", "gke"])
 def test_a_remote_stage_is_launched_as_its_job_with_plain_python(parity_spec, monkeypatch, launcher: str) -> None:
-    from loraflow import runner
     from loraflow.errors import LoraflowError
-    from loraflow.launch import KillSwitch
+    from loraflow.launchers.local import KillSwitch
+    from loraflow.pipeline import runner
 
     compute = parity_spec.compute_for("validate_data").model_copy(update={"launcher": launcher})
     spec = parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute}})
@@ -399,8 +400,8 @@ def test_a_remote_stage_is_launched_as_its_job_with_plain_python(parity_spec, mo
 
 
 def test_a_launcher_this_version_cannot_start_is_refused_with_the_key(parity_spec) -> None:
-    from loraflow import runner
     from loraflow.errors import LoraflowError
+    from loraflow.pipeline import runner
 
     compute = parity_spec.compute_for("validate_data").model_construct(launcher="slurm")
     spec = parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute}})
@@ -409,7 +410,7 @@ def test_a_launcher_this_version_cannot_start_is_refused_with_the_key(parity_spe
 
 
 def test_remote_jobs_are_named_after_dag_run_stage_and_key(parity_spec) -> None:
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     compute = parity_spec.compute_for("validate_data").model_copy(update={"hosts": 2})
     parity_spec = parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute}})

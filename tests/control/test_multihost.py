@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loraflow.multihost import DistributedConfig, MultiHostError, distributed_config
+from loraflow.launchers.multihost import DistributedConfig, MultiHostError, distributed_config
 
 
 def cluster_spec(pools: dict[str, list[str]], task: str, index: int) -> str:

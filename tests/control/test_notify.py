@@ -1,4 +1,4 @@
-"""Notices: what they say (loraflow.notify) and how the Airflow notifiers deliver them."""
+"""Notices: what they say (loraflow.reporting.notify) and how the Airflow notifiers deliver them."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, notify
 from loraflow.errors import SpecError
-from loraflow.spec import load_spec, validate_spec
+from loraflow.pipeline import artifacts
+from loraflow.reporting import notify
+from loraflow.spec.schema import load_spec, validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"

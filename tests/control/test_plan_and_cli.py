@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from loraflow.cli import main
-from loraflow.plan import describe, stage_plans
-from loraflow.spec import load_spec
+from loraflow.pipeline.plan import describe, stage_plans
+from loraflow.spec.schema import load_spec
 
 PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 
@@ -68,7 +68,7 @@ def test_plan_argv_never_goes_through_a_shell() -> None:
 
 
 def test_spec_reference_doc_matches_the_schema() -> None:
-    from loraflow.specdoc import render
+    from loraflow.spec.reference import render
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"
     assert doc.read_text() == render(), "regenerate: loraflow spec-reference > docs/spec-reference.md"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import artifacts, gcs
 from loraflow.errors import LoraflowError
+from loraflow.pipeline import artifacts, gcs
 from loraflow.steps import publish
 
 
@@ -261,7 +261,7 @@ def test_vertex_model_registry_without_a_project_registers_nothing(
 
 
 def test_the_metric_a_version_recorded_is_read_from_each_entry_format() -> None:
-    from loraflow.registry import recorded_metric
+    from loraflow.registry.store import recorded_metric
 
     assert recorded_metric({"metrics": {"accuracy": 0.75}}, "accuracy") == 0.75
     assert recorded_metric({"metrics": {"accuracy": 1}}, "accuracy") == 1.0
@@ -363,7 +363,7 @@ def test_a_model_not_promoted_is_named_in_the_record_when_given_as_input(
 
 
 def test_the_gate_reads_the_champion_where_publish_writes_it(gcs_bucket: str, tmp_path: Path, publish_run) -> None:
-    from loraflow import registry
+    from loraflow.registry import store as registry
 
     reg = f"{gcs_bucket}/_registry"
     assert registry.alias_uri(reg, "tiny") == f"{reg}/tiny/aliases/champion.json"
@@ -378,8 +378,8 @@ def test_the_gate_reads_the_champion_where_publish_writes_it(gcs_bucket: str, tm
 
 
 def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_bucket: str, tmp_path: Path) -> None:
-    from loraflow import registry
     from loraflow.errors import ArtifactError
+    from loraflow.registry import store as registry
 
     reg, root = f"{gcs_bucket}/_registry", f"{gcs_bucket}/artifacts"
     model = committed_model(gcs_bucket, tmp_path)

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, gcs, report
-from loraflow.plan import REPORTED
+from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline.plan import REPORTED
+from loraflow.reporting import report
 from loraflow.steps import report as report_step
 
 SECTIONS = ["verdict", "metrics", "gate", "training", "data", "samples", "stages"]
@@ -352,10 +353,10 @@ def test_data_docs_urls_keep_the_path_for_relative_links() -> None:
 
 
 def test_only_the_report_runs_without_its_upstream_outputs() -> None:
-    from loraflow import runner
     from loraflow.errors import LoraflowError
-    from loraflow.plan import stage_plans
-    from loraflow.spec import load_spec
+    from loraflow.pipeline import runner
+    from loraflow.pipeline.plan import stage_plans
+    from loraflow.spec.schema import load_spec
 
     plans = stage_plans(load_spec(Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"))
     got = runner.resolve_inputs(plans["report"], {"validate_data": "gs://b/arts/tiny/run-1/validate_data"})

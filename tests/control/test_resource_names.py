@@ -13,9 +13,9 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loraflow import resource_names as rn
 from loraflow.errors import SpecError
-from loraflow.spec import ComputeSpec, validate_spec
+from loraflow.spec import resource_names as rn
+from loraflow.spec.schema import ComputeSpec, validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
@@ -105,7 +105,9 @@ def test_the_spec_takes_a_region_only_if_an_endpoint_can_be_built_from_it(region
 def test_the_launchers_refuse_a_region_that_slipped_past_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
     """Defence in depth: a ComputeSpec or registry target built without validation still cannot send a
     request elsewhere; the host is refused where it is built, before any client exists."""
-    from loraflow import launch_vertex, vertex, vertex_registry
+    from loraflow.launchers import vertex as launch_vertex
+    from loraflow.launchers import vertex_job as vertex
+    from loraflow.registry import vertex as vertex_registry
 
     monkeypatch.delenv("LORAFLOW_VERTEX_ENDPOINT", raising=False)
     crafted = ComputeSpec.model_construct(**{**ComputeSpec(**VERTEX).__dict__, "region": "evil.com/x"})
@@ -140,7 +142,7 @@ def test_real_names_pass(check, value: str) -> None:  # type: ignore[no-untyped-
 
 
 def test_the_shipped_specs_pass() -> None:
-    from loraflow.spec import load_spec
+    from loraflow.spec.schema import load_spec
 
     for path in sorted((REPO / "pipelines").glob("*.yaml")):
         load_spec(path)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraflow import credentials
 from loraflow.errors import LoraflowError, SpecError, StepError
-from loraflow.launch import LocalLauncher, StepRefused
-from loraflow.spec import load_spec, validate_spec
+from loraflow.launchers import credentials
+from loraflow.launchers.local import LocalLauncher, StepRefused
+from loraflow.spec.schema import load_spec, validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "hf_PlantedTokenValue0123456789"

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from loraflow.errors import SpecError
-from loraflow.spec import load_spec, validate_spec, with_overrides
-from loraflow.spec_cache import discover
+from loraflow.spec.cache import discover
+from loraflow.spec.schema import load_spec, validate_spec, with_overrides
 
 PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 TINY = PIPELINES / "tiny-llama-lora.yaml"

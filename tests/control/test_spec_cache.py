@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import spec_cache
 from loraflow.errors import SpecError
-from loraflow.spec_cache import compiled
+from loraflow.spec import cache as spec_cache
+from loraflow.spec.cache import compiled
 from tests.control.test_dags import parse
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def test_the_code_fingerprint_follows_every_loraflow_module(tmp_path: Path, monk
     spec_cache.code_fingerprint.cache_clear()
     try:
         before = spec_cache.code_fingerprint()
-        with (package / "plan.py").open("a") as f:
+        with (package / "pipeline" / "plan.py").open("a") as f:
             f.write("\n# a change\n")
         spec_cache.code_fingerprint.cache_clear()
         assert spec_cache.code_fingerprint() != before
@@ -107,18 +107,20 @@ def test_the_code_fingerprint_follows_every_loraflow_module(tmp_path: Path, monk
 
 
 def test_validating_a_spec_imports_only_fingerprinted_modules() -> None:
-    """The fingerprint hashes loraflow's top-level modules: validation and planning may use no other."""
+    """The fingerprint hashes the modules of loraflow's fingerprinted packages: validation and planning may
+    use no other."""
     code = f"""
 import json, sys
 from pathlib import Path
-from loraflow import spec_cache
+from loraflow.spec import cache as spec_cache
 spec_cache.compile_spec(Path({str(TINY)!r}).read_bytes(), Path({str(TINY)!r}))
 print(json.dumps({{m: getattr(mod, "__file__", None) for m, mod in sys.modules.items() if m.startswith("loraflow")}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     modules = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "loraflow.spec" in modules and "loraflow.plan" in modules
-    outside = {m: f for m, f in modules.items() if f is None or Path(f).parent != REPO / "loraflow"}
+    assert "loraflow.spec.schema" in modules and "loraflow.pipeline.plan" in modules
+    allowed = {REPO / "loraflow" / pkg for pkg in spec_cache._FINGERPRINTED}
+    outside = {m: f for m, f in modules.items() if f is None or Path(f).parent not in allowed}
     assert outside == {}
 
 
@@ -137,7 +139,7 @@ def test_a_cache_that_cannot_be_written_costs_only_speed(
 ) -> None:
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="loraflow.spec_cache"):
+    with caplog.at_level(logging.WARNING, logger="loraflow.spec.cache"):
         for _ in range(2):
             assert compiled(specs / TINY.name, cache_dir=blocked / "specs").name == "tiny-llama-lora"
     warnings = [r.getMessage() for r in caplog.records]
@@ -166,7 +168,7 @@ def test_without_a_home_directory_specs_are_validated_every_time(
     for name in ("LORAFLOW_SPEC_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
-    with caplog.at_level(logging.WARNING, logger="loraflow.spec_cache"):
+    with caplog.at_level(logging.WARNING, logger="loraflow.spec.cache"):
         assert spec_cache.default_cache_dir() is None
         assert compiled(specs / TINY.name).name == "tiny-llama-lora"
     assert "no home directory" in caplog.text and "LORAFLOW_SPEC_CACHE_DIR" in caplog.text
@@ -187,7 +189,7 @@ bag = DagBag(dag_folder=os.environ["DAGS"])
 dag = bag.dags["tiny-llama-lora"]
 print(json.dumps({
     "errors": dict(bag.import_errors),
-    "spec_models_loaded": "loraflow.spec" in sys.modules,
+    "spec_models_loaded": "loraflow.spec.schema" in sys.modules,
     "tasks": {t.task_id: sorted(t.upstream_task_ids) for t in dag.tasks},
     "params": {k: [v.value, v.schema] for k, v in dag.params.items()},
     "retries": {t.task_id: [t.retries, str(t.retry_delay)] for t in dag.tasks},

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from loraflow.errors import SpecError
-from loraflow.spec import validate_spec
+from loraflow.spec.schema import validate_spec
 
 from .spec_corpus import CORPUS, apply
 

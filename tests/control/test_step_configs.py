@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from loraflow import plan, step_configs
 from loraflow.errors import LoraflowError
-from loraflow.spec import DataSpec, EvaluationSpec, GateSpec, LoraSpec, PipelineSpec, TrainingSpec, validate_spec
-from loraflow.step_configs import STEP_CONFIGS, StepConfig, parse
+from loraflow.pipeline import plan
+from loraflow.spec import step_configs
+from loraflow.spec.schema import DataSpec, EvaluationSpec, GateSpec, LoraSpec, PipelineSpec, TrainingSpec, validate_spec
+from loraflow.spec.step_configs import STEP_CONFIGS, StepConfig, parse
 from loraflow.steps import gate, publish, validate_data
 
 ROOT = Path(__file__).resolve().parents[2]

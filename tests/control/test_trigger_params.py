@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loraflow.errors import SpecError
-from loraflow.spec import check_trigger_keys, trigger_fields, validate_spec
+from loraflow.spec.schema import check_trigger_keys, trigger_fields, validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
@@ -69,7 +69,7 @@ class FakeTI:
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records any attempt to prepare or run a stage (there must be none)."""
-    from loraflow import runner
+    from loraflow.pipeline import runner
 
     seen: list[str] = []
     for name in ("run_stage", "prepare_stage"):
@@ -98,7 +98,7 @@ def test_resolve_spec_takes_the_declared_keys(launches: list[str]) -> None:
 
 
 def test_pick_dataset_refuses_an_unknown_conf_key_before_it_claims_a_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loraflow import handoff
+    from loraflow.data import handoff
     from operators.handoff import PickDatasetOperator
 
     data = {**DATA, "name": "tiny-handoff", "handoff": {"prefix": "gs://team-data/handoff"}}

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from loraflow import local_gcs
-from loraflow.launch_vertex import endpoint_for
+from loraflow.dev import local_gcs
+from loraflow.launchers.vertex import endpoint_for
 from operators.triggers import VertexJobTrigger
 from tests.control.test_vertex_launcher import compute, launcher, serve, toy, wait_for
 from tests.vertex_standin import VertexStandIn

@@ -1,7 +1,7 @@
 """The bucket writer's lane: names, cache entries and registry aliases written by anyone who can write a
 bucket reach no further than their folder, their stage and the artifact root (docs/security.md).
 
-Property tests over names (loraflow/local_paths.py); then, per caller, a hostile listing on the GCS
+Property tests over names (loraflow/pipeline/local_paths.py); then, per caller, a hostile listing on the GCS
 emulator that is refused before anything is written; then cache entries and aliases that point
 elsewhere; then a source that changes between the cache key and the step's fetch.
 """
@@ -20,9 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraflow import artifacts, checkpoint_sync, gcs, handoff, registry, runner
+from loraflow.data import handoff
 from loraflow.errors import ArtifactError
-from loraflow.local_paths import UnsafeNameError, local_paths, safe_join
+from loraflow.pipeline import artifacts, checkpoint_sync, gcs, runner
+from loraflow.pipeline.local_paths import UnsafeNameError, local_paths, safe_join
+from loraflow.registry import store as registry
 from loraflow.steps._harness import StepContext, run_step
 
 PROPERTY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -314,7 +316,7 @@ def test_a_cache_entry_pointing_anywhere_else_is_a_miss_and_the_log_says_why(
             # a whole, committed manifest with the very key: only where it lies makes it wrong
             committed(tmp_path, pointer.rsplit("/", 1)[0], "convert_checkpoint", "K")
     artifacts.write_json(artifacts.cache_entry_uri(root, "convert_checkpoint", "K"), {"manifest": pointer})
-    with caplog.at_level(logging.WARNING, logger="loraflow.artifacts"):
+    with caplog.at_level(logging.WARNING, logger="loraflow.pipeline.artifacts"):
         assert artifacts.cache_lookup(root, "convert_checkpoint", "K") is None
     assert why in caplog.text and "treating it as a miss" in caplog.text
 
@@ -391,7 +393,7 @@ def test_a_champion_alias_pointing_elsewhere_is_refused(
 
 
 def test_the_gate_is_told_where_the_champions_model_must_lie(parity_spec) -> None:
-    from loraflow.plan import stage_plans
+    from loraflow.pipeline.plan import stage_plans
 
     assert stage_plans(parity_spec)["gate"].config["artifact_root"] == parity_spec.artifact_root
 
@@ -465,7 +467,7 @@ def test_the_runner_passes_the_fingerprints_its_key_was_computed_from_and_a_chan
 def test_a_safetensors_index_may_name_shards_only_inside_its_checkpoint(tmp_path: Path, shard: str) -> None:
     """The index of a Hugging Face checkpoint comes from the bucket too: merge and evaluate read only
     what lies inside the checkpoint folder."""
-    from loraflow.safetensors_io import INDEX_FILE, Checkpoint
+    from loraflow.lora.safetensors_io import INDEX_FILE, Checkpoint
 
     checkpoint = tmp_path / "ckpt"
     _write(checkpoint / INDEX_FILE, json.dumps({"weight_map": {"w": shard}}).encode())

@@ -374,9 +374,10 @@ def test_the_task_links_the_data_docs_of_the_accepted_or_the_rejected_data(
 
     import yaml
 
-    from loraflow import artifacts, gcs, report
-    from loraflow.plan import output_prefix
-    from loraflow.spec import validate_spec
+    from loraflow.pipeline import artifacts, gcs
+    from loraflow.pipeline.plan import output_prefix
+    from loraflow.reporting import report
+    from loraflow.spec.schema import validate_spec
     from operators.links import DataDocsLink
     from operators.stages import ValidateDataOperator
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import vertex
-from loraflow.plan import describe
-from loraflow.spec import ComputeSpec, load_spec
+from loraflow.launchers import vertex_job as vertex
+from loraflow.pipeline.plan import describe
+from loraflow.spec.schema import ComputeSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION = REPO / "pipelines" / "llama31-8b-lora.yaml"

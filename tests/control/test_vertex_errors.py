@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraflow.spec import ComputeSpec
-from loraflow.vertex_errors import Kind, advice, classify, explain, retry_poll, status_name
+from loraflow.launchers.vertex_errors import Kind, advice, classify, explain, retry_poll, status_name
+from loraflow.spec.schema import ComputeSpec
 
 TPU = ComputeSpec(
     launcher="vertex",

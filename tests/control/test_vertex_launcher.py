@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import local_gcs
+from loraflow.dev import local_gcs
 from loraflow.errors import StepError
-from loraflow.launch import KillSwitch
-from loraflow.launch_vertex import VertexLauncher
-from loraflow.spec import ComputeSpec
-from loraflow.vertex import JobIdentity
+from loraflow.launchers.local import KillSwitch
+from loraflow.launchers.vertex import VertexLauncher
+from loraflow.launchers.vertex_job import JobIdentity
+from loraflow.spec.schema import ComputeSpec
 from tests.vertex_standin import VertexStandIn, endpoint_env, replica_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_each_replica_gets_its_multihost_wiring(standin: VertexStandIn, tmp_path
     out.mkdir()
     code = (
         "import json, os\n"
-        "from loraflow.multihost import distributed_config\n"
+        "from loraflow.launchers.multihost import distributed_config\n"
         "c = distributed_config()\n"
         f"open(os.path.join({str(out)!r}, str(c.process_id)), 'w').write(json.dumps(c.__dict__))\n"
     )
@@ -201,8 +201,8 @@ def _state(pid: int) -> str:
 
 def test_validate_data_runs_on_vertex_end_to_end(standin: VertexStandIn, parity_spec) -> None:
     """The runner sends validate_data to the stand-in; its replica runs the real step against the GCS emulator."""
-    from loraflow import artifacts, runner
-    from loraflow.spec import with_overrides
+    from loraflow.pipeline import artifacts, runner
+    from loraflow.spec.schema import with_overrides
 
     spec = with_overrides(
         parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute()}}), {}

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, local_gcs, runner
+from loraflow.dev import local_gcs
 from loraflow.errors import StepError
-from loraflow.spec import PipelineSpec, with_overrides
+from loraflow.pipeline import artifacts, runner
+from loraflow.spec.schema import PipelineSpec, with_overrides
 from operators.links import ArtifactsLink, WorkloadLink
 from operators.stages import OPERATORS
 from operators.triggers import VertexJobTrigger

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import vertex_registry as vr
 from loraflow.errors import LoraflowError
+from loraflow.registry import vertex as vr
 from tests.vertex_standin import VertexStandIn
 
 MODEL = "projects/p1/locations/europe-west4/models/loraflow-tiny-llama-lora"
@@ -101,14 +101,14 @@ def test_label_values() -> None:
 
 
 def test_the_spec_section_reaches_the_publish_stage() -> None:
-    from loraflow.plan import stage_plans
-    from loraflow.spec import load_spec, with_overrides
+    from loraflow.pipeline.plan import stage_plans
+    from loraflow.spec.schema import load_spec, with_overrides
 
     spec = load_spec(Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml")
     assert "vertex_model_registry" not in stage_plans(spec)["publish"].config
     data = spec.model_dump(mode="json")
     data["publish"]["vertex_model_registry"] = {"serving_container_image": "img", "project": "acme-ml"}
-    from loraflow.spec import validate_spec
+    from loraflow.spec.schema import validate_spec
 
     config = stage_plans(validate_spec(data, "t"))["publish"].config["vertex_model_registry"]
     assert config["serving_container_image"] == "img" and config["region"] == "us-central1"

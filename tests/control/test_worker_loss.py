@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import artifacts, gcs
 from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.pipeline import artifacts, gcs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ time.sleep(600)
 # The Airflow task: launches the step through the LocalLauncher, from its main thread or from another.
 TASK = """
 import sys, threading
-from loraflow.launch import LocalLauncher
+from loraflow.launchers.local import LocalLauncher
 
 def launch():
     LocalLauncher().run([sys.executable, "-c", sys.argv[2], sys.argv[3]], print)
@@ -88,7 +88,7 @@ def test_a_sigkilled_task_takes_its_step_program_and_its_children_along(tmp_path
 
 def test_a_step_ends_when_its_launcher_gives_up_on_it(tmp_path: Path) -> None:
     """The launcher's caller stops reading (its sink raised): the step does not run on unobserved."""
-    from loraflow.launch import LocalLauncher
+    from loraflow.launchers.local import LocalLauncher
 
     pids_file = tmp_path / "pids.json"
     code = STEP.replace("time.sleep(600)\n", "print('started', flush=True); time.sleep(600)\n", 1)
@@ -151,7 +151,7 @@ def test_a_commit_never_replaces_a_committed_manifest(strict_gcs_bucket: str) ->
 
 def test_an_emulator_whose_bucket_cannot_be_made_is_not_left_running(monkeypatch: pytest.MonkeyPatch) -> None:
     """The project's own commands start the emulator; a start that fails stops what it started."""
-    from loraflow import local_gcs
+    from loraflow.dev import local_gcs
 
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from loraflow.demo import LocalAirflow, local_stack, prepare
+from loraflow.dev.demo import LocalAirflow, local_stack, prepare
 
 if TYPE_CHECKING:
     from playwright.sync_api import BrowserContext, Page

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, credentials, gcs
-from loraflow.demo import LocalAirflow, local_stack, prepare, verdict
-from loraflow.spec import STAGES, load_spec
+from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
+from loraflow.launchers import credentials
+from loraflow.pipeline import artifacts, gcs
+from loraflow.spec.schema import STAGES, load_spec
 
 pytestmark = pytest.mark.e2e
 

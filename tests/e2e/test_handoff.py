@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from loraflow import artifacts, gcs, handoff
-from loraflow.demo import LocalAirflow, local_stack, prepare
-from loraflow.spec import load_spec
+from loraflow.data import handoff
+from loraflow.dev.demo import LocalAirflow, local_stack, prepare
+from loraflow.pipeline import artifacts, gcs
+from loraflow.spec.schema import load_spec
 from tests.bad_datasets import broken_dataset
 
 pytestmark = pytest.mark.e2e

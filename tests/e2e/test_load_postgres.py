@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, gcs, local_gcs
-from loraflow.demo import local_stack, prepare, say
-from loraflow.spec import STAGES, load_spec
+from loraflow.dev import local_gcs
+from loraflow.dev.demo import local_stack, prepare, say
+from loraflow.pipeline import artifacts, gcs
+from loraflow.spec.schema import STAGES, load_spec
 
 pytestmark = pytest.mark.e2e
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, gcs
-from loraflow.demo import LocalAirflow, local_stack, prepare, verdict
-from loraflow.spec import load_spec
+from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
+from loraflow.pipeline import artifacts, gcs
+from loraflow.spec.schema import load_spec
 from tests.bad_datasets import broken_dataset
 
 pytestmark = pytest.mark.e2e

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from loraflow import artifacts, gcs
-from loraflow.demo import LocalAirflow, local_stack, prepare
-from loraflow.environments import ENVIRONMENTS
-from loraflow.spec import load_spec
+from loraflow.dev.demo import LocalAirflow, local_stack, prepare
+from loraflow.launchers.environments import ENVIRONMENTS
+from loraflow.pipeline import artifacts, gcs
+from loraflow.spec.schema import load_spec
 from tests.vertex_standin import VertexStandIn, endpoint_env, replica_env
 
 pytestmark = pytest.mark.e2e

@@ -1,6 +1,6 @@
 """The evaluate step program: config and inputs (fast), then vLLM on the tiny model (one shared load).
 
-The vLLM tests load the tiny random Llama made by loraflow.tinymodel once per module (~15-30 s on
+The vLLM tests load the tiny random Llama made by loraflow.dev.tinymodel once per module (~15-30 s on
 2 cores, most of it importing vLLM), and a second time for the sharded-checkpoint test through the
 public ``run`` (which builds and closes its own engine).
 """
@@ -89,7 +89,7 @@ def read_predictions(out: Path) -> list[dict[str, Any]]:
 
 
 def test_resolve_config_defaults_are_the_specs() -> None:
-    from loraflow.spec import EvaluationSpec, TrainingSpec
+    from loraflow.spec.schema import EvaluationSpec, TrainingSpec
 
     cfg = evaluate.resolve_config({"max_new_tokens": 4, "max_examples": None})
     assert cfg.max_new_tokens == 4
@@ -223,7 +223,7 @@ def test_stage_from_argv(argv: list[str], stage: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow import tinymodel
+    from loraflow.dev import tinymodel
 
     return tinymodel.create(tmp_path_factory.mktemp("tiny") / "model", [PARITY / "train.jsonl"], seed=0)
 
@@ -333,7 +333,7 @@ def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: 
     import subprocess
     import sys
 
-    from loraflow import artifacts, gcs
+    from loraflow.pipeline import artifacts, gcs
 
     bucket_name, base = gcs.split_uri(gcs_bucket)
     bucket = gcs.client().bucket(bucket_name)

@@ -2,7 +2,7 @@
 
 Reference: the tiny base loaded by transformers, with forward hooks adding the LoRA path
 ``scale · x Aᵀ Bᵀ`` to every target Linear's output (the definition of LoRA, independent of any
-merge). Candidate: the checkpoint ``loraflow.merge`` wrote, loaded by transformers from its shards.
+merge). Candidate: the checkpoint ``loraflow.lora.merge`` wrote, loaded by transformers from its shards.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraflow import merge_kernel, tinymodel
-from loraflow import merge_numerics as contract
-from loraflow.merge import merge_checkpoint
+from loraflow.dev import tinymodel
+from loraflow.lora import merge_kernel
+from loraflow.lora import merge_numerics as contract
+from loraflow.lora.merge import merge_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

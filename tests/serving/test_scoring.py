@@ -1,4 +1,4 @@
-"""Unit tests of loraflow.scoring: extraction, normalisation, format failures, aggregation."""
+"""Unit tests of loraflow.evaluation.scoring: extraction, normalisation, format failures, aggregation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loraflow import scoring
-from loraflow.scoring import ScoredExample
+from loraflow.evaluation import scoring
+from loraflow.evaluation.scoring import ScoredExample
 
 
 @pytest.mark.parametrize(
@@ -125,9 +125,7 @@ def test_aggregate_is_json_serialisable() -> None:
 
 
 def test_scoring_imports_no_heavy_modules() -> None:
-    code = (
-        "import sys, loraflow.scoring; print(sorted(m for m in ('vllm','pandas','torch','numpy') if m in sys.modules))"
-    )
+    code = "import sys, loraflow.evaluation.scoring; print(sorted(m for m in ('vllm','pandas','torch','numpy') if m in sys.modules))"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "[]"

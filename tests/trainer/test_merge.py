@@ -15,9 +15,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from loraflow import merge_numerics as contract
-from loraflow import tinymodel
-from loraflow.merge import (
+from loraflow.dev import tinymodel
+from loraflow.lora import merge_numerics as contract
+from loraflow.lora.merge import (
     LoraConfig,
     LoraTarget,
     MergeError,
@@ -28,7 +28,7 @@ from loraflow.merge import (
     peft_module,
     plan_merge,
 )
-from loraflow.safetensors_io import (
+from loraflow.lora.safetensors_io import (
     INDEX_FILE,
     Checkpoint,
     SafetensorsError,
@@ -531,7 +531,7 @@ def test_missing_adapter(base: Path, tmp_path: Path) -> None:
 
 def test_step_program_through_the_harness(base: Path, tmp_path: Path, gcs_bucket: str) -> None:
     """``python -m loraflow.steps.merge_adapter`` argv: inputs from GCS, merged checkpoint committed."""
-    from loraflow import artifacts
+    from loraflow.pipeline import artifacts
     from loraflow.steps._harness import run_step
 
     make_adapter(tmp_path / "adapter", base)

@@ -1,4 +1,4 @@
-"""The merge's numerics contract (:mod:`loraflow.merge_numerics`), tested exactly where it holds.
+"""The merge's numerics contract (:mod:`loraflow.lora.merge_numerics`), tested exactly where it holds.
 
 * The native kernel, on every instruction set it can dispatch to (each tested where the CPU has
   it, skipped with the reason where it does not), writes the bits of the exact reference: ``B @ A``
@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from loraflow import merge, merge_kernel
-from loraflow import merge_numerics as contract
-from loraflow.merge import MergeError, merge_checkpoint, merge_lora
-from loraflow.safetensors_io import Checkpoint, SafetensorsError
+from loraflow.lora import merge, merge_kernel
+from loraflow.lora import merge_numerics as contract
+from loraflow.lora.merge import MergeError, merge_checkpoint, merge_lora
+from loraflow.lora.safetensors_io import Checkpoint, SafetensorsError
 
 BF16 = ml_dtypes.bfloat16
 HERE = Path(__file__).resolve()

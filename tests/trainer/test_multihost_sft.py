@@ -3,7 +3,7 @@
 Both runs are the real step program (``python -m loraflow.steps.lora_sft``) through the harness
 against the GCS emulator, with the same inputs, config and seed, and 2 CPU devices in total: one
 process with 2 devices, then two processes with 1 device each that find each other through
-``LORAFLOW_COORDINATOR`` on 127.0.0.1 (what ``loraflow.multihost`` reads; Vertex's CLUSTER_SPEC and
+``LORAFLOW_COORDINATOR`` on 127.0.0.1 (what ``loraflow.launchers.multihost`` reads; Vertex's CLUSTER_SPEC and
 GKE's env lead to the same ``jax.distributed.initialize`` call). MaxText's mesh then spans both
 processes: the parameters are sharded across them and each loads half of every batch.
 
@@ -29,9 +29,9 @@ pytest.importorskip("maxtext")
 
 from test_trainer_steps import OVERRIDES, base  # noqa: F401  (the converted tiny model, a module fixture)
 
-from loraflow import artifacts, gcs
-from loraflow.launch import step_environment
-from loraflow.local_gcs import free_port
+from loraflow.dev.local_gcs import free_port
+from loraflow.launchers.local import step_environment
+from loraflow.pipeline import artifacts, gcs
 
 CONFIG = {
     "model_name": "llama3.1-8b",

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("maxtext")
 
-from loraflow import tinymodel
+from loraflow.dev import tinymodel
 from loraflow.steps._harness import StepContext
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
 
 def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
     """A second attempt of the same stage (fresh scratch dirs, as on a new host) resumes."""
-    from loraflow import checkpoint_sync
+    from loraflow.pipeline import checkpoint_sync
     from loraflow.steps import lora_sft
 
     remote = trained["ctx"].output_uri + "/_checkpoints"
@@ -152,7 +152,7 @@ def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
 
 
 def _upload(local: Path, prefix: str) -> None:
-    from loraflow import artifacts
+    from loraflow.pipeline import artifacts
 
     artifacts.upload_tree(local, prefix)
 
@@ -165,8 +165,8 @@ def test_lora_sft_killed_mid_training_resumes_through_gcs_to_the_same_adapter(ba
     import numpy as np
     from safetensors.numpy import load_file
 
-    from loraflow import artifacts, checkpoint_sync
-    from loraflow.launch import step_environment
+    from loraflow.launchers.local import step_environment
+    from loraflow.pipeline import artifacts, checkpoint_sync
 
     ckpt = f"{gcs_bucket}/src/convert_checkpoint"
     files = artifacts.upload_tree(base["ckpt"], ckpt)

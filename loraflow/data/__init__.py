@@ -1,0 +1,1 @@
+"""Datasets: reading and normalising them, the Great Expectations suite, and the data teams' hand-off."""

@@ -1,0 +1,454 @@
+"""Run loraflow locally the way it runs in production: Airflow + GCS, all on 127.0.0.1.
+
+    python -m loraflow.dev.demo run     # `make demo`: start everything, run the tiny pipeline, print the verdict, stop
+    python -m loraflow.dev.demo ui      # `make ui`: start everything and keep it up for the web UI
+
+The GCS emulator keeps its data under .demo/gcs, Airflow its database and logs under .demo/airflow.
+Airflow runs as its real components (API server, scheduler with the LocalExecutor, DAG processor, triggerer)
+with a password generated at first start. Nothing here is imported by the DAGs or the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from loraflow.dev import local_gcs
+from loraflow.errors import LoraflowError
+from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
+from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting.report import browser_url
+from loraflow.spec.schema import PipelineSpec, load_spec
+
+DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
+TINY_SPEC = REPO_ROOT / "pipelines" / "tiny-llama-lora.yaml"
+TINY_DATA = REPO_ROOT / "pipelines" / "data" / "parity"
+TERMINAL = {"success", "failed"}
+
+
+def say(message: str) -> None:
+    print(f"[loraflow] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------- sources
+
+
+def make_tiny_model(dest: Path) -> Path:
+    """The tiny HF checkpoint, made once by the trainer environment's Python (numpy, tokenizers)."""
+    if (dest / "model.safetensors").exists():
+        return dest
+    python = ENVIRONMENTS["trainer"].local_python()
+    subprocess.run(
+        [str(python), "-m", "loraflow.dev.tinymodel", "--out", str(dest), "--corpus", str(TINY_DATA / "train.jsonl")],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    return dest
+
+
+def _upload_file(local: Path, uri: str) -> None:
+    bucket, path = gcs.split_uri(uri)
+    gcs.client().bucket(bucket).blob(path).upload_from_filename(str(local), checksum="crc32c")
+
+
+def seed_sources(spec_path: Path, model_dir: Path, data_dir: Path = TINY_DATA) -> Iterator[str]:
+    """Upload the tiny model and the task's datasets to where the spec expects them."""
+    spec = load_spec(spec_path)
+    client = gcs.client()
+    for uri in (spec.artifact_root, spec.base_model.hf_checkpoint, spec.data.train):
+        bucket = gcs.split_uri(uri)[0]
+        if client.lookup_bucket(bucket) is None:
+            client.create_bucket(bucket)
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        _upload_file(path, gcs.join(spec.base_model.hf_checkpoint, path.name))
+    yield f"model {model_dir} -> {spec.base_model.hf_checkpoint}"
+    for name, uri in (("train.jsonl", spec.data.train), ("eval.jsonl", spec.data.eval)):
+        _upload_file(data_dir / name, uri)
+        yield f"dataset {data_dir / name} -> {uri}"
+
+
+# ---------------------------------------------------------------------------------- Airflow
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only: the file is created 0600 (never world-
+    readable, not even for a moment) beside ``path`` and renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a crashed earlier process of the same id
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class LocalAirflow:
+    """Airflow's API server, scheduler (LocalExecutor), DAG processor and triggerer on 127.0.0.1."""
+
+    # The triggerer runs deferred tasks' triggers (a Vertex AI stage waiting for its job).
+    COMPONENTS = (
+        ["api-server"],
+        ["scheduler", "--skip-serve-logs"],
+        ["dag-processor"],
+        ["triggerer", "--skip-serve-logs"],
+    )
+
+    def __init__(
+        self,
+        home: Path,
+        env: dict[str, str],
+        port: int | None = None,
+        pipelines_dir: Path | None = None,
+        database_url: str | None = None,
+        parallelism: int = 4,
+    ):
+        """``database_url``: the metadata DB as an SQLAlchemy URL (e.g. PostgreSQL); default SQLite in ``home``.
+        ``parallelism``: how many tasks the LocalExecutor runs at once."""
+        self.home = home
+        self.port = port or local_gcs.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.password = self._password()
+        self._token: str | None = None
+        bin_dir = Path(sys.executable).parent
+        self.airflow = str(bin_dir / "airflow")
+        self.env = {
+            **os.environ,
+            **env,
+            "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database_url or f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__BASE_URL": self.url,
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+            "AIRFLOW__API_AUTH__JWT_SECRET": self._secret("jwt_secret"),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(local_gcs.free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(local_gcs.free_port()),
+        }
+        if pipelines_dir is not None:
+            self.env["LORAFLOW_PIPELINES_DIR"] = str(pipelines_dir)
+
+    def _secret(self, name: str) -> str:
+        path = self.home / name
+        if not path.exists():
+            write_private(path, secrets.token_urlsafe(24))
+        return path.read_text().strip()
+
+    def _password(self) -> str:
+        password = self._secret("admin_password")
+        write_private(self.home / "passwords.json", json.dumps({"admin": password}))
+        return password
+
+    def start(self, timeout: float = 420) -> None:  # generous: a loaded machine starts it slowly
+        logs = self.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        subprocess.run([self.airflow, "db", "migrate"], env=self.env, check=True, stdout=subprocess.DEVNULL)
+        for component in self.COMPONENTS:
+            self.procs.append(self._start_component(component))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise LoraflowError(f"an Airflow component exited at start; see {logs}")
+            try:
+                self.token()
+                return
+            except (OSError, LoraflowError):
+                time.sleep(2)
+        raise LoraflowError(f"Airflow did not come up on {self.url} within {timeout:.0f} s; see {logs}")
+
+    def _start_component(self, component: list[str]) -> subprocess.Popen[bytes]:
+        out = open(self.home / "logs" / f"{component[0]}.log", "ab")
+        return subprocess.Popen([self.airflow, *component], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+
+    def restart(self, name: str) -> None:
+        """Stop one component (e.g. ``triggerer``) as a deploy would, and start it again."""
+        (i,) = [i for i, c in enumerate(self.COMPONENTS) if c[0] == name]
+        proc = self.procs[i]
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self.procs[i] = self._start_component(self.COMPONENTS[i])
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+    # REST ------------------------------------------------------------------------------------
+
+    def token(self) -> str:
+        if self._token is None:
+            body = json.dumps({"username": "admin", "password": self.password}).encode()
+            req = urllib.request.Request(
+                f"{self.url}/auth/token", body, {"Content-Type": "application/json"}, method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                self._token = json.load(resp)["access_token"]
+        return self._token
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"}
+        req = urllib.request.Request(f"{self.url}/api/v2{path}", data, headers, method=method)
+        # On a loaded machine the API server can answer late: a read (GET) is asked again, a few times.
+        attempts = 4 if method == "GET" else 1
+        for attempt in range(attempts):
+            try:
+                with urllib.request.urlopen(req, timeout=30 if attempts > 1 else 120) as resp:
+                    return resp.status, json.load(resp)
+            except urllib.error.HTTPError as exc:
+                text = exc.read().decode(errors="replace")
+                try:
+                    return exc.code, json.loads(text)
+                except ValueError:
+                    return exc.code, text
+            except (TimeoutError, urllib.error.URLError):
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(5)
+        raise AssertionError("unreachable")
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status, _ = self.call("GET", f"/dags/{dag_id}")
+            if status == 200:
+                return
+            time.sleep(2)
+        raise LoraflowError(f"DAG {dag_id} did not appear within {timeout:.0f} s; check `loraflow validate`")
+
+    def import_errors(self) -> list[dict[str, Any]]:
+        _, body = self.call("GET", "/importErrors")
+        errors: list[dict[str, Any]] = body.get("import_errors", []) if isinstance(body, dict) else []
+        return errors
+
+    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
+        self.call("PATCH", f"/dags/{dag_id}", {"is_paused": False})
+        for attempt in range(3):
+            status, body = self.call("POST", f"/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}})
+            # SQLite answers a write that met a busy database with HTTP 500 "Database error"; the
+            # transaction rolled back (no run was created), so asking again is safe.
+            if not (status == 500 and "Database error" in json.dumps(body)) or attempt == 2:
+                break
+            time.sleep(2 * (attempt + 1))
+        if status != 200:
+            raise LoraflowError(f"Airflow refused the run (HTTP {status}): {body}")
+        run_id: str = body["dag_run_id"]
+        return run_id
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        _, body = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")
+        return {ti["task_id"]: ti["state"] for ti in body.get("task_instances", [])}
+
+    def wait_for_run(
+        self, dag_id: str, run_id: str, timeout: float = 1800, progress: Callable[[str], None] = say
+    ) -> str:
+        seen: dict[str, str | None] = {}
+        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            states = self.task_states(dag_id, run_id)
+            for task, state in states.items():
+                if state != seen.get(task) and state not in (None, "scheduled", "queued"):
+                    progress(f"{time.monotonic() - started:6.0f}s  {task:<20} {state}")
+            seen.update(states)
+            _, run = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
+            if run.get("state") in TERMINAL:
+                final: str = run["state"]
+                return final
+            time.sleep(3)
+        raise LoraflowError(f"run {run_id} of {dag_id} did not finish within {timeout:.0f} s")
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
+        status, body = self.call(
+            "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
+        )
+        return body.get("value") if status == 200 and isinstance(body, dict) else None
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+        status, body = self.call(
+            "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}?full_content=true"
+        )
+        if status != 200 or not isinstance(body, dict):
+            return ""
+        content = body.get("content", [])
+        if isinstance(content, list):
+            return "\n".join(str(c.get("event", c)) if isinstance(c, dict) else str(c) for c in content)
+        return str(content)
+
+
+@contextmanager
+def local_stack(
+    home: Path = DEMO_HOME,
+    in_memory: bool = False,
+    pipelines_dir: Path | None = None,
+    database_url: str | None = None,
+    parallelism: int = 4,
+) -> Iterator[LocalAirflow]:
+    """The GCS emulator + Airflow, started and (always) stopped again (``database_url``, ``parallelism``:
+    see ``LocalAirflow``)."""
+    home.mkdir(parents=True, exist_ok=True)
+    emulator = local_gcs.start("loraflow-demo", None if in_memory else home / "gcs", log=home / "gcs-emulator.log")
+    os.environ.update(emulator.env())
+    gcs.client.cache_clear()
+    airflow = LocalAirflow(
+        home / "airflow",
+        emulator.env(),
+        pipelines_dir=pipelines_dir,
+        database_url=database_url,
+        parallelism=parallelism,
+    )
+    try:
+        say(f"GCS emulator on {emulator.host}; starting Airflow on {airflow.url} ...")
+        airflow.start()
+        yield airflow
+    finally:
+        airflow.stop()
+        emulator.stop()
+
+
+# ---------------------------------------------------------------------------------- reporting
+
+
+def verdict(spec: PipelineSpec, airflow: LocalAirflow, run_id: str) -> dict[str, Any]:
+    """What a person wants at the end of a run: metrics before and after, the decision, where it all is."""
+    results = {task: airflow.xcom(spec.name, run_id, task) for task in airflow.task_states(spec.name, run_id)}
+    gate = results.get("gate") or {}
+    decision = artifacts.read_manifest(gate["manifest"]).summary if gate else {}
+    report = ((results.get("report") or {}).get("summary") or {}).get("report")
+    return {
+        "run_id": run_id,
+        "base": (results.get("evaluate_base") or {}).get("summary", {}),
+        "tuned": (results.get("evaluate_tuned") or {}).get("summary", {}),
+        "decision": decision,
+        "published": (results.get("publish") or {}).get("summary"),
+        "cached": sorted(t for t, r in results.items() if r and r.get("cached")),
+        "artifacts": gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id)),
+        "report": report,
+        "report_url": browser_url(report, os.environ.get("STORAGE_EMULATOR_HOST")) if report else None,
+    }
+
+
+def save_report(v: dict[str, Any], folder: Path) -> Path | None:
+    """A local copy of the run's report.html (verified against its manifest): ``folder/RUN.html``."""
+    if not v.get("report"):
+        return None
+    prefix = v["report"].rsplit("/", 1)[0]
+    manifest = artifacts.read_manifest(prefix)
+    scratch = folder / ".download"
+    artifacts.fetch(manifest, scratch, only=["report.html"])
+    dest = folder / f"{artifacts.safe_run_id(v['run_id'])}.html"
+    (scratch / "report.html").replace(dest)
+    scratch.rmdir()
+    return dest
+
+
+def print_verdict(v: dict[str, Any]) -> None:
+    d = v["decision"]
+    say("-" * 72)
+    say(f"run {v['run_id']}")
+    say(f"accuracy before SFT: {v['base'].get('accuracy')}  after: {v['tuned'].get('accuracy')}")
+    say(f"gate: {'PROMOTE' if d.get('promote') else 'do not promote'} - {d.get('reason', '')}")
+    if v["published"]:
+        say(f"published: {v['published']}")
+    if v["cached"]:
+        say(f"reused from the cache: {', '.join(v['cached'])}")
+    say(f"artifacts: {v['artifacts']}/ (GCS emulator data in {DEMO_HOME / 'gcs'})")
+    if v.get("report"):
+        say(f"run report: {v['report']}")
+        say(f"            {v['report_url']} (served while this stack runs)")
+
+
+def prepare(spec_path: Path = TINY_SPEC, home: Path = DEMO_HOME, data_dir: Path = TINY_DATA) -> PipelineSpec:
+    """Make the tiny model (once) and upload it and the task's data where the spec reads them."""
+    spec = load_spec(spec_path)
+    model = make_tiny_model(home / "tiny-llama")
+    for line in seed_sources(spec_path, model, data_dir):
+        say(line)
+    return spec
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    with local_stack() as airflow:
+        spec = prepare()
+        airflow.wait_for_dag(spec.name)
+        conf = json.loads(args.conf)
+        run_id = airflow.trigger(spec.name, conf)
+        say(f"triggered {spec.name} run {run_id} with {conf or 'the spec defaults'}")
+        state = airflow.wait_for_run(spec.name, run_id)
+        v = verdict(spec, airflow, run_id)
+        print_verdict(v)
+        local = save_report(v, DEMO_HOME / "reports")
+        say(f"run report saved to {local}" if local else "no run report (the run stopped before it)")
+        say(f"run {state}; Airflow logs under {airflow.home / 'logs'}")
+        return 0 if state == "success" else 1
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    with local_stack() as airflow:
+        spec = prepare()
+        airflow.wait_for_dag(spec.name)
+        say(f"Airflow UI: {airflow.url}  user: admin  password: {airflow.password}")
+        say(f"open {airflow.url}/dags/{spec.name}, press Trigger, change a parameter, run. Ctrl-C stops everything.")
+        try:
+            while all(p.poll() is None for p in airflow.procs):
+                time.sleep(2)
+        except KeyboardInterrupt:
+            say("stopping")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loraflow.dev.demo", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the tiny pipeline once on a local Airflow and print the verdict")
+    r.add_argument("--conf", default="{}", help="trigger parameters as JSON, e.g. '{\"training_steps\": 100}'")
+    r.set_defaults(fn=cmd_run)
+    u = sub.add_parser("ui", help="start GCS emulator + Airflow and keep them up for the web UI")
+    u.set_defaults(fn=cmd_ui)
+    args = p.parse_args(argv)
+    try:
+        rc: int = args.fn(args)
+        return rc
+    except LoraflowError as exc:
+        say(f"error: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

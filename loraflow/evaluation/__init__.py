@@ -1,0 +1,1 @@
+"""Scoring model outputs and the quality gate's decision rule."""

@@ -1,0 +1,205 @@
+"""A stage as a Vertex AI CustomJob: the request, its deterministic identity, where it goes. Pure.
+
+No SDK here: the request is the REST body (``projects.locations.customJobs.create``, v1, camelCase),
+built from plain data so that ``loraflow plan`` prints it without importing google-cloud-aiplatform
+or touching the network. ``loraflow.launchers.vertex`` parses this same body into the SDK's message
+and submits it.
+
+Identity: Vertex assigns a CustomJob's id itself (create takes none), so a retried task cannot name
+the job it wants. Instead every job carries the label ``loraflow-job=<key>``, a sha256 of
+``dag_id``, ``run_id``, stage and cache key, and the same key ends its display name. A retry lists
+jobs with that label and reattaches to a live or succeeded one instead of submitting a duplicate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loraflow.errors import LoraflowError
+from loraflow.spec.schema import ComputeSpec
+
+JOB_LABEL = "loraflow-job"
+DEFAULT_LOCATION = "us-central1"
+PLACEHOLDER_PROJECT = "PROJECT"
+# The label a specific Compute Engine reservation is selected by (machineSpec.reservationAffinity).
+RESERVATION_KEY = "compute.googleapis.com/reservation-name"
+# What every replica gets from loraflow, besides the spec's compute.env.
+BASE_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+# Machine types whose GPUs Vertex AI wants named in machineSpec (type, count); TPU types are ct*.
+_GPU_FAMILIES: tuple[tuple[str, str, Mapping[str, int] | None], ...] = (
+    (r"g2-standard-(\d+)", "NVIDIA_L4", {"4": 1, "8": 1, "12": 1, "16": 1, "32": 1, "24": 2, "48": 4, "96": 8}),
+    (r"a2-highgpu-(\d+)g", "NVIDIA_TESLA_A100", None),
+    (r"a2-ultragpu-(\d+)g", "NVIDIA_A100_80GB", None),
+    (r"a3-highgpu-(\d+)g", "NVIDIA_H100_80GB", None),
+)
+
+
+class VertexConfigError(LoraflowError):
+    """The stage's compute settings cannot make a valid CustomJob."""
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """Who a CustomJob is for: the same four values always name the same job."""
+
+    dag_id: str
+    run_id: str
+    stage: str
+    cache_key: str
+
+    @property
+    def key(self) -> str:
+        raw = "\0".join((self.dag_id, self.run_id, self.stage, self.cache_key))
+        return hashlib.sha256(raw.encode()).hexdigest()[:40]
+
+    @property
+    def display_name(self) -> str:
+        # Up to 128 characters of any UTF-8; the key at the end keeps it unique when truncated.
+        return f"loraflow.{self.dag_id[:50]}.{self.stage}.{self.key}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            JOB_LABEL: self.key,
+            "loraflow-stage": label_value(self.stage),
+            "loraflow-dag": label_value(self.dag_id),
+        }
+
+    @property
+    def list_filter(self) -> str:
+        return f'labels.{JOB_LABEL}="{self.key}"'
+
+
+def label_value(text: str) -> str:
+    """A Vertex/GCP label value: lowercase letters, digits, '-' and '_', at most 63 characters."""
+    return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
+
+
+def is_tpu(machine_type: str) -> bool:
+    return machine_type.startswith("ct")
+
+
+def machine_spec(compute: ComputeSpec) -> dict[str, Any]:
+    machine_type = compute.machine_type
+    if machine_type is None:
+        raise VertexConfigError("the vertex launcher needs compute.machine_type")
+    spec: dict[str, Any] = {"machineType": machine_type}
+    if compute.tpu_topology is not None:
+        if not is_tpu(machine_type):
+            raise VertexConfigError(
+                f"tpu_topology {compute.tpu_topology} is set but {machine_type} is not a TPU machine type "
+                "(ct5lp-hightpu-4t, ct6e-standard-4t, ...); remove tpu_topology or choose a TPU machine type"
+            )
+        spec["tpuTopology"] = compute.tpu_topology
+    for pattern, accelerator, counts in _GPU_FAMILIES:
+        m = re.fullmatch(pattern, machine_type)
+        if m:
+            count = counts.get(m.group(1)) if counts is not None else int(m.group(1))
+            if count:
+                spec |= {"acceleratorType": accelerator, "acceleratorCount": count}
+    if compute.reservation:
+        spec["reservationAffinity"] = {
+            "reservationAffinityType": "SPECIFIC_RESERVATION",
+            "key": RESERVATION_KEY,
+            "values": [compute.reservation],
+        }
+    return spec
+
+
+def project_for(compute: ComputeSpec, environ: Mapping[str, str] | None = None) -> str | None:
+    """LORAFLOW_VERTEX_PROJECT, else GOOGLE_CLOUD_PROJECT, else the service account's project."""
+    env = os.environ if environ is None else environ
+    for key in ("LORAFLOW_VERTEX_PROJECT", "GOOGLE_CLOUD_PROJECT"):
+        if env.get(key):
+            return env[key]
+    sa = compute.service_account or ""
+    m = re.fullmatch(r"[^@]+@([a-z][a-z0-9-]{4,28}[a-z0-9])\.iam\.gserviceaccount\.com", sa)
+    return m.group(1) if m else None
+
+
+def location_for(compute: ComputeSpec) -> str:
+    return compute.region or DEFAULT_LOCATION
+
+
+def parent(project: str, location: str) -> str:
+    return f"projects/{project}/locations/{location}"
+
+
+def container_env(compute: ComputeSpec, extra_env: Mapping[str, str] = {}) -> list[dict[str, str]]:
+    """BASE_ENV < the spec's compute.env < extra < loraflow's multi-host wiring, sorted by name."""
+    env = dict(BASE_ENV) | dict(compute.env) | dict(extra_env)
+    env |= {"LORAFLOW_LAUNCHER": "vertex", "LORAFLOW_EXPECTED_HOSTS": str(compute.hosts)}
+    return [{"name": k, "value": env[k]} for k in sorted(env)]
+
+
+def custom_job(
+    compute: ComputeSpec,
+    identity: JobIdentity,
+    argv: Sequence[str],
+    output_prefix: str,
+    extra_env: Mapping[str, str] = {},
+) -> dict[str, Any]:
+    """The CustomJob body (REST JSON, as ``CustomJob.to_json()`` writes it) for one stage.
+
+    ``argv`` is the stage's argv from ``StagePlan.argv``; its interpreter becomes the container's
+    ``python`` and the rest its args, so the image runs exactly what the local launcher runs.
+    """
+    if compute.image is None:
+        raise VertexConfigError(f"stage {identity.stage}: the vertex launcher needs compute.image")
+    if len(argv) < 2:
+        raise VertexConfigError(f"stage {identity.stage}: argv {list(argv)} has no program to run")
+    job_spec: dict[str, Any] = {
+        "workerPoolSpecs": [
+            {
+                "machineSpec": machine_spec(compute),
+                "replicaCount": str(compute.hosts),  # int64: a string in proto3 JSON
+                "containerSpec": {
+                    "imageUri": compute.image,
+                    "command": ["python"],
+                    "args": list(argv[1:]),
+                    "env": container_env(compute, extra_env),
+                },
+            }
+        ],
+        "baseOutputDirectory": {"outputUriPrefix": f"{output_prefix.rstrip('/')}/_vertex/"},
+    }
+    if compute.service_account:
+        job_spec["serviceAccount"] = compute.service_account
+    if compute.network:
+        job_spec["network"] = compute.network
+    if compute.reserved_ip_ranges:
+        job_spec["reservedIpRanges"] = list(compute.reserved_ip_ranges)
+    if compute.spot:
+        job_spec["scheduling"] = {"strategy": "SPOT"}
+    return {"displayName": identity.display_name, "jobSpec": job_spec, "labels": identity.labels}
+
+
+def create_request(
+    compute: ComputeSpec,
+    identity: JobIdentity,
+    argv: Sequence[str],
+    output_prefix: str,
+    extra_env: Mapping[str, str] = {},
+    project: str | None = None,
+) -> dict[str, Any]:
+    """``{"parent": ..., "customJob": ...}``: the whole create call, as ``loraflow plan`` prints it."""
+    project = project or project_for(compute) or PLACEHOLDER_PROJECT
+    return {
+        "parent": parent(project, location_for(compute)),
+        "customJob": custom_job(compute, identity, argv, output_prefix, extra_env),
+    }
+
+
+def console_url(job_name: str) -> str:
+    """The Cloud console page of a CustomJob resource name."""
+    m = re.fullmatch(r"projects/([^/]+)/locations/([^/]+)/customJobs/([^/]+)", job_name)
+    if not m:
+        return job_name
+    project, location, job_id = m.groups()
+    return f"https://console.cloud.google.com/vertex-ai/locations/{location}/training/{job_id}/cpu?project={project}"

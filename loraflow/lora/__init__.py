@@ -1,0 +1,3 @@
+"""LoRA weights: merging an adapter into base weights (the native kernel, its numerics contract)
+and safetensors reading/writing.
+"""

@@ -1,0 +1,208 @@
+"""Run one stage of a pipeline: resolve inputs, consult the cache, launch, verify the commit.
+
+Airflow-free: the operators call ``run_stage``; so can a test or a script.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loraflow.errors import LoraflowError
+from loraflow.launchers import credentials
+from loraflow.launchers.local import KillSwitch, LineSink, LocalLauncher
+from loraflow.pipeline import artifacts
+from loraflow.pipeline.plan import Source, StagePlan, output_prefix, stage_plans
+from loraflow.spec.schema import ComputeSpec, PipelineSpec
+
+if TYPE_CHECKING:
+    from loraflow.launchers.gke import GkeLauncher
+    from loraflow.launchers.vertex import VertexLauncher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    stage: str
+    manifest: str
+    cached: bool
+    summary: dict[str, Any]
+
+    def to_xcom(self) -> dict[str, Any]:
+        """Small by construction: a URI and the step's few summary numbers."""
+        return {"stage": self.stage, "manifest": self.manifest, "cached": self.cached, "summary": self.summary}
+
+
+def resolve_inputs(plan: StagePlan, upstream: dict[str, str]) -> dict[str, str]:
+    resolved = {}
+    for name, ref in plan.inputs.items():
+        if isinstance(ref, Source):
+            resolved[name] = ref.uri
+        else:
+            if ref.stage not in upstream:
+                if ref.optional:
+                    continue
+                raise LoraflowError(f"{plan.stage} needs the output of {ref.stage}, which did not run")
+            resolved[name] = artifacts.manifest_uri(upstream[ref.stage])
+    return resolved
+
+
+def commit_prefix(prefix: str, key: str) -> str:
+    """Where a computation with cache key ``key`` commits: the stage's prefix in the run, unless that
+    already holds a commit with another key (the task was cleared and re-run on changed inputs, e.g.
+    the report after a failed stage was retried): then beside it, named by the key. A commit is never
+    overwritten, and the same key always lands in the same place, so a retry still finds its own."""
+    existing = artifacts.read_json(artifacts.manifest_uri(prefix))
+    if existing is None or existing.get("cache_key") == key:
+        return prefix
+    return f"{prefix}-{key[:12]}"
+
+
+def input_fingerprints(inputs: dict[str, str]) -> dict[str, str]:
+    """Each input's identity, as the cache key hashes it and the step program checks it again
+    (``--fingerprint``): a source's files' fingerprint, an upstream stage's own cache key."""
+    out = {}
+    for name, uri in inputs.items():
+        if uri.endswith("/" + artifacts.MANIFEST):
+            # An upstream stage stands for what it was computed from (its cache key), not for its
+            # bytes: two runs that computed the same stage at the same time (validate_data's GX data
+            # docs carry timestamps) still share every downstream cache entry.
+            out[name] = artifacts.input_identity(artifacts.read_manifest(uri))
+        else:
+            out[name] = artifacts.fingerprint(artifacts.source_files(uri))
+    return out
+
+
+@dataclass(frozen=True)
+class PreparedStage:
+    """A stage that has to run (the cache missed): everything a launcher needs, decided once."""
+
+    stage: str
+    plan: StagePlan
+    compute: ComputeSpec
+    inputs: dict[str, str]
+    cache_key: str
+    lock_version: str
+    prefix: str
+    fingerprints: dict[str, str]  # what the cache key was computed from; the step checks its inputs against them
+
+    def argv(self, python: str) -> list[str]:
+        return self.plan.argv(python, self.prefix, self.inputs, self.lock_version, self.cache_key, self.fingerprints)
+
+
+def prepare_stage(
+    spec: PipelineSpec, stage: str, run_id: str, upstream: dict[str, str], sink: LineSink
+) -> PreparedStage | StageResult:
+    """The first half of ``run_stage``: resolve inputs and the cache key; a ``StageResult`` on a cache hit."""
+    plan = stage_plans(spec)[stage]
+    compute = spec.compute_for(stage)
+    if compute.launcher not in ("local", "vertex", "gke"):
+        raise LoraflowError(
+            f"stage {stage} asks for the {compute.launcher!r} launcher, which this loraflow version cannot "
+            f"start; set compute.{stage}.launcher to local, vertex or gke"
+        )
+    inputs = resolve_inputs(plan, upstream)
+    lock = plan.env.lock_version()
+    fingerprints = input_fingerprints(inputs)
+    key = artifacts.cache_key(fingerprints, plan.config, lock)
+    if plan.cacheable:
+        hit = artifacts.cache_lookup(spec.artifact_root, stage, key)
+        if hit is not None:
+            sink(f"cache hit for {stage} (key {key}): reusing {hit.uri}; nothing recomputed")
+            return StageResult(stage, hit.uri, True, hit.summary)
+        sink(f"cache miss for {stage} (key {key}): running it")
+    prefix = commit_prefix(output_prefix(spec, run_id, stage), key)
+    return PreparedStage(stage, plan, compute, inputs, key, lock, prefix, fingerprints)
+
+
+def vertex_launcher(
+    spec: PipelineSpec, prepared: PreparedStage, run_id: str, dag_id: str | None = None
+) -> VertexLauncher:
+    """The ``VertexLauncher`` of a prepared vertex stage; its job is named after dag_id, run_id, stage, cache key."""
+    from loraflow.launchers.vertex import VertexLauncher
+    from loraflow.launchers.vertex_job import JobIdentity
+
+    identity = JobIdentity(dag_id or spec.name, run_id, prepared.stage, prepared.cache_key)
+    return VertexLauncher(prepared.compute, identity, prepared.prefix)
+
+
+def gke_launcher(spec: PipelineSpec, stage: str, run_id: str, cache_key: str, dag_id: str | None = None) -> GkeLauncher:
+    """The ``GkeLauncher`` of a gke stage; its JobSet is named after dag_id, run_id, stage and cache key."""
+    from loraflow.launchers.gke import GkeLauncher
+    from loraflow.launchers.vertex_job import JobIdentity
+
+    return GkeLauncher(spec.compute_for(stage), JobIdentity(dag_id or spec.name, run_id, stage, cache_key))
+
+
+def finish_stage(spec: PipelineSpec, stage: str, prefix: str, cache_key: str) -> StageResult:
+    """The last half of ``run_stage``, after the step program ended well: verify its commit, fill the cache."""
+    plan = stage_plans(spec)[stage]
+    manifest = artifacts.read_manifest(prefix)
+    committed_key = manifest.data.get("cache_key")
+    if committed_key is not None and committed_key != cache_key:
+        raise artifacts.ArtifactError(
+            f"{manifest.uri} was committed for cache key {committed_key}, not this attempt's {cache_key}: "
+            "the stage's inputs or config changed under it; re-run the stage"
+        )
+    if plan.cacheable:
+        artifacts.cache_store(spec.artifact_root, stage, cache_key, manifest)
+    return StageResult(stage, manifest.uri, False, manifest.summary)
+
+
+def run_stage(
+    spec: PipelineSpec,
+    stage: str,
+    run_id: str,
+    upstream: dict[str, str],
+    sink: LineSink,
+    kill_switch: KillSwitch | None = None,
+    dag_id: str | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> StageResult:
+    """Run ``stage`` unless the cache holds it. A vertex stage runs as a Vertex AI CustomJob named after
+    ``dag_id`` (default: the spec's name, as the DAG factory names DAGs), ``run_id``, stage and cache key;
+    ``kill_switch.kill()`` stops the step program (or cancels that job). ``secrets`` (``{ENV_NAME: value}``,
+    resolved by the caller) reach the step program only through its environment; their values are
+    replaced by ``***`` in the step's output lines and error messages."""
+    prepared = prepare_stage(spec, stage, run_id, upstream, sink)
+    if isinstance(prepared, StageResult):
+        return prepared
+    plan, compute, key, prefix = prepared.plan, prepared.compute, prepared.cache_key, prepared.prefix
+    secrets = dict(secrets or {})
+    for name, value in sorted(secrets.items()):
+        sink(f"secret {name} ({credentials.fingerprint(value)}) passed to the step in its environment")
+    if compute.launcher == "vertex" and secrets:
+        raise LoraflowError(
+            f"stage {stage} runs on Vertex AI, where loraflow does not pass secrets ({', '.join(sorted(secrets))}); "
+            f"grant compute.{stage}.service_account access instead, or limit secrets.*.stages to local stages"
+        )
+    if compute.launcher == "vertex":
+        remote = vertex_launcher(spec, prepared, run_id, dag_id)
+        if kill_switch is not None:
+            kill_switch.arm(remote)
+        argv = prepared.argv("python")
+        sink(f"launching {plan.module} on Vertex AI ({compute.machine_type} x {compute.hosts}), output {prefix}")
+        remote.run(argv, sink, compute.env)
+    elif compute.launcher == "gke":
+        if secrets:
+            raise LoraflowError(
+                f"stage {stage} runs on GKE, where loraflow does not pass secrets ({', '.join(sorted(secrets))}); "
+                f"use Workload Identity (compute.{stage}.kubernetes_service_account) or limit secrets.*.stages to local stages"
+            )
+        jobset = gke_launcher(spec, stage, run_id, key, dag_id)
+        if kill_switch is not None:
+            kill_switch.arm(jobset)
+        argv = prepared.argv("python")
+        sink(f"launching {plan.module} on GKE ({compute.machine_type} x {compute.hosts}), output {prefix}")
+        jobset.run(argv, sink, compute.env)
+    else:
+        argv = prepared.argv(str(plan.env.local_python()))
+        sink(f"launching {plan.module} in the {plan.env.name} environment, output {prefix}")
+        local = LocalLauncher()
+        if kill_switch is not None:
+            kill_switch.arm(local)
+        local.run(argv, sink, compute.env, secrets)
+    return finish_stage(spec, stage, prefix, key)

@@ -1,0 +1,1 @@
+"""The run report and the notifications sent about a run."""

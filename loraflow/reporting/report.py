@@ -1,0 +1,507 @@
+"""The run report: one self-contained HTML page a person reads to see what a run did and why.
+
+Pure and stdlib-only: ``render`` turns the run's collected evidence (a plain dict, see
+``loraflow.steps.report``) into HTML with inline CSS and inline SVG plots; nothing is fetched
+from the network when the page is opened. ``browser_url`` says where a browser opens an object
+of the artifact store (the GCS emulator locally, the Cloud console's authenticated URL in GCP).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import urllib.parse
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from loraflow.pipeline import gcs
+
+SAMPLES_PER_KIND = 5
+
+
+def browser_url(uri: str, emulator_host: str | None = None) -> str:
+    """An http(s) URL a browser opens ``gs://BUCKET/PATH`` at.
+
+    With a GCS emulator (``STORAGE_EMULATOR_HOST``) it is the emulator's media download URL;
+    otherwise https://storage.cloud.google.com/BUCKET/PATH (served to the signed-in user).
+    """
+    bucket, path = gcs.split_uri(uri)
+    if emulator_host:
+        host = emulator_host.rstrip("/")
+        if "://" not in host:
+            host = "http://" + host
+        quoted = urllib.parse.quote(path, safe="")
+        return f"{host}/download/storage/v1/b/{bucket}/o/{quoted}?alt=media"
+    return f"https://storage.cloud.google.com/{bucket}/{urllib.parse.quote(path)}"
+
+
+def site_url(uri: str, emulator_host: str | None = None) -> str:
+    """Like ``browser_url``, for a page that links to its neighbours (GX's data docs).
+
+    The emulator's download URL encodes the object path as one segment, which breaks a page's
+    relative links; its public-object route (``/BUCKET/PATH``) keeps the slashes, as the Cloud
+    console's URL does.
+    """
+    if not emulator_host:
+        return browser_url(uri)
+    bucket, path = gcs.split_uri(uri)
+    host = emulator_host.rstrip("/")
+    if "://" not in host:
+        host = "http://" + host
+    return f"{host}/{bucket}/{urllib.parse.quote(path)}"
+
+
+# Where validate_data keeps Great Expectations' data docs, under its stage prefix: with the committed
+# artifact, or with the rejection evidence (``_rejected/``) when the data broke its contract.
+DATA_DOCS_INDEX = "data_docs/index.html"
+REJECTED = "_rejected"
+
+
+def data_docs_uri(stage_prefix: str, rejected: bool = False) -> str:
+    return gcs.join(stage_prefix, *([REJECTED] if rejected else []), DATA_DOCS_INDEX)
+
+
+# ------------------------------------------------------------------------------------ samples
+
+
+def sample_outputs(
+    base: Iterable[Mapping[str, Any]], tuned: Iterable[Mapping[str, Any]], per_kind: int = SAMPLES_PER_KIND
+) -> dict[str, list[dict[str, Any]]]:
+    """Outputs before and after on the same examples: a few fixed, broken and unchanged ones.
+
+    ``base`` and ``tuned`` are evaluate's prediction rows (id, prompt, reference, generation, correct).
+    """
+    tuned_by_id = {str(r["id"]): r for r in tuned}
+    out: dict[str, list[dict[str, Any]]] = {"fixed": [], "broken": [], "changed": [], "unchanged": []}
+    for b in base:
+        t = tuned_by_id.get(str(b["id"]))
+        if t is None:
+            continue
+        bc, tc = bool(b.get("correct")), bool(t.get("correct"))
+        if not bc and tc:
+            kind = "fixed"
+        elif bc and not tc:
+            kind = "broken"
+        elif b.get("generation") != t.get("generation"):
+            kind = "changed"
+        else:
+            kind = "unchanged"
+        if len(out[kind]) < per_kind:
+            out[kind].append(
+                {
+                    "id": str(b["id"]),
+                    "prompt": b.get("prompt", ""),
+                    "reference": b.get("reference", ""),
+                    "base": b.get("generation", ""),
+                    "base_correct": bc,
+                    "tuned": t.get("generation", ""),
+                    "tuned_correct": tc,
+                }
+            )
+    return out
+
+
+# ------------------------------------------------------------------------------------ SVG plots
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [round(first + i * step, 10) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def loss_svg(rows: Sequence[Sequence[float]], width: int = 640, height: int = 260) -> str:
+    """The training loss curve (``rows`` of (step, loss[, ...])) as a standalone SVG document."""
+    points = [(float(r[0]), float(r[1])) for r in rows if len(r) >= 2 and math.isfinite(float(r[1]))]
+    esc = html.escape
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="training loss by step" class="plot">'
+    )
+    if not points:
+        return head + f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no loss recorded</text></svg>'
+    if len(points) > 1500:  # keep the page light: every k-th point, and the last
+        k = math.ceil(len(points) / 1500)
+        points = points[::k] + ([points[-1]] if (len(points) - 1) % k else [])
+    left, right, top, bottom = 56, 16, 14, 40
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    y0, y1 = min(ys), max(ys)
+    pad = (y1 - y0) * 0.05 or abs(y1) * 0.05 or 1.0
+    y0, y1 = y0 - pad, y1 + pad
+    pw, ph = width - left - right, height - top - bottom
+
+    def sx(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * pw
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y0) / (y1 - y0)) * ph
+
+    parts = [head, f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#ccc"/>']
+    for t in _ticks(y0, y1):
+        parts.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
+            f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="11">{esc(_fmt(t))}</text>'
+        )
+    for t in _ticks(x0, x1):
+        parts.append(
+            f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle" font-size="11">{esc(_fmt(t))}</text>'
+        )
+    line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
+    parts.append(f'<polyline fill="none" stroke="#1a73e8" stroke-width="1.5" points="{line}"/>')
+    parts.append(
+        f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle" font-size="12">step</text>'
+        f'<text x="14" y="{top + ph / 2}" text-anchor="middle" font-size="12" '
+        f'transform="rotate(-90 14 {top + ph / 2})">loss</text></svg>'
+    )
+    return "".join(parts)
+
+
+def interval_svg(delta: float, ci: Sequence[float], min_improvement: float, width: int = 640, height: int = 70) -> str:
+    """The gain with its confidence interval against 0 and the required improvement."""
+    lo, hi = float(ci[0]), float(ci[1])
+    a = min(0.0, lo, delta, min_improvement) - 0.05
+    b = max(0.0, hi, delta, min_improvement) + 0.05
+    left, right = 20, 20
+
+    def sx(x: float) -> float:
+        return left + (x - a) / (b - a) * (width - left - right)
+
+    y = 30
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'role="img" aria-label="gain and its confidence interval" class="plot">'
+        f'<line x1="{sx(0):.1f}" x2="{sx(0):.1f}" y1="8" y2="{height - 18}" stroke="#999"/>'
+        f'<text x="{sx(0):.1f}" y="{height - 4}" text-anchor="middle" font-size="11">0</text>'
+        f'<line x1="{sx(min_improvement):.1f}" x2="{sx(min_improvement):.1f}" y1="8" y2="{height - 18}" '
+        f'stroke="#e37400" stroke-dasharray="4 3"/>'
+        f'<text x="{sx(min_improvement):.1f}" y="{height - 4}" text-anchor="middle" font-size="11" fill="#e37400">'
+        f"required {min_improvement:+.3f}</text>"
+        f'<line x1="{sx(lo):.1f}" x2="{sx(hi):.1f}" y1="{y}" y2="{y}" stroke="#1a73e8" stroke-width="3"/>'
+        f'<line x1="{sx(lo):.1f}" x2="{sx(lo):.1f}" y1="{y - 7}" y2="{y + 7}" stroke="#1a73e8" stroke-width="2"/>'
+        f'<line x1="{sx(hi):.1f}" x2="{sx(hi):.1f}" y1="{y - 7}" y2="{y + 7}" stroke="#1a73e8" stroke-width="2"/>'
+        f'<circle cx="{sx(delta):.1f}" cy="{y}" r="5" fill="#1a73e8"/>'
+        f'<text x="{sx(delta):.1f}" y="{y - 11}" text-anchor="middle" font-size="11">{delta:+.3f} '
+        f"[{lo:+.3f}, {hi:+.3f}]</text></svg>"
+    )
+
+
+# ------------------------------------------------------------------------------------ HTML
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;
+color:#202124;padding:0 1rem;line-height:1.45}
+h1{font-size:1.6rem;margin-bottom:.2rem}h2{font-size:1.2rem;border-bottom:1px solid #ddd;padding-bottom:.2rem;
+margin-top:2rem}
+table{border-collapse:collapse;margin:.5rem 0;font-size:.9rem}th,td{border:1px solid #ddd;padding:.25rem .5rem;
+text-align:left;vertical-align:top}th{background:#f4f6f8}td.num{text-align:right;font-variant-numeric:tabular-nums}
+.badge{display:inline-block;padding:.15rem .6rem;border-radius:1rem;font-weight:600;color:#fff}
+.yes{background:#188038}.no{background:#b3261e}.muted{color:#5f6368}.ok{color:#188038}.bad{color:#b3261e}
+.warn{color:#b06000}
+code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85rem}pre{white-space:pre-wrap;margin:0}
+.plot{max-width:100%;height:auto}ul.notes li{margin:.2rem 0}
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if isinstance(value, bool) or value is None:
+        return _e(value)
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return _e(value)
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """``rows`` hold HTML already escaped by the caller."""
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _section(key: str, title: str, body: str) -> str:
+    return f'<section id="{key}"><h2>{_e(title)}</h2>{body}</section>'
+
+
+def _failure(failure: Mapping[str, Any]) -> str:
+    out = (
+        f'<p><span class="badge no">RUN FAILED</span> at <code>{_e(failure.get("stage"))}</code> &mdash; '
+        f"{_e(failure.get('reason'))}</p>"
+    )
+    problems = failure.get("problems") or []
+    if problems:
+        out += "<ul class='notes'>" + "".join(f"<li class='bad'>{_e(p)}</li>" for p in problems) + "</ul>"
+    if failure.get("stage") == "validate_data":
+        out += (
+            "<p>Nothing was converted or trained. Fix the data (or the rule's thresholds or level under "
+            "<code>data.expectations</code> in the spec) and run again.</p>"
+        )
+    return out
+
+
+def _verdict(
+    decision: Mapping[str, Any] | None, publish: Mapping[str, Any] | None, failure: Mapping[str, Any] | None = None
+) -> str:
+    if failure:
+        return _failure(failure)
+    if not decision:
+        return '<p><span class="badge no">no decision</span> the gate did not run</p>'
+    promoted = bool(decision.get("promote"))
+    badge = '<span class="badge yes">PROMOTED</span>' if promoted else '<span class="badge no">NOT PROMOTED</span>'
+    version = ""
+    if publish and publish.get("promoted"):
+        version = f" as version {_e(publish.get('version'))}" + (
+            f" (alias <code>{_e(publish.get('alias'))}</code>)" if publish.get("alias") else ""
+        )
+    return f"<p>{badge}{version} &mdash; {_e(decision.get('reason'))}</p>"
+
+
+def _metrics_section(data: Mapping[str, Any]) -> str:
+    base, tuned = data.get("base_metrics") or {}, data.get("tuned_metrics") or {}
+    decision = data.get("decision") or {}
+    if not base and not tuned:
+        return '<p class="muted">no evaluation ran</p>'
+    keys = [k for k in ("accuracy", "format_rate", "n") if k in base or k in tuned]
+    rows = []
+    for k in keys:
+        b, t = base.get(k), tuned.get(k)
+        delta = ""
+        if isinstance(b, (int, float)) and isinstance(t, (int, float)) and k != "n":
+            delta = f"{t - b:+.3f}"
+        rows.append([_e(k), f'<span class="num">{_num(b)}</span>', f'<span class="num">{_num(t)}</span>', delta])
+    out = _table(["metric", "before (base)", "after (tuned)", "change"], rows)
+    if decision.get("ci"):
+        lo, hi = decision["ci"]
+        out += (
+            f"<p>Paired comparison on the same {_e(decision.get('n'))} examples ({_e(decision.get('metric'))}): "
+            f"gain <b>{float(decision.get('delta', 0)):+.3f}</b>, {float(decision.get('confidence', 0.95)):.0%} "
+            f"bootstrap interval <b>[{float(lo):+.3f}, {float(hi):+.3f}]</b> "
+            f"({_e(decision.get('bootstrap_samples'))} resamples); "
+            f"{_e(decision.get('fixed'))} examples fixed, {_e(decision.get('broken'))} broken.</p>"
+        )
+        out += interval_svg(float(decision.get("delta", 0)), (lo, hi), float(decision.get("min_improvement", 0)))
+    return out
+
+
+def _gate_section(data: Mapping[str, Any]) -> str:
+    decision = data.get("decision")
+    if not decision:
+        return '<p class="muted">the gate did not run</p>'
+    rows = [
+        ["promote", _e(decision.get("promote"))],
+        ["reason", _e(decision.get("reason"))],
+        ["rule", _e(decision.get("rule"))],
+        ["metric", _e(decision.get("metric"))],
+        ["required improvement", _num(decision.get("min_improvement"))],
+        ["identical generations", _e(decision.get("identical_generations"))],
+    ]
+    champion = decision.get("champion")
+    if champion:
+        rows.append(
+            [
+                "champion",
+                _e(
+                    f"version {champion.get('version')} (run {champion.get('run_id')}): "
+                    f"{champion.get('metric')} {champion.get('value')}"
+                )
+                + (f" &mdash; {_e(champion.get('verdict'))}" if champion.get("verdict") else ""),
+            ]
+        )
+    elif "champion" in decision:
+        rows.append(["champion", "none yet: the first model of this pipeline is compared with the base only"])
+    out = _table(["", ""], rows)
+    notes = decision.get("notes") or []
+    if notes:
+        out += "<p>Notes:</p><ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"
+    publish = data.get("publish")
+    if publish:
+        if publish.get("promoted"):
+            out += (
+                f"<p>Published as version <b>{_e(publish.get('version'))}</b>: "
+                f"<code>{_e(publish.get('version_uri'))}</code></p>"
+            )
+            vertex = publish.get("vertex_model_registry")
+            if vertex:
+                aliases = ", ".join(vertex.get("version_aliases") or []) or "none"
+                out += (
+                    f"<p>Vertex AI Model Registry: <code>{_e(vertex.get('model'))}@{_e(vertex.get('version_id'))}</code>"
+                    f" (aliases: {_e(aliases)})</p>"
+                )
+        else:
+            out += f"<p>Not published: {_e(publish.get('reason'))}</p>"
+    elif decision.get("promote") is False:
+        out += "<p>Not published (the gate did not promote).</p>"
+    return out
+
+
+def _training_section(data: Mapping[str, Any]) -> str:
+    loss = data.get("loss") or []
+    summary = data.get("training_summary") or {}
+    facts = ", ".join(
+        f"{k} {_num(summary[k])}"
+        for k in ("steps", "first_loss", "final_loss", "tokens_per_s", "lora_b_norm")
+        if k in summary
+    )
+    body = f"<p>{facts}</p>" if facts else ""
+    return body + (loss_svg(loss) if loss else '<p class="muted">no loss curve (training did not run)</p>')
+
+
+def _data_section(data: Mapping[str, Any]) -> str:
+    report = data.get("data_report")
+    if not report:
+        return '<p class="muted">no data report</p>'
+    stats = report.get("statistics", {})
+    rows = []
+    for split in ("train", "eval"):
+        s = stats.get(split)
+        if isinstance(s, Mapping):
+            rows.append(
+                [
+                    _e(split),
+                    _e(s.get("file")),
+                    _e(s.get("format")),
+                    f'<span class="num">{_e(s.get("rows"))}</span>',
+                    _e(f"{s.get('tokens_min')} / {s.get('tokens_mean')} / {s.get('tokens_max')}"),
+                ]
+            )
+    out = _table(["split", "file", "format", "rows", "tokens min / mean / max"], rows)
+    ok = report.get("success")
+    warned = stats.get("warned_expectations") or 0
+    out += (
+        f"<p>Expectations: <b>{_e(stats.get('successful_expectations'))}</b> of "
+        f"{_e(stats.get('evaluated_expectations'))} passed"
+        + (f", <span class='warn'>{_e(warned)} warned</span>" if warned else "")
+        + " "
+        + ('<span class="ok">(data contract holds)</span>' if ok else '<span class="bad">(contract broken)</span>')
+        + "</p>"
+    )
+    exp_rows = [
+        [
+            _e(x.get("dataset")),
+            _e(x.get("rule")),
+            _e(x.get("level")),
+            _e(x.get("check")),
+            f"<code>{_e(x.get('type'))}</code>",
+            _e(x.get("observed")),
+            _OUTCOME.get(str(x.get("outcome") or ("pass" if x.get("success") else "fail")), ""),
+        ]
+        for x in report.get("expectations", [])
+    ]
+    out += _table(["split", "rule", "level", "check", "expectation", "observed", "result"], exp_rows)
+    for f in report.get("failures") or []:
+        out += f"<p class='bad'>{_e(f)}</p>"
+    for w in report.get("warnings") or []:
+        out += f"<p class='warn'>warning: {_e(w)}</p>"
+    if data.get("data_docs_url"):
+        out += (
+            f'<p>Great Expectations data docs: <a href="{_e(data["data_docs_url"])}">'
+            f"<code>{_e(data.get('data_docs'))}</code></a></p>"
+        )
+    return out
+
+
+_OUTCOME = {
+    "pass": '<span class="ok">pass</span>',
+    "warn": '<span class="warn">WARN</span>',
+    "fail": '<span class="bad">FAIL</span>',
+}
+
+
+def _samples_section(data: Mapping[str, Any]) -> str:
+    samples = data.get("samples") or {}
+    if not any(samples.values()):
+        return '<p class="muted">no predictions to compare</p>'
+    titles = {
+        "fixed": "fixed (wrong before, right after)",
+        "broken": "broken (right before, wrong after)",
+        "changed": "changed output, same outcome",
+        "unchanged": "unchanged",
+    }
+    out = ""
+    for kind, title in titles.items():
+        rows = samples.get(kind) or []
+        if not rows:
+            continue
+
+        def mark(ok: bool) -> str:
+            return '<span class="ok">&#10003;</span>' if ok else '<span class="bad">&#10007;</span>'
+
+        out += f"<h3>{_e(title)}</h3>" + _table(
+            ["id", "prompt", "reference", "before", "after"],
+            [
+                [
+                    _e(r["id"]),
+                    f"<pre>{_e(r['prompt'])}</pre>",
+                    f"<pre>{_e(r['reference'])}</pre>",
+                    f"{mark(r['base_correct'])} <pre>{_e(r['base'])}</pre>",
+                    f"{mark(r['tuned_correct'])} <pre>{_e(r['tuned'])}</pre>",
+                ]
+                for r in rows
+            ],
+        )
+    return out
+
+
+def _stages_section(data: Mapping[str, Any]) -> str:
+    rows = []
+    total = 0.0
+    for s in data.get("stages") or []:
+        seconds = s.get("seconds")
+        status = s.get("status")
+        if status == "ran" and isinstance(seconds, (int, float)):
+            total += float(seconds)
+        if status == "reused":
+            shown = f'<span class="muted">0 (took {_num(seconds, 1)} in run {_e(s.get("from_run"))})</span>'
+            status_html = '<span class="ok">cache hit</span>'
+        elif status == "ran":
+            shown = _num(seconds, 1)
+            status_html = "ran"
+        else:
+            shown = ""
+            status_html = f'<span class="muted">{_e(status)}</span>'
+        rows.append(
+            [
+                _e(s.get("stage")),
+                status_html,
+                f'<span class="num">{shown}</span>',
+                f"<code>{_e(s.get('manifest') or '')}</code>",
+            ]
+        )
+    hits = sum(1 for s in data.get("stages") or [] if s.get("status") == "reused")
+    return (
+        _table(["stage", "this run", "seconds", "manifest"], rows)
+        + f"<p>{hits} cache hit(s); {total:.1f} s of stage time spent in this run (step programs, as each manifest "
+        "records it).</p>"
+    )
+
+
+def render(data: Mapping[str, Any]) -> str:
+    """The report page for one run. ``data`` is what ``loraflow.steps.report`` collects."""
+    title = f"{data.get('pipeline', 'pipeline')} · run {data.get('run_id', '?')}"
+    sections = [
+        _section("verdict", "Verdict", _verdict(data.get("decision"), data.get("publish"), data.get("failure"))),
+        _section("metrics", "Before vs after", _metrics_section(data)),
+        _section("gate", "Gate decision", _gate_section(data)),
+        _section("training", "Training loss", _training_section(data)),
+        _section("data", "Dataset and expectations", _data_section(data)),
+        _section("samples", "Sample outputs before and after", _samples_section(data)),
+        _section("stages", "Stages: durations and cache hits", _stages_section(data)),
+    ]
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
+        f"<h1>{_e(title)}</h1><p class='muted'>loraflow run report, generated {_e(data.get('generated_at'))}; "
+        f"artifacts under <code>{_e(data.get('run_prefix'))}</code></p>" + "".join(sections) + "</body></html>\n"
+    )

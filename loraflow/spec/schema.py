@@ -1,0 +1,646 @@
+"""The pipeline spec: schema, loading, and validation that reports every error at once.
+
+A spec is one YAML file in ``pipelines/``. ``load_spec(path)`` returns a ``PipelineSpec`` or raises
+``SpecError`` listing every problem as ``key.path: what is wrong; what to write instead``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
+from loraflow.data.expectations import RULES as EXPECTATION_RULES
+from loraflow.data.expectations import DataExpectations, moved_keys_message
+from loraflow.errors import SpecError
+from loraflow.spec import env_rules
+from loraflow.spec import resource_names as rn
+from loraflow.spec.reader import load_yaml, read_spec_file
+
+STAGES = (
+    "validate_data",
+    "convert_checkpoint",
+    "evaluate_base",
+    "lora_sft",
+    "merge_adapter",
+    "evaluate_tuned",
+    "gate",
+    "publish",
+    "report",
+)
+# data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/data/handoff.py).
+HANDOFF_VERSION = "{version}"
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # whole names only: fullmatch (a `$` lets "\n" through)
+_CRON_FIELD = re.compile(r"[0-9*/,\-A-Za-z?LW#]+")
+_CRON_PRESETS = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _gs_uri(value: str) -> str:
+    if not value.startswith("gs://") or len(value) <= len("gs://") or value[5] == "/":
+        raise ValueError(f"{value!r} is not a GCS URI; write gs://BUCKET/PATH")
+    bucket, _, path = value[5:].partition("/")
+    rn.check_bucket(bucket)
+    if ".." in value.split("/"):
+        raise ValueError(f"{value!r} contains '..'; write the full path without parent references")
+    if re.search(r"[\x00-\x1f\x7f]", value):
+        raise ValueError(f"{value!r} contains a control character; write the path without it")
+    if "." in path.split("/") or "//" in path.rstrip("/") or path.startswith("/"):  # gs://B//x: object "/x"
+        raise ValueError(f"{value!r} has an empty or '.' path segment; write gs://BUCKET/PATH with plain segments")
+    return value.rstrip("/")
+
+
+GsUri = Annotated[str, Field(description="a gs://BUCKET/PATH URI")]
+# Names a spec gives to environment variables of a step (compute.*.env, secrets): loraflow/spec/env_rules.py.
+EnvName = Annotated[str, AfterValidator(env_rules.check_name)]
+EnvValue = Annotated[str, AfterValidator(env_rules.check_value)]
+# Names that go into Google Cloud and Kubernetes requests: loraflow/spec/resource_names.py.
+Region = Annotated[str, AfterValidator(rn.check_region)]
+ProjectId = Annotated[str, AfterValidator(rn.check_project)]
+Image = Annotated[str, AfterValidator(rn.check_image)]
+
+
+class BaseModelSpec(_Model):
+    """The model being tuned."""
+
+    hf_checkpoint: GsUri = Field(description="Hugging Face checkpoint directory (config, safetensors, tokenizer)")
+    maxtext_model: str = Field(description="MaxText model name, e.g. llama3.1-8b")
+    tokenizer: GsUri | None = Field(None, description="tokenizer directory; defaults to hf_checkpoint")
+    model_overrides: dict[str, int | float | str | bool] = Field(
+        default_factory=dict,
+        description="MaxText model architecture overrides (e.g. the tiny model's dimensions); keys naming files, "
+        "folders, URLs, credentials, outputs or the run are refused",
+    )
+
+    _uris = field_validator("hf_checkpoint", "tokenizer")(lambda v: v if v is None else _gs_uri(v))
+
+    @field_validator("model_overrides")
+    @classmethod
+    def _architecture_only(cls, v: dict[str, int | float | str | bool]) -> dict[str, int | float | str | bool]:
+        bad = {k: why for k, val in v.items() if (why := _override_problem(k, val))}
+        if bad:
+            raise ValueError(
+                "; ".join(f"{k}: {why}" for k, why in bad.items()) + ". model_overrides become MaxText "
+                "key=value arguments and may set the model's architecture only (dimensions, layers, vocabulary); "
+                "files, folders, URLs, credentials, outputs and the run are loraflow's to set"
+            )
+        return v
+
+
+# MaxText settings a spec may not override: any key with one of these words names a file, folder,
+# URL, credential, output, cache or the run, which loraflow sets (a compilation cache, for one,
+# loads compiled code; an output directory writes outside the run's prefix).
+_OVERRIDE_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_NOT_ARCHITECTURE = re.compile(
+    r"(?:^|_)(?:path|paths|dir|directory|file|files|token|key|url|uri|bucket|output|cache|name|hardware|config|"
+    r"dataset|tokenizer|checkpoint|checkpointing|load|save|profiler|metrics|log|logs|run|steps)(?:_|$)"
+)
+
+
+def _override_problem(key: str, value: object) -> str | None:
+    if not _OVERRIDE_KEY.fullmatch(key):
+        return "not a MaxText setting name (lowercase letters, digits and '_')"
+    if _NOT_ARCHITECTURE.search(key):
+        return "names a file, folder, URL, credential, output or the run, not the model's architecture"
+    if isinstance(value, str) and ("://" in value or value.startswith(("/", "~")) or re.search(r"[\x00-\x1f]", value)):
+        return f"the value {value!r} is a path, a URL or holds control characters"
+    return None
+
+
+class DataSpec(_Model):
+    """The training data, the eval set, and the data contract."""
+
+    train: GsUri = Field(description="training dataset: one JSONL or Parquet file (prompt/completion or messages)")
+    eval: GsUri = Field(description="held-out eval set, same formats")
+    expectations: DataExpectations = Field(
+        default_factory=DataExpectations,
+        description="the data contract: rules " + ", ".join(EXPECTATION_RULES) + ", each {level: fail|warn, "
+        "...thresholds} (see loraflow/data/expectations.py)",
+    )
+
+    _uris = field_validator("train", "eval")(_gs_uri)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        moved = [k for k in MOVED_DATA_KEYS if isinstance(data, dict) and k in data]
+        if moved:
+            raise ValueError(moved_keys_message(moved))
+        return data
+
+
+class LoraSpec(_Model):
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r")
+    target_modules: list[str] | None = Field(
+        None, description="regexes over MaxText parameter paths; null = MaxText's default (all projections)"
+    )
+
+
+class TrainingSpec(_Model):
+    steps: int = Field(100, ge=1, description="optimizer steps")
+    batch_size: int = Field(8, ge=1, description="global batch size (examples per step)")
+    learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(512, ge=8, description="tokens per packed training sequence")
+    seed: int = Field(0, ge=0, description="data order and initialisation seed")
+    checkpoint_period: int = Field(50, ge=1, description="save an Orbax checkpoint every N steps (and at the end)")
+    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="compute dtype (float32 on CPU)")
+
+
+class EvaluationSpec(_Model):
+    max_new_tokens: int = Field(16, ge=1, le=4096)
+    batch_size: int = Field(64, ge=1)
+    seed: int = Field(0, ge=0)
+    answer_pattern: str = Field(r"^\s*([^\s<]+)", description="regex; group 1 is the answer compared to the reference")
+    max_examples: int | None = Field(None, ge=1, description="evaluate only the first N examples")
+    max_model_len: int = Field(1024, ge=16)
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        try:
+            compiled = re.compile(v)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression ({exc})") from None
+        if compiled.groups < 1:
+            raise ValueError("needs one capturing group around the answer, e.g. ^\\s*(\\S+)")
+        return v
+
+
+class GateSpec(_Model):
+    metric: Literal["accuracy", "format_rate"] = "accuracy"
+    min_improvement: float = Field(0.0, ge=-1, le=1, description="tuned - base must reach at least this")
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    bootstrap_samples: int = Field(2000, ge=100)
+
+
+class VertexModelRegistrySpec(_Model):
+    """Also register each promoted model in Vertex AI Model Registry (one model per pipeline, a
+    version per promotion, the ``champion`` alias mirroring the GCS registry's)."""
+
+    project: ProjectId | None = Field(
+        None, description="GCP project id; default LORAFLOW_VERTEX_PROJECT or GOOGLE_CLOUD_PROJECT"
+    )
+    region: Region = Field("us-central1", description="Vertex AI region of the registry, e.g. us-central1")
+    display_name: str | None = Field(None, description="the model's display name; default the pipeline's name")
+    serving_container_image: Image = Field(description="container image that serves the merged model (e.g. vLLM)")
+    serving_container_args: list[str] = Field(default_factory=list, description="arguments of the serving container")
+    labels: dict[str, str] = Field(default_factory=dict, description="extra labels on every version")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k, val in v.items() if not _LABEL.fullmatch(k) or not _LABEL_VALUE.fullmatch(val)]
+        if bad:
+            raise ValueError(
+                f"label(s) {bad} are not Vertex AI labels; use lowercase letters, digits, '-' and '_' (max 63)"
+            )
+        return v
+
+
+_LABEL = re.compile(r"[a-z][a-z0-9_-]{0,62}")
+_LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
+
+
+class PublishSpec(_Model):
+    registry: GsUri | None = Field(None, description="registry prefix; default {artifact_root}/_registry")
+    vertex_model_registry: VertexModelRegistrySpec | None = Field(
+        None, description="also register promoted models in Vertex AI Model Registry"
+    )
+
+    _uris = field_validator("registry")(lambda v: v if v is None else _gs_uri(v))
+
+
+class ComputeSpec(_Model):
+    """Where one stage runs."""
+
+    launcher: Literal["local", "vertex", "gke"] = "local"
+    machine_type: Annotated[str, AfterValidator(rn.check_machine_type)] | None = Field(
+        None, description="e.g. ct5lp-hightpu-4t (Vertex) or a node pool machine"
+    )
+    tpu_topology: Annotated[str, AfterValidator(rn.check_tpu_topology)] | None = Field(None, description="e.g. 4x4")
+    hosts: int = Field(1, ge=1, description="processes (TPU hosts) the stage runs on")
+    image: Image | None = Field(None, description="container image (vertex, gke)")
+    region: Region | None = Field(None, description="vertex: Google Cloud region of the job, e.g. us-central1")
+    service_account: Annotated[str, AfterValidator(rn.check_service_account)] | None = Field(
+        None, description="the job's Google service account email"
+    )
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict,
+        description="extra environment variables for the step; names that change the interpreter, the loader, "
+        "TLS, proxies, credentials or loraflow's own wiring are refused (loraflow/spec/env_rules.py)",
+    )
+    deferrable: bool = Field(
+        True,
+        description="vertex, gke: wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)",
+    )
+    network: Annotated[str, AfterValidator(rn.check_network)] | None = Field(
+        None, description="vertex: VPC network to peer the job with, projects/PROJECT_NUMBER/global/networks/NAME"
+    )
+    reserved_ip_ranges: list[Annotated[str, AfterValidator(rn.check_gce_name)]] = Field(
+        default_factory=list, description="vertex: names of reserved IP ranges in that network for the job"
+    )
+    reservation: str | None = Field(
+        None, description="vertex: consume this reservation, projects/P/zones/Z/reservations/NAME"
+    )
+    spot: bool = Field(False, description="vertex: run on Spot capacity (cheaper, preemptible)")
+    namespace: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
+        None, description="gke: Kubernetes namespace of the JobSet (default: default)"
+    )
+    kubernetes_service_account: Annotated[str, AfterValidator(rn.check_k8s_subdomain)] | None = Field(
+        None, description="gke: the pods' Kubernetes service account (Workload Identity maps it to a Google one)"
+    )
+    node_pool: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
+        None, description="gke: run only on this node pool (cloud.google.com/gke-nodepool)"
+    )
+
+    @model_validator(mode="after")
+    def _vertex_options(self) -> ComputeSpec:
+        if self.reserved_ip_ranges and not self.network:
+            raise ValueError("reserved_ip_ranges need a network; set network or remove reserved_ip_ranges")
+        if self.reservation and self.spot:
+            raise ValueError("Spot capacity cannot consume a reservation; set spot: false or remove reservation")
+        if self.reservation is not None and not rn.RESERVATION.fullmatch(self.reservation):
+            raise ValueError(f"reservation {self.reservation!r} is not projects/PROJECT/zones/ZONE/reservations/NAME")
+        return self
+
+    @model_validator(mode="after")
+    def _remote_needs(self) -> ComputeSpec:
+        missing = []
+        if self.launcher != "local":
+            missing = [k for k in ("image", "machine_type") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"launcher {self.launcher!r} needs {' and '.join(missing)}; set them")
+        if self.launcher == "local" and self.hosts != 1:
+            raise ValueError("the local launcher runs one process; set hosts: 1 or use launcher vertex/gke")
+        return self
+
+
+class RetrySpec(_Model):
+    """How Airflow retries a stage whose step program crashed (killed host, OOM, lost connection).
+
+    A step that refuses its input (bad data, a bad spec) fails at once: retrying cannot help.
+    A retry never redoes committed work (a committed stage is reused; lora_sft resumes from its
+    newest checkpoint in GCS)."""
+
+    retries: int = Field(2, ge=0, le=10, description="retries per task after its first try")
+    delay_seconds: float = Field(30, ge=0, le=3600, description="wait before the first retry")
+    backoff: float = Field(2.0, ge=1, le=10, description="each further retry waits this many times longer")
+    max_delay_seconds: float = Field(600, ge=0, description="longest wait between two tries")
+
+
+_SECRET_FIELD = re.compile(r"password|login|host|extra\.[A-Za-z0-9_.-]+")
+
+
+class SecretSpec(_Model):
+    """A secret a step program needs (an HF token, a service-account key), named, never written down.
+
+    The spec holds the Airflow connection id; the value is read from Airflow's connections (or its
+    secrets backend) when the task runs, masked in the task log, and handed to the step program
+    only as an environment variable."""
+
+    connection: str = Field(description="Airflow connection id holding the secret, e.g. huggingface_default")
+    field: str = Field("password", description="which part of the connection: password, login, host or extra.KEY")
+    stages: list[str] | None = Field(None, description="stages that receive it; null = every stage")
+
+    @field_validator("connection")
+    @classmethod
+    def _conn_id(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", v):
+            raise ValueError(f"{v!r} is not a connection id; use letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("field")
+    @classmethod
+    def _field(cls, v: str) -> str:
+        if not _SECRET_FIELD.fullmatch(v):
+            raise ValueError(f"{v!r} is not a connection field; use password, login, host or extra.KEY")
+        return v
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, v: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(v or []) - set(STAGES))
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; use stages of {list(STAGES)}")
+        return v
+
+
+class ParamSpec(_Model):
+    """A setting a person may change when triggering a run from the UI."""
+
+    path: str = Field(description="dotted key of the setting, e.g. training.steps")
+    description: str | None = None
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    enum: list[Any] | None = None
+
+
+class HandoffSpec(_Model):
+    """Where a data team hands over dataset versions (see docs/data-handoff.md).
+
+    Each version is a folder ``{prefix}/{version}/`` holding the train and eval files and, written
+    last, a ``_READY`` marker. A run takes one version and writes ``_RESULT.json`` beside it."""
+
+    prefix: GsUri = Field(description="gs:// folder whose subfolders are dataset versions")
+    train: str = Field("train.jsonl", description="training file name inside a version folder")
+    eval: str = Field("eval.jsonl", description="eval file name inside a version folder")
+
+    _uris = field_validator("prefix")(_gs_uri)
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _file_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) or v.startswith("_"):
+            raise ValueError(f"{v!r} is not a file name; write a plain name such as train.jsonl (no folders)")
+        return v
+
+
+NotifyEvent = Literal["failure", "promotion", "verdict"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("failure", "promotion", "verdict")
+
+
+class NotifySpec(_Model):
+    """Where failure and promotion notices go (Airflow notifiers, operators/notifiers.py)."""
+
+    kind: Literal["file", "webhook"] = Field(
+        description="file: append one JSON line per notice; webhook: POST JSON to an Airflow HTTP connection"
+    )
+    path: str | None = Field(None, description="file: the absolute path of the file on the Airflow workers")
+    connection: str | None = Field(None, description="webhook: the Airflow connection id holding the URL (host)")
+    events: list[NotifyEvent] = Field(
+        default_factory=lambda: list(NOTIFY_EVENTS),
+        description="which notices: failure (a task failed), promotion (a model was promoted), verdict (hand-off)",
+    )
+
+    @model_validator(mode="after")
+    def _target(self) -> NotifySpec:
+        if self.kind == "file" and not (self.path and self.path.startswith("/")):
+            raise ValueError("a file notifier needs path: an absolute file path, e.g. /var/log/loraflow/notices.jsonl")
+        if self.kind == "webhook" and not (self.connection and re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", self.connection)):
+            raise ValueError(
+                "a webhook notifier needs connection: the id of an Airflow HTTP connection holding the URL"
+            )
+        return self
+
+
+ScheduleSpec = Annotated[
+    str | dict[str, str] | None,
+    Field(description="null (manual), a cron expression or preset, or {asset: gs://...}"),
+]
+
+
+# Sections a trigger-time param may not override.
+_FIXED_AT_TRIGGER = {"name", "artifact_root", "compute", "params", "schedule", "retry", "secrets", "handoff", "notify"}
+
+
+class PipelineSpec(_Model):
+    name: str = Field(description="pipeline name: lowercase letters, digits, dashes; the DAG id")
+    description: str = Field("", description="shown in the Airflow UI")
+    schedule: ScheduleSpec = None
+    artifact_root: GsUri = Field(description="gs:// prefix under which every run writes")
+    base_model: BaseModelSpec
+    data: DataSpec
+    lora: LoraSpec = LoraSpec()
+    training: TrainingSpec = TrainingSpec()
+    evaluation: EvaluationSpec = EvaluationSpec()
+    gate: GateSpec = GateSpec()
+    publish: PublishSpec = PublishSpec()
+    compute: dict[str, ComputeSpec] = Field(default_factory=dict, description="per stage (or 'default') where it runs")
+    retry: RetrySpec = RetrySpec()
+    secrets: dict[EnvName, SecretSpec] = Field(
+        default_factory=dict, description="environment variable name -> the Airflow connection holding its value"
+    )
+    handoff: HandoffSpec | None = Field(
+        None,
+        description="take the dataset from a data team's hand-off: {prefix: gs://..., train, eval} "
+        "(docs/data-handoff.md)",
+    )
+    notify: list[NotifySpec] = Field(
+        default_factory=list,
+        description="notifiers: [{kind: file, path} | {kind: webhook, connection}, events: "
+        "[failure, promotion, verdict]] (docs/data-handoff.md)",
+    )
+    params: list[ParamSpec] = Field(default_factory=list, description="settings overridable at trigger time")
+    tags: list[str] = Field(default_factory=list, description="extra Airflow DAG tags (loraflow is always one)")
+
+    _uris = field_validator("artifact_root")(_gs_uri)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _handoff_dataset(cls, data: Any) -> Any:
+        """With a hand-off, data.train/data.eval name the files inside the version a run picks."""
+        if not isinstance(data, dict) or not isinstance(data.get("handoff"), dict):
+            return data
+        prefix = str(data["handoff"].get("prefix", "")).rstrip("/")
+        section = dict(data.get("data") or {})
+        for split in ("train", "eval"):
+            name = data["handoff"].get(split, f"{split}.jsonl")
+            given = section.get(split)
+            if given is None:
+                section[split] = f"{prefix}/{HANDOFF_VERSION}/{name}"
+            elif not (
+                isinstance(given, str)
+                and given.startswith(prefix + "/")
+                and given.endswith("/" + str(name))
+                and given[len(prefix) + 1 : -len(str(name)) - 1].count("/") == 0
+            ):
+                raise ValueError(
+                    f"data.{split} is taken from the hand-off ({prefix}/{HANDOFF_VERSION}/{name}); remove data.{split}"
+                )
+        return {**data, "data": section}
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a valid name; use lowercase letters, digits and dashes (max 63)")
+        return v
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, v: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        if v is None:
+            return v
+        if isinstance(v, dict):
+            if set(v) != {"asset"}:
+                raise ValueError("an asset schedule is {asset: gs://BUCKET/PATH}")
+            return {"asset": _gs_uri(v["asset"])}
+        if v in _CRON_PRESETS:
+            return v
+        fields = v.split()
+        if len(fields) != 5 or not all(_CRON_FIELD.fullmatch(f) for f in fields):
+            raise ValueError(f"{v!r} is not a cron expression; write five fields like '0 3 * * 1' or @daily")
+        return v
+
+    @field_validator("compute")
+    @classmethod
+    def _compute_stages(cls, v: dict[str, ComputeSpec]) -> dict[str, ComputeSpec]:
+        unknown = sorted(set(v) - set(STAGES) - {"default"})
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; use 'default' or one of {list(STAGES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _params_resolve(self) -> PipelineSpec:
+        problems = []
+        seen = set()
+        for p in self.params:
+            if p.path in seen:
+                problems.append(f"{p.path} is listed twice")
+            seen.add(p.path)
+            try:
+                value = get_path(self, p.path)
+            except KeyError:
+                problems.append(f"{p.path} is not a setting of the spec; use a dotted key such as training.steps")
+                continue
+            if isinstance(value, (dict, list, BaseModel)):
+                problems.append(f"{p.path} is a section, not a single setting")
+            if p.path.split(".")[0] in _FIXED_AT_TRIGGER:
+                problems.append(f"{p.path} cannot be overridden at trigger time")
+        if problems:
+            raise ValueError("params: " + "; ".join(problems))
+        return self
+
+    def compute_for(self, stage: str) -> ComputeSpec:
+        return self.compute.get(stage) or self.compute.get("default") or ComputeSpec()
+
+    @property
+    def tokenizer_uri(self) -> str:
+        return self.base_model.tokenizer or self.base_model.hf_checkpoint
+
+    @property
+    def registry_uri(self) -> str:
+        return self.publish.registry or f"{self.artifact_root}/_registry"
+
+
+# --------------------------------------------------------------------------------- dotted paths
+
+
+def get_path(spec: BaseModel, path: str) -> Any:
+    node: Any = spec
+    for part in path.split("."):
+        if isinstance(node, BaseModel) and part in type(node).model_fields:
+            node = getattr(node, part)
+        else:
+            raise KeyError(path)
+    return node
+
+
+def param_name(path: str) -> str:
+    """The Airflow Param name of a dotted setting: ``training.steps`` -> ``training_steps``."""
+    return path.replace(".", "_")
+
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def trigger_fields(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+    """The spec's overridable settings as trigger-form fields, by Param name: the current value
+    (``default``), ``title``, ``description`` and the JSON schema (type, bounds, choices)."""
+    fields = {}
+    for p in spec.params:
+        default = get_path(spec, p.path)
+        schema: dict[str, Any] = {"type": _JSON_TYPES.get(type(default), "string")}
+        if p.minimum is not None:
+            schema["minimum"] = p.minimum
+        if p.maximum is not None:
+            schema["maximum"] = p.maximum
+        if p.enum is not None:
+            schema["enum"] = p.enum
+        bounds = ", ".join(f"{k} {schema[k]}" for k in ("minimum", "maximum") if k in schema)
+        description = (p.description or f"overrides {p.path}") + (f" ({bounds})" if bounds else "")
+        fields[param_name(p.path)] = {"default": default, "title": p.path, "description": description, **schema}
+    return fields
+
+
+def check_trigger_keys(spec: PipelineSpec, keys: Iterable[str]) -> None:
+    """Refuse trigger parameters (a run's conf keys) that are no declared param of the spec, naming
+    each and the nearest declared one: Airflow passes an unknown conf key on silently, and a typo
+    such as ``training_step`` would otherwise train with the defaults."""
+    declared = sorted(param_name(p.path) for p in spec.params)
+    unknown = sorted(set(keys) - set(declared))
+    if not unknown:
+        return
+    listed = ", ".join(declared) if declared else "none: this pipeline declares no params"
+    problems = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, declared, n=1) or difflib.get_close_matches(
+            param_name(key), declared, n=1
+        )
+        hint = f"did you mean {near[0]}? " if near else ""
+        problems.append(
+            (key, f"is not a trigger parameter of this pipeline; {hint}Trigger parameters: {listed}. "
+             "Remove the key from the run's conf, or declare its setting under params in the spec")
+        )  # fmt: skip
+    raise SpecError(f"pipeline {spec.name}", problems, where="the run's trigger parameters (its conf)")
+
+
+def with_overrides(spec: PipelineSpec, overrides: dict[str, Any], source: str = "trigger parameters") -> PipelineSpec:
+    """Apply ``{dotted.path: value}`` and validate the result as a whole spec."""
+    data = spec.model_dump(mode="json")
+    for path, value in overrides.items():
+        node = data
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return validate_spec(data, source)
+
+
+# ----------------------------------------------------------------------------------- validation
+
+
+def _fix_hint(err: dict[str, Any]) -> str:
+    kind, msg = err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        return "unknown key; remove it or check its spelling against docs/spec-reference.md"
+    if kind == "missing":
+        return "required; add it"
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return f"{msg.lower()} (got {err.get('input')!r})"
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    if kind == "literal_error":
+        return f"{msg} (got {err.get('input')!r})"
+    return f"{msg} (got {err.get('input')!r})"
+
+
+def _error_path(loc: tuple[Any, ...]) -> str:
+    # Drop pydantic's union-branch labels such as 'str' or 'dict[str,str]' and function names.
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in {"str", "int", "float", "bool"}))]
+    return ".".join(p for p in parts if not p.startswith("function-")) or "(top level)"
+
+
+def validate_spec(data: Any, source: str) -> PipelineSpec:
+    if not isinstance(data, dict):
+        raise SpecError(source, [("(top level)", "a spec is a YAML mapping of keys such as name, base_model, data")])
+    try:
+        return PipelineSpec.model_validate(data)
+    except ValidationError as exc:
+        problems: dict[tuple[str, str], None] = {}
+        for err in exc.errors():
+            problems[(_error_path(err["loc"]), _fix_hint(dict(err)))] = None
+        raise SpecError(source, list(problems)) from None
+
+
+def load_spec(path: str | Path) -> PipelineSpec:
+    path = Path(path)
+    return parse_spec(read_spec_file(path), path)
+
+
+def parse_spec(text: bytes | str, path: Path) -> PipelineSpec:
+    """The spec in ``text``, the contents of the spec file ``path`` (its name must be the spec's);
+    size, aliases and nesting are bounded (loraflow/spec/reader.py)."""
+    spec = validate_spec(load_yaml(text, str(path)), str(path))
+    if spec.name != path.stem:
+        raise SpecError(str(path), [("name", f"is {spec.name!r} but the file is {path.name}; make them match")])
+    return spec
