@@ -14,7 +14,9 @@ What it does:
   each with the container's env plus what Vertex gives a replica: ``CLUSTER_SPEC`` (loopback
   addresses on free ports, one per replica), ``CLOUD_ML_JOB_ID``, ``AIP_MODEL_DIR``,
   ``AIP_CHECKPOINT_DIR``, ``AIP_TENSORBOARD_LOG_DIR``. ``host_env`` stands in for what the image and
-  the metadata server provide (PATH, the GCS emulator's address, ...).
+  the metadata server provide (PATH, the GCS emulator's address, ...). Each replica is a separate
+  host: its own HOME, TMPDIR, scratch and working directory (``tests/separate_hosts.py``), so replicas
+  share nothing but GCS, as on a TPU slice.
 - A replica exiting non-zero fails the job (the others are killed) with an ``error.message`` of the
   shape Vertex uses ("The replica workerpool0-0 exited with a non-zero status of 1. ...") plus the
   replica's last error line; each replica's output goes to ``work_dir/job-ID/workerpool0-N.log``
@@ -50,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.dev.local_gcs import free_port
+from tests.separate_hosts import host_dirs
 
 TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
 _JOBS = re.compile(r"^/v1/(projects/[^/]+/locations/[^/]+)/customJobs(?:/([^/:]+))?(:cancel)?$")
@@ -357,6 +360,8 @@ class VertexStandIn:
                         "AIP_CHECKPOINT_DIR": f"{base}/checkpoints/",
                         "AIP_TENSORBOARD_LOG_DIR": f"{base}/logs/",
                     }
+                disk, cwd = host_dirs(logs / "hosts", f"workerpool{p}-{r}")  # a host shares no disk
+                env |= disk
                 out = open(logs / f"workerpool{p}-{r}.log", "wb")
                 job.procs.append(
                     subprocess.Popen(
@@ -365,7 +370,7 @@ class VertexStandIn:
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
                         env=env,
-                        cwd=str(self.work_dir),
+                        cwd=str(cwd),
                         start_new_session=True,
                     )
                 )

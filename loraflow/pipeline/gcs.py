@@ -50,3 +50,21 @@ def client() -> storage.Client:
         project = os.environ.get("GOOGLE_CLOUD_PROJECT", "loraflow-local")
         return storage.Client(project=project, credentials=AnonymousCredentials())
     return storage.Client()
+
+
+def route_native_clients() -> None:
+    """Point the other GCS clients of a step at the emulator too, when there is one.
+
+    Orbax writing ``gs://`` itself (``training.checkpoint_storage: direct``) goes through tensorstore's
+    GCS driver (array data) and gcsfs (directories, metadata). gcsfs honours ``STORAGE_EMULATOR_HOST``;
+    tensorstore reads its endpoint from ``TENSORSTORE_GCS_HTTP_URL``. With no emulator (production)
+    nothing changes: both use the host's default credentials against GCS.
+    """
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if not host:
+        return
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", host)
+    import logging
+
+    # gcsfs warns on every bucket it opens that it found no default credentials: expected here.
+    logging.getLogger("gcsfs").setLevel(logging.ERROR)

@@ -125,8 +125,6 @@ class LoraSftConfig(LoraSpec, TrainingSpec, StepConfig):
     STEP: ClassVar[str] = "lora_sft"
     INTERNAL: ClassVar[dict[str, str]] = {
         "warmup_fraction": "share of the steps with a rising learning rate; loraflow's schedule, not the author's",
-        "checkpoint_storage": "sync (local Orbax, copied to GCS) or direct (Orbax writes gs://); the spec key "
-        "training.checkpoint_storage belongs to another change",
         "packing": "several examples per row; false only for the multi-host equivalence test",
         "shuffle": "MaxText shuffles each epoch; false only for the multi-host equivalence test",
         "hardware": "MaxText's hardware; chosen from JAX's devices (or LORAFLOW_HARDWARE), a test pins it",
@@ -136,7 +134,6 @@ class LoraSftConfig(LoraSpec, TrainingSpec, StepConfig):
     model_name: str | None = None
     model_overrides: dict[str, Scalar] | None = None
     warmup_fraction: float = Field(0.05, ge=0, lt=1)
-    checkpoint_storage: Literal["sync", "direct"] = "sync"
     packing: bool = True
     shuffle: bool = True
     hardware: Hardware | None = None

@@ -5,29 +5,31 @@ Inputs: ``checkpoint`` (the convert_checkpoint output: Orbax params + loraflow_c
 Config (``loraflow.spec.step_configs.LoraSftConfig``; defaults the spec's ``lora`` and ``training``):
 model_name, model_overrides (null: the converted checkpoint's), rank, alpha, target_modules (regexes
 or null = MaxText's default for the model), steps, batch_size (global, packed rows), learning_rate,
-max_length, seed, checkpoint_period, dtype; internal: warmup_fraction, hardware, log_every,
-checkpoint_storage ("sync"|"direct"), packing, shuffle.
+max_length, seed, checkpoint_period, dtype, checkpoint_storage ("staged"|"direct"); internal:
+warmup_fraction, hardware, log_every, packing, shuffle.
 
 MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflow adds:
 
 * a training hook that prints ``step N loss L tokens/s T`` lines (flushed: the Airflow log is live)
   and writes ``loss.csv``;
-* checkpoint persistence: Orbax/Tunix saves every ``checkpoint_period`` steps into a local
-  directory; each finalised step is copied to ``{output}/_checkpoints/<step>`` (outside the
+* checkpoint persistence (``staged``, one host): Orbax/Tunix saves every ``checkpoint_period``
+  steps into a local directory; each finalised step is copied to ``{output}/_checkpoints/<step>`` (outside the
   committed files, a completion marker last) and the newest complete step is downloaded before
   the trainer starts, so a restarted run - on a new host - resumes from it (Tunix restores the
   LoRA params, optimizer state and step; we skip the batches already trained on).
-  ``checkpoint_storage: direct`` instead points MaxText's base_output_directory at the gs:// prefix
-  (for real GCS, where Orbax/tensorstore write it natively);
+  ``checkpoint_storage: direct`` instead points MaxText's base_output_directory at that gs:// prefix:
+  Orbax writes it itself (tensorstore's GCS driver, every host its own shards, process 0 the metadata
+  and ``commit_success.txt`` last) and restores the newest committed step from it;
 * outputs: ``adapter/`` (the final LoRA params, Orbax, + ``loraflow_adapter.json``), ``peft/`` (the
   PEFT export in HF layout, checked against MaxText's own MaxText->HF weight hooks) and ``loss.csv``.
 
 Multi-host: when ``loraflow.launchers.multihost`` finds a job of several processes (a Vertex AI worker pool, a
 GKE JobSet, or N local processes on loopback), every process calls ``jax.distributed.initialize``
 with its wiring before JAX starts; MaxText's mesh then spans every process's devices (parameters
-sharded across hosts, each host loading its share of every batch). Checkpoints go to one directory
-all processes share (Orbax writes each host's shards; process 0 finalises): with ``sync`` storage a
-local directory that must be on a disk every process sees (loopback; otherwise use ``direct``).
+sharded across hosts, each host loading its share of every batch). Hosts share no disk, so their
+checkpoints go straight to GCS (``direct``; the spec refuses ``staged`` for a multi-host stage). A
+step run by hand with ``staged`` on several processes checks that they share one local directory
+and refuses, naming the fix, when they do not.
 Only process 0 downloads/uploads checkpoints and writes the outputs; it does so after every process
 has finished training, and the harness commits the manifest from process 0 only. The other
 processes write nothing and, through JAX's shutdown barrier, exit when process 0 does.
@@ -51,7 +53,7 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.launchers import multihost
-from loraflow.pipeline import checkpoint_sync
+from loraflow.pipeline import checkpoint_sync, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, run_step
@@ -323,6 +325,8 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     remote = ctx.output_uri.rstrip("/") + "/_checkpoints"
     direct = cfg["checkpoint_storage"] == "direct"
     if direct:
+        gcs.route_native_clients()  # Orbax's own GCS clients: at the emulator when there is one
+        ctx.progress(f"checkpoints: Orbax writes them to {remote} (direct)")
         base_output = remote
     elif dist is not None:
         base_output = str(_shared_checkpoint_dir(ctx, dist) / "maxtext")

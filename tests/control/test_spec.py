@@ -69,6 +69,7 @@ def test_every_problem_is_reported_at_once() -> None:
         (lambda d: d["params"].append({"path": "training.nope"}), "(top level)", "training.nope is not a setting"),
         (lambda d: d["params"].append({"path": "lora"}), "(top level)", "is a section"),
         (lambda d: d["training"].update(dtype="float16"), "training.dtype", "float32"),
+        (lambda d: d["training"].update(checkpoint_storage="sync"), "training.checkpoint_storage", "'direct'"),
     ],
 )
 def test_broken_spec_names_key_and_fix(change, where: str, says: str) -> None:
@@ -226,3 +227,27 @@ def test_a_gs_uri_ending_in_a_capital_x_keeps_it() -> None:
     data["data"]["train"] = "gs://loraflow-demo/datasets/trainX"
     spec = validate_spec(data, "x.yaml")
     assert (spec.artifact_root, spec.data.train) == ("gs://loraflow-demo/runsX", "gs://loraflow-demo/datasets/trainX")
+
+
+MULTI_HOST = {"launcher": "vertex", "image": "i", "machine_type": "ct5lp-hightpu-4t", "tpu_topology": "4x4", "hosts": 4}
+
+
+def test_a_multi_host_training_stage_must_write_checkpoints_straight_to_gcs() -> None:
+    """Hosts share no disk: staged checkpoints (one host's local directory) cannot work on several."""
+    data = tiny_data()
+    data["compute"]["lora_sft"] = MULTI_HOST
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    [(where, message)] = err.value.problems
+    assert where == "(top level)" and "runs on 4 hosts" in message
+    assert "set training.checkpoint_storage: direct" in message
+    data["training"]["checkpoint_storage"] = "direct"
+    spec = validate_spec(data, "x.yaml")
+    assert spec.training.checkpoint_storage == "direct"
+    # The same rule holds when the hosts come from the default compute entry, and for trigger overrides.
+    data = tiny_data()
+    data["compute"] = {"default": MULTI_HOST, "validate_data": {"launcher": "local"}}
+    data["training"]["checkpoint_storage"] = "direct"
+    spec = validate_spec(data, "x.yaml")
+    with pytest.raises(SpecError, match="runs on 4 hosts"):
+        with_overrides(spec, {"training.checkpoint_storage": "staged"})

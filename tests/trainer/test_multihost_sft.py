@@ -7,6 +7,11 @@ process with 2 devices, then two processes with 1 device each that find each oth
 GKE's env lead to the same ``jax.distributed.initialize`` call). MaxText's mesh then spans both
 processes: the parameters are sharded across them and each loads half of every batch.
 
+The two processes are separate hosts (``tests/separate_hosts.py``): each has its own HOME, TMPDIR,
+scratch and working directory; they share nothing but GCS. So the multi-host run writes its
+checkpoints with ``checkpoint_storage: direct`` (Orbax writes gs:// through tensorstore's GCS driver,
+pointed at the emulator), while the 1-host reference uses the default ``staged`` storage.
+
 ``packing`` and ``shuffle`` are off: MaxText's loader gives each host its own shards of a shuffled
 stream and packs per host, so only then do both runs train on the same examples in every step.
 ~4 minutes on 2 CPU cores (mostly the two processes compiling side by side).
@@ -32,6 +37,7 @@ from test_trainer_steps import OVERRIDES, base  # noqa: F401  (the converted tin
 from loraflow.dev.local_gcs import free_port
 from loraflow.launchers.local import step_environment
 from loraflow.pipeline import artifacts, gcs
+from tests.separate_hosts import host_dirs
 
 CONFIG = {
     "model_name": "llama3.1-8b",
@@ -64,12 +70,12 @@ def sources(base, gcs_emulator):  # noqa: F811
     return {"root": root, "checkpoint": manifest.uri}
 
 
-def _argv(sources: dict[str, str], output: str) -> list[str]:
+def _argv(sources: dict[str, str], output: str, **config: object) -> list[str]:
     root = sources["root"]
     return [
         sys.executable, "-m", "loraflow.steps.lora_sft", "--output", output,
         "--input", f"checkpoint={sources['checkpoint']}", "--input", f"dataset={root}/src/dataset",
-        "--input", f"tokenizer={root}/src/hf", "--config-json", json.dumps(CONFIG), "--cache-key", "K",
+        "--input", f"tokenizer={root}/src/hf", "--config-json", json.dumps(CONFIG | config), "--cache-key", "K",
     ]  # fmt: skip
 
 
@@ -95,15 +101,17 @@ def test_two_processes_on_loopback_train_the_single_process_adapter(sources, tmp
 
     multi_out = f"{sources['root']}/multi/lora_sft"
     wiring = {"LORAFLOW_COORDINATOR": f"127.0.0.1:{free_port()}", "LORAFLOW_NUM_PROCESSES": "2"}
+    hosts = [host_dirs(tmp_path / "hosts", f"host{i}") for i in range(2)]
     procs = [
         subprocess.Popen(
-            _argv(sources, multi_out),
-            env=_env(1, {**wiring, "LORAFLOW_PROCESS_ID": str(i)}),
+            _argv(sources, multi_out, checkpoint_storage="direct"),
+            env=_env(1, {**wiring, "LORAFLOW_PROCESS_ID": str(i), **disk}),
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i in range(2)
+        for i, (disk, cwd) in enumerate(hosts)
     ]
     logs = []
     for proc in procs:
@@ -127,6 +135,11 @@ def test_two_processes_on_loopback_train_the_single_process_adapter(sources, tmp
     names = {b.name[len(prefix) + 1 :] for b in gcs.client().list_blobs(bucket, prefix=prefix + "/")}
     stray = {n for n in names if not n.startswith("_checkpoints/")} - set(manifest.files) - {artifacts.MANIFEST}
     assert not stray, stray
+    # Orbax wrote every checkpoint (steps 2 and 4) to GCS itself, and committed each one there.
+    committed = {n.split("/")[-2] for n in names if n.endswith("/commit_success.txt")}
+    assert {"2", "4"} <= committed, sorted(names)[:20]
+    assert not any("tmp" in n.split("/")[-2] for n in names if n.startswith("_checkpoints/")), "uncommitted left"
+    assert all(f"checkpoints: Orbax writes them to {multi_out}/_checkpoints (direct)" in log for log in logs)
 
     reference, distributed = _adapter(single_out, tmp_path / "single"), _adapter(multi_out, tmp_path / "multi")
     assert reference.keys() == distributed.keys() and len(reference) == 28
