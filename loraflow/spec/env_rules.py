@@ -103,7 +103,9 @@ RULES: tuple[Rule, ...] = (
 
 # loraflow's own variables a spec may set: step tunables that change no trust boundary (the rest of
 # LORAFLOW_* wires hosts, scratch space, environments and fault injection: the deployer's).
-STEP_TUNABLES = frozenset({"LORAFLOW_LOG_LEVEL", "LORAFLOW_JOIN_TIMEOUT", "LORAFLOW_HARDWARE"})
+STEP_TUNABLES = frozenset(
+    {"LORAFLOW_LOG_LEVEL", "LORAFLOW_JOIN_TIMEOUT", "LORAFLOW_HEARTBEAT_TIMEOUT", "LORAFLOW_HARDWARE"}
+)
 
 
 def refusal(name: str) -> str | None:

@@ -125,8 +125,8 @@ class LoraSftConfig(LoraSpec, TrainingSpec, StepConfig):
     STEP: ClassVar[str] = "lora_sft"
     INTERNAL: ClassVar[dict[str, str]] = {
         "warmup_fraction": "share of the steps with a rising learning rate; loraflow's schedule, not the author's",
-        "packing": "several examples per row; false only for the multi-host equivalence test",
-        "shuffle": "MaxText shuffles each epoch; false only for the multi-host equivalence test",
+        "packing": "several examples per row; false only for the multi-host equivalence test (MaxText packs per host)",
+        "shuffle": "every epoch in its own order, fixed by the seed (loraflow.data.epochs); false keeps the file order",
         "hardware": "MaxText's hardware; chosen from JAX's devices (or LORAFLOW_HARDWARE), a test pins it",
         "log_every": "how often the task log gets a loss line",
     }

@@ -34,9 +34,13 @@ Only process 0 downloads/uploads checkpoints and writes the outputs; it does so 
 has finished training, and the harness commits the manifest from process 0 only. The other
 processes write nothing and, through JAX's shutdown barrier, exit when process 0 does.
 Internal configs ``packing`` (default true: several examples per row; false: one padded example
-per row) and ``shuffle`` (default true: MaxText shuffles each epoch). MaxText's loader gives each
-host its own shards of a shuffled multi-epoch stream and packs per host; with both false every
-host count trains on the same examples in every step (the multi-host equivalence test uses that).
+per row) and ``shuffle`` (default true: every epoch in its own order, fixed by the seed). loraflow
+writes the examples in training order itself (``loraflow.data.epochs``; MaxText's own shuffle is off,
+since it depends on the host count), and each host reads every N-th row of that file, so without
+packing N hosts train on exactly the global batches one host would. MaxText packs each host's share
+by itself: with packing on, which examples share a row and a step depends on the host count.
+Losing a host: the others stop within ``LORAFLOW_HEARTBEAT_TIMEOUT`` seconds (default 100: JAX's
+coordination service) and the job fails; the retry resumes from the newest committed checkpoint.
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loraflow.data.epochs import write_epochs
 from loraflow.errors import LoraflowError
 from loraflow.launchers import multihost
-from loraflow.pipeline import checkpoint_sync, gcs
+from loraflow.pipeline import checkpoint_sync, faults, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, run_step
@@ -101,6 +106,10 @@ def _maxtext_argv(
         max(1.0, cfg["max_length"] / max(1, _shortest_example(train_file, tokenizer_dir))) if cfg["packing"] else 1.0
     )
     num_epoch = max(1, math.ceil(cfg["steps"] * cfg["batch_size"] * per_row / max(n_rows, 1)) + 1)
+    # MaxText reads the examples in loraflow's training order (every epoch shuffled by the seed, the
+    # same file on every host) and shuffles nothing itself: its own shuffle depends on the host count.
+    ordered = train_file.with_name("train.ordered.jsonl")
+    write_epochs(train_file, ordered, num_epoch, cfg["seed"], cfg["shuffle"])
     target = cfg["target_modules"]
     if isinstance(target, (list, tuple)):
         target = "|".join(f"(?:{t})" for t in target)
@@ -113,10 +122,10 @@ def _maxtext_argv(
         f"load_parameters_path={cfg['load_parameters_path']}",
         "dataset_type=hf",
         "hf_path=json",
-        f"hf_train_files={train_file}",
+        f"hf_train_files={ordered}",
         "train_split=train",
         "train_data_columns=['messages']",
-        f"num_epoch={num_epoch}",
+        "num_epoch=1",
         "grain_worker_count=0",
         "tokenizer_type=huggingface",
         f"tokenizer_path={tokenizer_dir}",
@@ -124,7 +133,7 @@ def _maxtext_argv(
         f"per_device_batch_size={per_device}",
         f"max_target_length={cfg['max_length']}",
         f"packing={str(bool(cfg['packing'])).lower()}",
-        f"enable_data_shuffling={str(bool(cfg['shuffle'])).lower()}",
+        "enable_data_shuffling=false",
         f"steps={cfg['steps']}",
         f"learning_rate={cfg['learning_rate']}",
         f"warmup_steps_fraction={cfg['warmup_fraction']}",
@@ -185,6 +194,7 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
             seconds = max(time.perf_counter() - self._lf_t0, 1e-9)
             tps = self._lf_tokens / seconds
             rows.append((int(train_step), loss, tps))
+            faults.point("train_step")  # a host lost mid-training (the reliability tests)
             if train_step <= 3 or train_step % max(1, cfg["log_every"]) == 0 or train_step == cfg["steps"]:
                 ctx.progress(
                     f"step {train_step}/{cfg['steps']} loss {loss:.4f} tokens/s {tps:.0f} "
@@ -245,6 +255,8 @@ def start_distributed(ctx: StepContext) -> multihost.DistributedConfig | None:
     jax.distributed.initialize(
         **dist.jax_kwargs(),
         initialization_timeout=int(os.environ.get("LORAFLOW_JOIN_TIMEOUT", "300")),
+        # A lost host: the others stop within this many seconds instead of waiting in a collective.
+        heartbeat_timeout_seconds=int(os.environ.get("LORAFLOW_HEARTBEAT_TIMEOUT", "100")),
         coordinator_bind_address=dist.coordinator if loopback else None,
     )
     if loopback:

@@ -1,20 +1,22 @@
-"""lora_sft as a 2-host job on loopback equals the 1-host run: jax.distributed for real, on CPU.
+"""lora_sft as a 2- and a 4-host job on loopback equals the 1-host run; a lost host fails the job, the
+retry resumes: jax.distributed for real, on CPU.
 
-Both runs are the real step program (``python -m loraflow.steps.lora_sft``) through the harness
-against the GCS emulator, with the same inputs, config and seed, and 2 CPU devices in total: one
-process with 2 devices, then two processes with 1 device each that find each other through
+Every run is the real step program (``python -m loraflow.steps.lora_sft``) through the harness
+against the GCS emulator, with the same inputs, config and seed, and 4 CPU devices in total: one
+process with 4 devices, then N processes with 4/N devices each that find each other through
 ``LORAFLOW_COORDINATOR`` on 127.0.0.1 (what ``loraflow.launchers.multihost`` reads; Vertex's CLUSTER_SPEC and
 GKE's env lead to the same ``jax.distributed.initialize`` call). MaxText's mesh then spans both
-processes: the parameters are sharded across them and each loads half of every batch.
+processes: the parameters are sharded across them and each loads its share of every batch.
 
-The two processes are separate hosts (``tests/separate_hosts.py``): each has its own HOME, TMPDIR,
+The processes are separate hosts (``tests/separate_hosts.py``): each has its own HOME, TMPDIR,
 scratch and working directory; they share nothing but GCS. So the multi-host run writes its
 checkpoints with ``checkpoint_storage: direct`` (Orbax writes gs:// through tensorstore's GCS driver,
 pointed at the emulator), while the 1-host reference uses the default ``staged`` storage.
 
-``packing`` and ``shuffle`` are off: MaxText's loader gives each host its own shards of a shuffled
-stream and packs per host, so only then do both runs train on the same examples in every step.
-~4 minutes on 2 CPU cores (mostly the two processes compiling side by side).
+``shuffle`` is on (loraflow orders the examples itself, the same file on every host:
+``loraflow.data.epochs``); ``packing`` is off: MaxText packs each host's share of the stream by
+itself, so packed rows (and with them the examples of a step) depend on the host count.
+~10 minutes on 2 CPU cores (mostly the processes compiling side by side).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -53,7 +56,7 @@ CONFIG = {
     "checkpoint_period": 2,
     "dtype": "float32",
     "packing": False,
-    "shuffle": False,
+    "shuffle": True,
 }
 
 
@@ -79,6 +82,9 @@ def _argv(sources: dict[str, str], output: str, **config: object) -> list[str]:
     ]  # fmt: skip
 
 
+DEVICES = 4  # in every run, split evenly over its processes
+
+
 def _env(devices: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, **step_environment(extra or {})}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -92,45 +98,74 @@ def _adapter(output: str, dest: Path) -> dict:
     return load_file(str(dest / "peft" / "adapter_model.safetensors"))
 
 
-def test_two_processes_on_loopback_train_the_single_process_adapter(sources, tmp_path):
+def _assert_same_adapter(reference: dict, other: dict, tolerance: float) -> None:
     import numpy as np
 
-    single_out = f"{sources['root']}/single/lora_sft"
-    single = subprocess.run(_argv(sources, single_out), env=_env(2), capture_output=True, text=True, timeout=900)
-    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    assert reference.keys() == other.keys() and len(reference) == 28
+    scale = max(float(np.max(np.abs(v))) for v in reference.values())
+    worst = max(float(np.max(np.abs(reference[k] - other[k]))) for k in reference)
+    assert scale > 0.01  # the adapter moved: equality is not two zero adapters
+    assert worst <= tolerance * scale, (worst, scale)
 
-    multi_out = f"{sources['root']}/multi/lora_sft"
-    wiring = {"LORAFLOW_COORDINATOR": f"127.0.0.1:{free_port()}", "LORAFLOW_NUM_PROCESSES": "2"}
-    hosts = [host_dirs(tmp_path / "hosts", f"host{i}") for i in range(2)]
-    procs = [
-        subprocess.Popen(
-            _argv(sources, multi_out, checkpoint_storage="direct"),
-            env=_env(1, {**wiring, "LORAFLOW_PROCESS_ID": str(i), **disk}),
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i, (disk, cwd) in enumerate(hosts)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=900)[0])
-        finally:
+
+def _run_hosts(
+    sources: dict[str, str], output: str, root: Path, n: int, env_of: dict[int, dict[str, str]] | None = None
+) -> tuple[list[int], list[str], list[float]]:
+    """lora_sft as ``n`` separate hosts; (exit codes, logs, when each process exited: seconds from the start)."""
+    wiring = {"LORAFLOW_COORDINATOR": f"127.0.0.1:{free_port()}", "LORAFLOW_NUM_PROCESSES": str(n)}
+    hosts = [host_dirs(root, f"host{i}") for i in range(n)]
+    started = time.monotonic()
+    procs, logs = [], []
+    for i, (disk, cwd) in enumerate(hosts):
+        logs.append((cwd / "lora_sft.log").open("w+"))
+        env = _env(DEVICES // n, {**wiring, "LORAFLOW_PROCESS_ID": str(i), **disk, **(env_of or {}).get(i, {})})
+        argv = _argv(sources, output, checkpoint_storage="direct")
+        procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=logs[i], stderr=subprocess.STDOUT))
+    exited: dict[int, float] = {}
+    try:
+        while len(exited) < n and time.monotonic() - started < 900:
+            exited |= {
+                i: time.monotonic() - started for i, p in enumerate(procs) if i not in exited and p.poll() is not None
+            }
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + "\n----\n" + logs[1][-3000:]
+                proc.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    return [p.returncode for p in procs], texts, [exited.get(i, float("inf")) for i in range(n)]
 
-    # One job of two processes, its parameters split across them; process 0 alone committed.
-    assert "process 1 of 2: 1 local of 2 cpu devices" in logs[1]
+
+@pytest.fixture(scope="module")
+def single(sources, tmp_path_factory):
+    """The reference: one process with every device, checkpoints staged on its disk (the default)."""
+    output = f"{sources['root']}/single/lora_sft"
+    disk, cwd = host_dirs(tmp_path_factory.mktemp("single"), "host0")
+    run = subprocess.run(_argv(sources, output), env=_env(DEVICES, disk), cwd=cwd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {"output": output, "adapter": _adapter(output, tmp_path_factory.mktemp("single-adapter"))}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_n_processes_as_n_hosts_train_the_single_process_adapter(sources, single, n, tmp_path):
+    multi_out = f"{sources['root']}/multi{n}/lora_sft"
+    codes, logs, _ = _run_hosts(sources, multi_out, tmp_path / "hosts", n)
+    assert codes == [0] * n, "\n----\n".join(log[-2000:] for log in logs)
+
+    # One job of n processes, its parameters split across them; process 0 alone committed.
+    assert f"process {n - 1} of {n}: {DEVICES // n} local of {DEVICES} cpu devices" in logs[-1]
     sharded = next(line for line in logs[0].splitlines() if "sharded across processes" in line)
-    assert "over 2 processes" in sharded and " 0 of " not in sharded, sharded
-    assert "committed" in logs[0] and "committed" not in logs[1]
-    assert "nothing uploaded" in logs[1]
+    assert f"over {n} processes" in sharded and " 0 of " not in sharded, sharded
+    assert "committed" in logs[0] and not any("committed" in log for log in logs[1:])
+    assert all("nothing uploaded" in log for log in logs[1:])
     manifest = artifacts.read_manifest(multi_out)
-    assert manifest.summary["processes"] == 2 and manifest.summary["steps"] == CONFIG["steps"]
-    # Nothing beside the committed files and the persisted checkpoints under the stage's prefix.
+    assert manifest.summary["processes"] == n and manifest.summary["steps"] == CONFIG["steps"]
+    # Nothing beside the committed files and the checkpoints under the stage's prefix.
     bucket, prefix = gcs.split_uri(multi_out)
     names = {b.name[len(prefix) + 1 :] for b in gcs.client().list_blobs(bucket, prefix=prefix + "/")}
     stray = {n for n in names if not n.startswith("_checkpoints/")} - set(manifest.files) - {artifacts.MANIFEST}
@@ -141,12 +176,42 @@ def test_two_processes_on_loopback_train_the_single_process_adapter(sources, tmp
     assert not any("tmp" in n.split("/")[-2] for n in names if n.startswith("_checkpoints/")), "uncommitted left"
     assert all(f"checkpoints: Orbax writes them to {multi_out}/_checkpoints (direct)" in log for log in logs)
 
-    reference, distributed = _adapter(single_out, tmp_path / "single"), _adapter(multi_out, tmp_path / "multi")
-    assert reference.keys() == distributed.keys() and len(reference) == 28
-    scale = max(float(np.max(np.abs(v))) for v in reference.values())
-    worst = max(float(np.max(np.abs(reference[k] - distributed[k]))) for k in reference)
-    assert scale > 0.01  # the adapter moved: equality is not two zero adapters
-    assert worst <= 1e-4 * scale, (worst, scale)
-    assert artifacts.read_manifest(single_out).summary["first_loss"] == pytest.approx(
+    _assert_same_adapter(single["adapter"], _adapter(multi_out, tmp_path / "multi"), 1e-4)
+    assert artifacts.read_manifest(single["output"]).summary["first_loss"] == pytest.approx(
         manifest.summary["first_loss"], rel=1e-5
     )
+
+
+HEARTBEAT = 10  # seconds without a host before the others give up (production: 100)
+
+
+def test_a_lost_host_fails_the_whole_job_and_the_retry_resumes_to_the_same_adapter(sources, single, tmp_path):
+    """SIGKILL a worker mid-training, then (on the retry) the coordinator: each time every other host
+    stops within a bounded time instead of waiting in a collective; the next try resumes from the
+    newest checkpoint Orbax committed in GCS and trains the uninterrupted run's adapter."""
+    output = f"{sources['root']}/lost/lora_sft"
+    bound = HEARTBEAT + 60  # the heartbeat, plus JAX noticing it and the process exiting on 2 busy cores
+    state = tmp_path / "faults"
+
+    def fault(process: int, at: str) -> dict[int, dict[str, str]]:
+        env = {"LORAFLOW_HEARTBEAT_TIMEOUT": str(HEARTBEAT), "LORAFLOW_FAULT_STATE": str(state / str(process))}
+        return {i: env | ({"LORAFLOW_FAULT": at} if i == process else {}) for i in range(2)}
+
+    # Killed at the end of step 3 of 4 (the first try), then of the step after the resumed one.
+    for attempt, (process, at) in enumerate([(1, "train_step@3"), (0, "train_step@1")]):
+        codes, logs, seconds = _run_hosts(sources, output, tmp_path / f"try{attempt}", 2, fault(process, at))
+        assert codes[process] == -9, logs[process][-2000:]
+        other = 1 - process
+        assert codes[other] != 0, logs[other][-2000:]
+        assert seconds[other] - seconds[process] <= bound, (seconds, logs[other][-2000:])
+        print(
+            f"[lost host] process {process} killed: process {other} stopped {seconds[other] - seconds[process]:.1f}s later"
+        )
+        with pytest.raises(Exception, match="missing"):
+            artifacts.read_manifest(output)
+
+    codes, logs, _ = _run_hosts(sources, output, tmp_path / "retry", 2, fault(0, ""))
+    assert codes == [0, 0], logs[0][-3000:]
+    done = artifacts.read_manifest(output)
+    assert done.summary["resumed_from_step"] in (1, 2)  # Tunix checkpoints step 1, then every period
+    _assert_same_adapter(single["adapter"], _adapter(output, tmp_path / "resumed"), 1e-3)
