@@ -8,14 +8,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from loraflow.data import handoff
-from loraflow.errors import StepError
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting.report import browser_url, data_docs_uri, site_url
 from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:
-    from airflow.triggers.base import BaseTrigger
-
+    from loraflow.launchers.base import Launcher, Workload
     from loraflow.launchers.local import KillSwitch
     from loraflow.pipeline import runner
     from loraflow.spec.schema import PipelineSpec
@@ -87,20 +85,26 @@ class LoraflowStageOperator(BaseOperator):
 
         spec = run_spec(self.spec, context)
         secrets = resolve_secrets(spec, self.stage)
-        compute = spec.compute_for(self.stage)
-        if compute.launcher in ("vertex", "gke") and compute.deferrable and not secrets:
-            return self.execute_deferrable(context, spec)
-        self._kill_switch = KillSwitch()
-        result = runner.run_stage(
-            spec,
-            self.stage,
-            context["run_id"],
-            self.upstream_manifests(context, spec),
-            self.log.info,
-            self._kill_switch,
-            secrets=secrets,
+        prepared = runner.prepare_stage(
+            spec, self.stage, context["run_id"], self.upstream_manifests(context, spec), self.log.info
         )
-        return self.done(context, spec, result)
+        if isinstance(prepared, runner.StageResult):  # a cache hit: nothing to launch
+            return self.done(context, spec, prepared)
+        launcher = runner.launcher_for(
+            spec, self.stage, context["run_id"], prepared.cache_key, prepared.prefix, self.dag_id
+        )
+        self._kill_switch = KillSwitch()  # also pulled before a deferral: the launcher cancels its job
+        self._kill_switch.arm(launcher)
+        if launcher.deferrable and not secrets:
+            return self.defer_to_triggerer(context, prepared, launcher)
+        runner.launch(
+            prepared, launcher, self.log.info, secrets, lambda workload: self.link_workload(context, workload)
+        )
+        return self.done(context, spec, runner.finish_stage(spec, self.stage, prepared.prefix, prepared.cache_key))
+
+    def link_workload(self, context: Context, workload: Workload) -> None:
+        """The task's 'Remote job' link: pushed as soon as a remote job exists, on every path."""
+        context["ti"].xcom_push(key=WorkloadLink().xcom_key, value=workload.link)
 
     def done(self, context: Context, spec: PipelineSpec, result: runner.StageResult) -> dict[str, Any]:
         """Log the result, declare lineage, link the artifacts; the XCom value (both paths end here)."""
@@ -125,61 +129,21 @@ class LoraflowStageOperator(BaseOperator):
         self.inlets = [Asset(uri) for uri in dict.fromkeys(uris)]
         self.outlets = [Asset(manifest.rsplit("/", 1)[0])]
 
-    def execute_deferrable(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:
-        """A vertex or gke stage: submit (or reattach to) its workload, then wait in the triggerer, not in
-        this worker slot."""
-        from loraflow.launchers import gke_jobset as gke
-        from loraflow.launchers import vertex as launch_vertex
-        from loraflow.launchers import vertex_job as vertex
-        from loraflow.launchers.local import KillSwitch
-        from loraflow.pipeline import runner
-        from operators.triggers import GkeJobSetTrigger, VertexJobTrigger
+    def defer_to_triggerer(
+        self, context: Context, prepared: runner.PreparedStage, launcher: Launcher
+    ) -> dict[str, Any]:
+        """Submit (or reattach to) the stage's remote job, then wait in the triggerer, not in this worker slot."""
+        from operators.triggers import trigger_for
 
-        prepared = runner.prepare_stage(
-            spec, self.stage, context["run_id"], self.upstream_manifests(context, spec), self.log.info
-        )
-        if isinstance(prepared, runner.StageResult):  # a cache hit: nothing to submit
-            return self.done(context, spec, prepared)
-        self._kill_switch = KillSwitch()  # killed before it defers: the launcher cancels the workload
-        compute = prepared.compute
-        where = "GKE" if compute.launcher == "gke" else "Vertex AI"
-        self.log.info(
-            "launching %s on %s (%s x %s), output %s",
-            prepared.plan.module,
-            where,
-            compute.machine_type,
-            compute.hosts,
-            prepared.prefix,
-        )
-        resume = {"prefix": prepared.prefix, "cache_key": prepared.cache_key}
-        trigger: BaseTrigger
-        if compute.launcher == "gke":
-            jobset = runner.gke_launcher(spec, self.stage, context["run_id"], prepared.cache_key, self.dag_id)
-            self._kill_switch.arm(jobset)
-            state = jobset.submit(prepared.argv("python"), self.log.info, compute.env)
-            resume["job_name"] = f"{jobset.namespace}/{jobset.name}"
-            link = gke.logs_url(jobset.namespace, jobset.name, vertex.project_for(compute))
-            finished, poll = state == "succeeded", jobset.poll_seconds
-            trigger = GkeJobSetTrigger(
-                namespace=jobset.namespace,
-                name=jobset.name,
-                stage=self.stage,
-                poll_seconds=poll,
-                endpoint=os.environ.get("LORAFLOW_GKE_ENDPOINT"),
-            )
-        else:
-            remote = runner.vertex_launcher(spec, prepared, context["run_id"], self.dag_id)
-            self._kill_switch.arm(remote)
-            job = remote.submit(prepared.argv("python"), self.log.info, compute.env)
-            resume["job_name"] = job.name
-            link = vertex.console_url(job.name)
-            finished, poll = launch_vertex.state_name(job.state) == launch_vertex.SUCCEEDED, remote.poll_seconds
-            trigger = VertexJobTrigger(job_name=job.name, endpoint=remote.endpoint, stage=self.stage, poll_seconds=poll)
-        context["ti"].xcom_push(key=WorkloadLink().xcom_key, value=link)
-        if finished:  # reattached to a workload that already succeeded
+        plan = prepared.plan
+        self.log.info("launching %s %s, output %s", plan.module, launcher.summary(plan.env), prepared.prefix)
+        workload = launcher.submit(prepared.argv(launcher.python(plan.env)), self.log.info, prepared.compute.env)
+        self.link_workload(context, workload)
+        resume = {"job_name": workload.name, "prefix": prepared.prefix, "cache_key": prepared.cache_key}
+        if workload.succeeded:  # reattached to a job that already succeeded
             return self.execute_complete(context, {"status": "success", "state": "succeeded"}, **resume)
-        self.log.info("deferring: the triggerer polls %s every %.0fs", resume["job_name"], poll)
-        self.defer(trigger=trigger, method_name="execute_complete", kwargs=resume)
+        self.log.info("deferring: the triggerer polls %s every %.0fs", workload.name, workload.poll_seconds)
+        self.defer(trigger=trigger_for(launcher.name, workload), method_name="execute_complete", kwargs=resume)
 
     def execute_complete(
         self, context: Context, event: dict[str, Any], job_name: str, prefix: str, cache_key: str
@@ -189,40 +153,25 @@ class LoraflowStageOperator(BaseOperator):
 
         spec = run_spec(self.spec, context)
         if event.get("status") != "success":
-            self.fail_workload(context, spec, event, job_name, cache_key)
+            self.fail_workload(context, spec, event, job_name, prefix, cache_key)
         self.log.info("%s succeeded", job_name)
         return self.done(context, spec, runner.finish_stage(spec, self.stage, prefix, cache_key))
 
     def fail_workload(
-        self, context: Context, spec: PipelineSpec, event: dict[str, Any], job_name: str, cache_key: str
+        self, context: Context, spec: PipelineSpec, event: dict[str, Any], job_name: str, prefix: str, cache_key: str
     ) -> NoReturn:
-        """Raise the workload's own error: ``AirflowFailException`` (no retry) when it is the user's to
-        fix, ``StepError`` (retried) otherwise."""
+        """Raise the job's own error: ``AirflowFailException`` (no retry) when it is the user's to fix,
+        ``StepError`` (retried) otherwise."""
         from airflow.sdk.exceptions import AirflowFailException
 
-        from loraflow.launchers import gke as launch_gke
-        from loraflow.launchers import vertex as launch_vertex
-        from loraflow.launchers import vertex_errors
         from loraflow.pipeline import runner
 
-        compute = spec.compute_for(self.stage)
-        code, message, state = event.get("code"), str(event.get("message", "")), str(event.get("state") or "")
-        if compute.launcher == "gke":
-            jobset = runner.gke_launcher(spec, self.stage, context["run_id"], cache_key, self.dag_id)
-            if state == "failed":
-                error = jobset.failure(message)  # with the failed pod's termination message
-            elif state == "deleted":
-                error = StepError(message)
-            else:
-                error = jobset.explain("read", code, message)
-            users = code in launch_gke.USERS_STATUSES
-        else:
-            error = StepError(launch_vertex.job_failure_message(compute, self.stage, job_name, state, code, message))
-            users = vertex_errors.classify(code, message, job_failed=True).users
-        self.log.error("%s", error)
-        if users:  # retrying the same request cannot help: fail without using up retries
-            raise AirflowFailException(str(error))
-        raise error
+        launcher = runner.launcher_for(spec, self.stage, context["run_id"], cache_key, prefix, self.dag_id)
+        failure = launcher.failure({**event, "job_name": job_name})
+        self.log.error("%s", failure.error)
+        if failure.users:  # retrying the same request cannot help: fail without using up retries
+            raise AirflowFailException(str(failure.error))
+        raise failure.error
 
     def on_kill(self) -> None:
         if self._kill_switch is not None:

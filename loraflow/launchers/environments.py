@@ -32,9 +32,13 @@ class Environment:
             raise LoraflowError(f"lock file {self.lock_file} is missing; run `make lock`")
         return lock_version(self.lock_file)
 
-    def local_python(self) -> Path:
+    def venv_python(self) -> Path:
+        """Where this environment's interpreter is on this machine (``make envs`` puts it there)."""
         base = Path(os.environ.get("LORAFLOW_ENVS_DIR", REPO_ROOT / ".venvs"))
-        python = base / self.name / "bin" / "python"
+        return base / self.name / "bin" / "python"
+
+    def local_python(self) -> Path:
+        python = self.venv_python()
         if not python.exists():
             raise LoraflowError(
                 f"the {self.name} environment is not installed at {python.parent.parent}; run `make envs`"

@@ -1,8 +1,9 @@
 """The GKE launcher: a stage's argv as a JobSet, created once, watched, deleted on kill.
 
-Same surface as ``LocalLauncher``: ``run(argv, sink, extra_env)`` returns when the JobSet completed
+The ``Launcher`` interface (``loraflow/launchers/base.py``): ``run`` returns when the JobSet completed
 and raises ``StepError`` with its failure (the JobSet's condition and the failed pod's termination
-message: the step's last log lines) otherwise; ``kill()`` deletes the JobSet and its pods.
+message: the step's last log lines) otherwise; ``kill()`` deletes the JobSet and its pods; ``submit``
+hands the JobSet to ``operators/triggers/gke.py``'s trigger.
 
 Idempotent: the JobSet's name derives from dag_id, run_id, stage and cache key
 (``loraflow.launchers.gke_jobset.jobset_name``). Before creating, the launcher reads the JobSet of that name: a
@@ -26,8 +27,9 @@ from typing import Any
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launchers import gke_jobset as gke
 from loraflow.launchers import vertex_job as vertex
-from loraflow.launchers.local import LineSink
-from loraflow.spec.schema import ComputeSpec
+from loraflow.launchers.base import Launcher, LineSink, Workload, WorkloadFailure, WorkloadSink, ignore_workload
+from loraflow.launchers.identity import JobIdentity
+from loraflow.spec.compute import GkeCompute
 
 # A failed poll is retried with backoff this many times in a row before the launcher gives up.
 MAX_POLL_ERRORS = 6
@@ -52,21 +54,25 @@ def poll_backoff(exc: BaseException, errors: int, poll_seconds: float, api_error
     return min(poll_seconds * 2**errors, 300.0)
 
 
-class GkeLauncher:
+class GkeLauncher(Launcher):
     """Runs one stage as a JobSet on a GKE cluster."""
+
+    name = "gke"
+    where = "on GKE"
+    compute: GkeCompute
 
     def __init__(
         self,
-        compute: ComputeSpec,
-        identity: vertex.JobIdentity,
+        compute: GkeCompute,
+        identity: JobIdentity,
+        output_prefix: str = "",
         *,
         api_client: Any = None,
         poll_seconds: float | None = None,
     ) -> None:
-        self.compute = compute
-        self.identity = identity
+        super().__init__(compute, identity, output_prefix)
         self.namespace = gke.namespace_for(compute)
-        self.name = gke.jobset_name(identity)
+        self.jobset_name = gke.jobset_name(identity)
         self.poll_seconds = poll_seconds or float(os.environ.get("LORAFLOW_GKE_POLL_SECONDS", "30"))
         self._api_client = api_client
         self._killed = threading.Event()
@@ -103,18 +109,64 @@ class GkeLauncher:
 
     # --- the launcher surface -------------------------------------------------------------------
 
-    def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
+    @property
+    def deferrable(self) -> bool:
+        return self.compute.deferrable
+
+    def secrets_advice(self) -> str:
+        return f"use Workload Identity (compute.{self.identity.stage}.kubernetes_service_account)"
+
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        extra_env: Mapping[str, str] = {},
+        secrets: Mapping[str, str] = {},
+        on_workload: WorkloadSink = ignore_workload,
+    ) -> None:
         """Create (or reattach to) the JobSet and wait in this process until it ends."""
-        self.submit(argv, sink, extra_env)
+        self.check_secrets(secrets)
+        on_workload(self._workload(self._create_or_reattach(argv, sink, extra_env)))
         if self._killed.is_set():  # killed while creating
             self._delete()
         self._wait(sink)
 
-    def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> str:
+    def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> Workload:
+        """The first half of ``run``: a deferrable operator calls this, then defers to the JobSet's trigger."""
+        return self._workload(self._create_or_reattach(argv, sink, extra_env))
+
+    def _workload(self, state: str) -> Workload:
+        return Workload(
+            name=f"{self.namespace}/{self.jobset_name}",
+            link=gke.logs_url(self.namespace, self.jobset_name, vertex.project_for(self.compute)),
+            succeeded=state == "succeeded",
+            poll_seconds=self.poll_seconds,
+            trigger={
+                "namespace": self.namespace,
+                "name": self.jobset_name,
+                "stage": self.identity.stage,
+                "endpoint": os.environ.get("LORAFLOW_GKE_ENDPOINT"),
+            },
+        )
+
+    def failure(self, event: Mapping[str, Any]) -> WorkloadFailure:
+        code, message, state = event.get("code"), str(event.get("message", "")), str(event.get("state") or "")
+        if state == "failed":
+            error = self._failed(message)  # with the failed pod's termination message
+        elif state == "deleted":
+            error = StepError(message)
+        else:
+            error = self.explain("read", code if isinstance(code, int) else None, message)
+        return WorkloadFailure(error, users=code in USERS_STATUSES)
+
+    def describe(self, argv: Sequence[str]) -> dict[str, Any]:
+        return {"gke_jobset": gke.jobset(self.compute, self.identity, argv, self.compute.env)}
+
+    def _create_or_reattach(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str]) -> str:
         """Create the JobSet, or reattach to the one this run and stage created before (pending, running
         or completed); a failed one is deleted and created again. Returns its state once it exists."""
         body = gke.jobset(self.compute, self.identity, argv, extra_env)
-        where = f"JobSet {self.namespace}/{self.name}"
+        where = f"JobSet {self.namespace}/{self.jobset_name}"
         existing = self._poll_get(sink)
         now = "pending"
         if existing is not None:
@@ -131,14 +183,14 @@ class GkeLauncher:
                 raise StepError(f"stage {self.identity.stage} was killed before {where} was created")
             self._create(body, sink)
         self._submitted.set()
-        sink(f"{where}: {gke.describe_workload(self.namespace, self.name)}")
+        sink(f"{where}: {gke.describe_workload(self.namespace, self.jobset_name)}")
         return now
 
-    def failure(self, message: str) -> StepError:
+    def _failed(self, message: str) -> StepError:
         """The error of a failed JobSet: its condition and the failed pod's termination message."""
         pod = self._failed_pod_message()
         return StepError(
-            f"JobSet {self.namespace}/{self.name} for stage {self.identity.stage} failed: {message}"
+            f"JobSet {self.namespace}/{self.jobset_name} for stage {self.identity.stage} failed: {message}"
             + (f"; {pod}" if pod else "")
         )
 
@@ -158,7 +210,7 @@ class GkeLauncher:
 
         try:
             obj: dict[str, Any] = self._objects().get_namespaced_custom_object(
-                *gke.object_ref(self.namespace, self.name)
+                *gke.object_ref(self.namespace, self.jobset_name)
             )
             return obj
         except ApiException as exc:
@@ -171,10 +223,12 @@ class GkeLauncher:
 
         try:
             self._objects().create_namespaced_custom_object(gke.GROUP, gke.VERSION, self.namespace, gke.PLURAL, body)
-            sink(f"created JobSet {self.namespace}/{self.name} ({self.compute.hosts} pod(s) of {self.compute.image})")
+            sink(
+                f"created JobSet {self.namespace}/{self.jobset_name} ({self.compute.hosts} pod(s) of {self.compute.image})"
+            )
         except ApiException as exc:
             if exc.status == 409:  # another attempt created it between our read and our create
-                sink(f"JobSet {self.namespace}/{self.name} already exists: reattaching to it")
+                sink(f"JobSet {self.namespace}/{self.jobset_name} already exists: reattaching to it")
                 return
             raise self._explain("create", exc) from exc
 
@@ -184,7 +238,7 @@ class GkeLauncher:
 
         try:
             self._objects().delete_namespaced_custom_object(
-                *gke.object_ref(self.namespace, self.name),
+                *gke.object_ref(self.namespace, self.jobset_name),
                 body=client.V1DeleteOptions(propagation_policy="Foreground"),
             )
         except ApiException as exc:
@@ -196,7 +250,7 @@ class GkeLauncher:
         while self._poll_get(sink) is not None:
             if time.monotonic() > deadline:
                 raise StepError(
-                    f"JobSet {self.namespace}/{self.name} is still being deleted after {DELETE_WAIT_SECONDS}s"
+                    f"JobSet {self.namespace}/{self.jobset_name} is still being deleted after {DELETE_WAIT_SECONDS}s"
                 )
             time.sleep(min(self.poll_seconds, 5.0))
 
@@ -213,11 +267,11 @@ class GkeLauncher:
                 backoff = poll_backoff(exc, errors, self.poll_seconds, ApiException)
                 if backoff is None:
                     raise self._explain("get", exc) from exc
-                sink(f"reading JobSet {self.name} failed ({_what(exc)}); retrying in {backoff:.0f}s")
+                sink(f"reading JobSet {self.jobset_name} failed ({_what(exc)}); retrying in {backoff:.0f}s")
                 time.sleep(backoff)
 
     def _wait(self, sink: LineSink) -> None:
-        where = f"JobSet {self.namespace}/{self.name}"
+        where = f"JobSet {self.namespace}/{self.jobset_name}"
         last = ""
         while True:
             obj = self._poll_get(sink)
@@ -233,7 +287,7 @@ class GkeLauncher:
             if now == "succeeded":
                 return
             if now == "failed":
-                raise self.failure(message)
+                raise self._failed(message)
             self._killed.wait(min(self.poll_seconds, 2.0) if self._killed.is_set() else self.poll_seconds)
 
     def _failed_pod_message(self) -> str:
@@ -242,7 +296,7 @@ class GkeLauncher:
 
         try:
             pods = client.CoreV1Api(self._client()).list_namespaced_pod(
-                self.namespace, label_selector=f"{gke.POD_LABEL}={self.name}"
+                self.namespace, label_selector=f"{gke.POD_LABEL}={self.jobset_name}"
             )
         except Exception:  # the message is a courtesy: never hide the JobSet's own failure behind it
             return ""
@@ -274,7 +328,7 @@ class GkeLauncher:
             ),
             422: f"the cluster rejected the JobSet: check compute.{stage} (image, machine_type, tpu_topology, hosts)",
         }.get(status or 0)
-        text = f"GKE {what} of JobSet {self.namespace}/{self.name} failed for stage {stage}: {status} {detail}".strip()
+        text = f"GKE {what} of JobSet {self.namespace}/{self.jobset_name} failed for stage {stage}: {status} {detail}".strip()
         return StepError(f"{text}; {hint}" if hint else text)
 
 

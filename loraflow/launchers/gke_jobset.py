@@ -25,8 +25,9 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.launchers import vertex_job as vertex
+from loraflow.launchers.identity import JobIdentity
 from loraflow.launchers.multihost import DEFAULT_COORDINATOR_PORT
-from loraflow.spec.schema import ComputeSpec
+from loraflow.spec.compute import GkeCompute
 
 GROUP = "jobset.x-k8s.io"
 VERSION = "v1alpha2"
@@ -51,7 +52,7 @@ class GkeConfigError(LoraflowError):
     """The stage's compute settings cannot make a valid JobSet."""
 
 
-def jobset_name(identity: vertex.JobIdentity) -> str:
+def jobset_name(identity: JobIdentity) -> str:
     """``lf-<stage>-<16 hex>``: short enough that every pod's host name stays a DNS label."""
     return f"lf-{identity.stage.replace('_', '-')}-{identity.key[:16]}"
 
@@ -61,11 +62,11 @@ def pod_hostname(name: str, index: int) -> str:
     return f"{name}-{REPLICATED_JOB}-0-{index}.{name}"
 
 
-def namespace_for(compute: ComputeSpec) -> str:
+def namespace_for(compute: GkeCompute) -> str:
     return compute.namespace or DEFAULT_NAMESPACE
 
 
-def tpu_resources(compute: ComputeSpec) -> tuple[str, int] | None:
+def tpu_resources(compute: GkeCompute) -> tuple[str, int] | None:
     """(GKE accelerator label, chips per host) for a TPU machine type; None for other machines.
 
     Checks ``hosts`` against the topology: a 4x4 slice of 4-chip hosts is 4 hosts, and a JobSet with
@@ -98,7 +99,7 @@ def tpu_resources(compute: ComputeSpec) -> tuple[str, int] | None:
 
 
 def container_env(
-    compute: ComputeSpec, name: str, extra_env: Mapping[str, str] = {}, port: int = DEFAULT_COORDINATOR_PORT
+    compute: GkeCompute, name: str, extra_env: Mapping[str, str] = {}, port: int = DEFAULT_COORDINATOR_PORT
 ) -> list[dict[str, str]]:
     """BASE_ENV < compute.env < extra < the multi-host wiring, sorted by name (as for Vertex)."""
     env = dict(vertex.BASE_ENV) | dict(compute.env) | dict(extra_env)
@@ -111,7 +112,7 @@ def container_env(
     return [{"name": k, "value": env[k]} for k in sorted(env)]
 
 
-def _placement(compute: ComputeSpec) -> tuple[dict[str, str], dict[str, str]]:
+def _placement(compute: GkeCompute) -> tuple[dict[str, str], dict[str, str]]:
     """(node selector, resource limits) for the stage's machine."""
     selector: dict[str, str] = {}
     limits: dict[str, str] = {}
@@ -132,14 +133,14 @@ def _placement(compute: ComputeSpec) -> tuple[dict[str, str], dict[str, str]]:
     return selector, limits
 
 
-def _labels(identity: vertex.JobIdentity) -> dict[str, str]:
+def _labels(identity: JobIdentity) -> dict[str, str]:
     # Kubernetes label values must also start and end with a letter or digit.
     return {k: v.strip("-_") for k, v in identity.labels.items()}
 
 
 def jobset(
-    compute: ComputeSpec,
-    identity: vertex.JobIdentity,
+    compute: GkeCompute,
+    identity: JobIdentity,
     argv: Sequence[str],
     extra_env: Mapping[str, str] = {},
 ) -> dict[str, Any]:

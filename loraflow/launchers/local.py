@@ -17,15 +17,21 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from loraflow.errors import StepError
+from loraflow.launchers.base import Launcher, LineSink, WorkloadSink, ignore_workload
 from loraflow.launchers.credentials import Redactor
 from loraflow.launchers.environments import REPO_ROOT
 
-LineSink = Callable[[str], None]
+if TYPE_CHECKING:
+    from loraflow.launchers.environments import Environment
+    from loraflow.launchers.identity import JobIdentity
+    from loraflow.spec.compute import AnyCompute
+
+__all__ = ["REFUSED_EXIT", "KillSwitch", "LineSink", "LocalLauncher", "StepRefused", "step_environment"]
 
 #: A step program's exit status when it refused its input (a LoraflowError: bad data, bad config).
 REFUSED_EXIT = 2
@@ -96,19 +102,42 @@ def step_environment(extra: Mapping[str, str] = {}) -> dict[str, str]:
 _SUPERVISOR = Path(__file__).with_name("step_supervisor.py")
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """Runs one step program as a child process group and streams its output line by line.
 
     The step never outlives the process that launched it: if that process dies (SIGKILL included:
     a lost worker, the OOM killer), the step and everything it started are killed with SIGKILL
     (``loraflow/launchers/step_supervisor.py``), so a retry never runs beside a step of the try before."""
 
-    def __init__(self) -> None:
+    name = "local"
+    where = "locally"
+
+    def __init__(
+        self, compute: AnyCompute | None = None, identity: JobIdentity | None = None, output_prefix: str = ""
+    ) -> None:
+        from loraflow.launchers.identity import JobIdentity
+        from loraflow.spec.compute import LocalCompute
+
+        super().__init__(compute or LocalCompute(), identity or JobIdentity("", "", "", ""), output_prefix)
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
 
+    def python(self, env: Environment, *, installed: bool = True) -> str:
+        return str(env.local_python() if installed else env.venv_python())
+
+    def check_secrets(self, secrets: Mapping[str, str]) -> None:
+        return None  # they reach the step through its environment only, redacted in its output
+
+    def summary(self, env: Environment) -> str:
+        return f"in the {env.name} environment"
+
     def run(
-        self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}, secrets: Mapping[str, str] = {}
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        extra_env: Mapping[str, str] = {},
+        secrets: Mapping[str, str] = {},
+        on_workload: WorkloadSink = ignore_workload,
     ) -> None:
         """Run to the end; raise ``StepError`` (``StepRefused`` for refused input) naming the last error line.
 

@@ -1,7 +1,8 @@
 """The Vertex AI launcher: a stage's argv as a CustomJob, submitted once, watched, cancellable.
 
-Same surface as ``LocalLauncher``: ``run(argv, sink, extra_env)`` returns when the job succeeded and
-raises ``StepError`` with the job's own error otherwise; ``kill()`` cancels the job.
+The ``Launcher`` interface (``loraflow/launchers/base.py``): ``run`` returns when the job succeeded
+and raises ``StepError`` with the job's own error otherwise; ``kill()`` cancels the job; ``submit``
+hands the job to ``operators/triggers/vertex.py``'s trigger.
 
 Idempotent: before submitting, it lists the jobs labelled with the stage's deterministic key
 (``loraflow.launchers.vertex_job.JobIdentity``). A queued, running or succeeded one is reattached to (a retried
@@ -25,9 +26,10 @@ from typing import Any
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launchers import vertex_errors
 from loraflow.launchers import vertex_job as vertex
-from loraflow.launchers.local import LineSink
+from loraflow.launchers.base import Launcher, LineSink, Workload, WorkloadFailure, WorkloadSink, ignore_workload
+from loraflow.launchers.identity import JobIdentity
+from loraflow.spec.compute import VertexCompute
 from loraflow.spec.resource_names import vertex_api_host
-from loraflow.spec.schema import ComputeSpec
 
 SUCCEEDED = "JOB_STATE_SUCCEEDED"
 # A job in one of these states is not reattached to: a retry submits a new one.
@@ -43,13 +45,17 @@ def state_name(state: Any) -> str:
     return getattr(state, "name", str(state))
 
 
-class VertexLauncher:
+class VertexLauncher(Launcher):
     """Runs one stage as a Vertex AI CustomJob."""
+
+    name = "vertex"
+    where = "on Vertex AI"
+    compute: VertexCompute
 
     def __init__(
         self,
-        compute: ComputeSpec,
-        identity: vertex.JobIdentity,
+        compute: VertexCompute,
+        identity: JobIdentity,
         output_prefix: str,
         *,
         project: str | None = None,
@@ -57,9 +63,7 @@ class VertexLauncher:
         credentials: Any = None,
         poll_seconds: float | None = None,
     ) -> None:
-        self.compute = compute
-        self.identity = identity
-        self.output_prefix = output_prefix
+        super().__init__(compute, identity, output_prefix)
         self.location = vertex.location_for(compute)
         self.project = project or vertex.project_for(compute)
         self.endpoint = endpoint or endpoint_for(compute)
@@ -93,15 +97,57 @@ class VertexLauncher:
 
     # --- the launcher surface -------------------------------------------------------------------
 
-    def run(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> None:
+    @property
+    def deferrable(self) -> bool:
+        return self.compute.deferrable
+
+    def secrets_advice(self) -> str:
+        return f"grant compute.{self.identity.stage}.service_account access instead"
+
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        extra_env: Mapping[str, str] = {},
+        secrets: Mapping[str, str] = {},
+        on_workload: WorkloadSink = ignore_workload,
+    ) -> None:
         """Submit (or reattach) and wait in this thread until the job ends."""
-        self._wait(self.submit(argv, sink, extra_env), sink)
+        self.check_secrets(secrets)
+        job = self._submit_or_reattach(argv, sink, extra_env)
+        on_workload(self._workload(job))
+        self._wait(job, sink)
 
-    def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> Any:
-        """Reattach to this stage's live or succeeded job, else submit one; the job (SDK message).
+    def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> Workload:
+        """The first half of ``run``: a deferrable operator calls this, then defers to the job's trigger."""
+        return self._workload(self._submit_or_reattach(argv, sink, extra_env))
 
-        The first half of ``run``: a deferrable operator calls this, then hands ``job_name`` to a trigger.
-        """
+    def _workload(self, job: Any) -> Workload:
+        return Workload(
+            name=job.name,
+            link=vertex.console_url(job.name),
+            succeeded=state_name(job.state) == SUCCEEDED,
+            poll_seconds=self.poll_seconds,
+            trigger={"job_name": job.name, "endpoint": self.endpoint, "stage": self.identity.stage},
+        )
+
+    def failure(self, event: Mapping[str, Any]) -> WorkloadFailure:
+        code, message, state = event.get("code"), str(event.get("message", "")), str(event.get("state") or "")
+        name = str(event.get("job_name") or self.job_name or "")
+        m = re.fullmatch(r"projects/([^/]+)/locations/([^/]+)/customJobs/[^/]+", name)
+        if m:  # the job's own project, whatever the workers' environment says now
+            self.project = m.group(1)
+        error = StepError(self.job_failure(name, state, code, message))
+        return WorkloadFailure(error, users=vertex_errors.classify(code, message, job_failed=True).users)
+
+    def describe(self, argv: Sequence[str]) -> dict[str, Any]:
+        env = self.compute.env
+        return {
+            "vertex_create_request": vertex.create_request(self.compute, self.identity, argv, self.output_prefix, env)
+        }
+
+    def _submit_or_reattach(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str]) -> Any:
+        """Reattach to this stage's live or succeeded job, else submit one; the job (SDK message)."""
         if self.project is None:
             raise LoraflowError(
                 f"stage {self.identity.stage}: no Google Cloud project for Vertex AI; set LORAFLOW_VERTEX_PROJECT "
@@ -247,7 +293,7 @@ class VertexApiError(LoraflowError):
         self.http_status, self.status, self.message = http_status, status, message
 
 
-def endpoint_for(compute: ComputeSpec) -> str:
+def endpoint_for(compute: VertexCompute) -> str:
     """The API endpoint a stage's jobs live at: ``LORAFLOW_VERTEX_ENDPOINT`` (the deployer's), else the
     region's, built only from a valid region (``resource_names.vertex_api_host``)."""
     return os.environ.get("LORAFLOW_VERTEX_ENDPOINT") or vertex_api_host(vertex.location_for(compute))
@@ -348,13 +394,3 @@ async def watch_job(
         if state in TERMINAL:
             return job
         await asyncio.sleep(poll_seconds)
-
-
-def job_failure_message(
-    compute: ComputeSpec, stage: str, job_name: str, state: str, code: int | str | None, message: str
-) -> str:
-    """Why a job ended without success, for a caller holding only the spec and the job's name."""
-    m = re.fullmatch(r"projects/([^/]+)/locations/([^/]+)/customJobs/[^/]+", job_name)
-    project = m.group(1) if m else vertex.project_for(compute)
-    launcher = VertexLauncher(compute, vertex.JobIdentity("", "", stage, ""), "", project=project)
-    return launcher.job_failure(job_name, state, code, message)

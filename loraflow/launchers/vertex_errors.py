@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from loraflow.spec.schema import ComputeSpec
+from loraflow.spec.compute import VertexCompute
 
 
 class Kind(StrEnum):
@@ -162,7 +162,7 @@ def retry_poll(diagnosis: Diagnosis) -> bool:
     return diagnosis.transient or diagnosis.status == "RESOURCE_EXHAUSTED"
 
 
-def advice(diagnosis: Diagnosis, compute: ComputeSpec, stage: str, location: str, project: str | None) -> str:
+def advice(diagnosis: Diagnosis, compute: VertexCompute, stage: str, location: str, project: str | None) -> str:
     """What to change, naming the spec keys and roles involved; "" for failures that are not the user's."""
     where = f"compute.{stage}"
     what = f"{compute.machine_type}" + (f" {compute.tpu_topology}" if compute.tpu_topology else "")
@@ -207,7 +207,7 @@ def explain(
     headline: str,
     code: int | str | None,
     message: str,
-    compute: ComputeSpec,
+    compute: VertexCompute,
     stage: str,
     location: str,
     project: str | None,

@@ -13,17 +13,15 @@ jobs with that label and reattaches to a live or succeeded one instead of submit
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.spec.schema import ComputeSpec
+from loraflow.launchers.identity import JobIdentity
+from loraflow.spec.compute import RemoteCompute, VertexCompute
 
-JOB_LABEL = "loraflow-job"
 DEFAULT_LOCATION = "us-central1"
 PLACEHOLDER_PROJECT = "PROJECT"
 # The label a specific Compute Engine reservation is selected by (machineSpec.reservationAffinity).
@@ -44,48 +42,11 @@ class VertexConfigError(LoraflowError):
     """The stage's compute settings cannot make a valid CustomJob."""
 
 
-@dataclass(frozen=True)
-class JobIdentity:
-    """Who a CustomJob is for: the same four values always name the same job."""
-
-    dag_id: str
-    run_id: str
-    stage: str
-    cache_key: str
-
-    @property
-    def key(self) -> str:
-        raw = "\0".join((self.dag_id, self.run_id, self.stage, self.cache_key))
-        return hashlib.sha256(raw.encode()).hexdigest()[:40]
-
-    @property
-    def display_name(self) -> str:
-        # Up to 128 characters of any UTF-8; the key at the end keeps it unique when truncated.
-        return f"loraflow.{self.dag_id[:50]}.{self.stage}.{self.key}"
-
-    @property
-    def labels(self) -> dict[str, str]:
-        return {
-            JOB_LABEL: self.key,
-            "loraflow-stage": label_value(self.stage),
-            "loraflow-dag": label_value(self.dag_id),
-        }
-
-    @property
-    def list_filter(self) -> str:
-        return f'labels.{JOB_LABEL}="{self.key}"'
-
-
-def label_value(text: str) -> str:
-    """A Vertex/GCP label value: lowercase letters, digits, '-' and '_', at most 63 characters."""
-    return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
-
-
 def is_tpu(machine_type: str) -> bool:
     return machine_type.startswith("ct")
 
 
-def machine_spec(compute: ComputeSpec) -> dict[str, Any]:
+def machine_spec(compute: RemoteCompute) -> dict[str, Any]:
     machine_type = compute.machine_type
     if machine_type is None:
         raise VertexConfigError("the vertex launcher needs compute.machine_type")
@@ -103,16 +64,22 @@ def machine_spec(compute: ComputeSpec) -> dict[str, Any]:
             count = counts.get(m.group(1)) if counts is not None else int(m.group(1))
             if count:
                 spec |= {"acceleratorType": accelerator, "acceleratorCount": count}
-    if compute.reservation:
-        spec["reservationAffinity"] = {
-            "reservationAffinityType": "SPECIFIC_RESERVATION",
-            "key": RESERVATION_KEY,
-            "values": [compute.reservation],
-        }
     return spec
 
 
-def project_for(compute: ComputeSpec, environ: Mapping[str, str] | None = None) -> str | None:
+def reservation_affinity(compute: VertexCompute) -> dict[str, Any]:
+    """The machineSpec part that makes the job consume the spec's reservation (none: nothing)."""
+    if not compute.reservation:
+        return {}
+    affinity = {
+        "reservationAffinityType": "SPECIFIC_RESERVATION",
+        "key": RESERVATION_KEY,
+        "values": [compute.reservation],
+    }
+    return {"reservationAffinity": affinity}
+
+
+def project_for(compute: RemoteCompute, environ: Mapping[str, str] | None = None) -> str | None:
     """LORAFLOW_VERTEX_PROJECT, else GOOGLE_CLOUD_PROJECT, else the service account's project."""
     env = os.environ if environ is None else environ
     for key in ("LORAFLOW_VERTEX_PROJECT", "GOOGLE_CLOUD_PROJECT"):
@@ -123,7 +90,7 @@ def project_for(compute: ComputeSpec, environ: Mapping[str, str] | None = None) 
     return m.group(1) if m else None
 
 
-def location_for(compute: ComputeSpec) -> str:
+def location_for(compute: VertexCompute) -> str:
     return compute.region or DEFAULT_LOCATION
 
 
@@ -131,7 +98,7 @@ def parent(project: str, location: str) -> str:
     return f"projects/{project}/locations/{location}"
 
 
-def container_env(compute: ComputeSpec, extra_env: Mapping[str, str] = {}) -> list[dict[str, str]]:
+def container_env(compute: RemoteCompute, extra_env: Mapping[str, str] = {}) -> list[dict[str, str]]:
     """BASE_ENV < the spec's compute.env < extra < loraflow's multi-host wiring, sorted by name."""
     env = dict(BASE_ENV) | dict(compute.env) | dict(extra_env)
     env |= {"LORAFLOW_LAUNCHER": "vertex", "LORAFLOW_EXPECTED_HOSTS": str(compute.hosts)}
@@ -139,7 +106,7 @@ def container_env(compute: ComputeSpec, extra_env: Mapping[str, str] = {}) -> li
 
 
 def custom_job(
-    compute: ComputeSpec,
+    compute: VertexCompute,
     identity: JobIdentity,
     argv: Sequence[str],
     output_prefix: str,
@@ -157,7 +124,7 @@ def custom_job(
     job_spec: dict[str, Any] = {
         "workerPoolSpecs": [
             {
-                "machineSpec": machine_spec(compute),
+                "machineSpec": machine_spec(compute) | reservation_affinity(compute),
                 "replicaCount": str(compute.hosts),  # int64: a string in proto3 JSON
                 "containerSpec": {
                     "imageUri": compute.image,
@@ -181,7 +148,7 @@ def custom_job(
 
 
 def create_request(
-    compute: ComputeSpec,
+    compute: VertexCompute,
     identity: JobIdentity,
     argv: Sequence[str],
     output_prefix: str,

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraflow.launchers import registry
 from loraflow.launchers.environments import ENVIRONMENTS, Environment
+from loraflow.launchers.identity import JobIdentity
 from loraflow.pipeline import artifacts
 from loraflow.spec.schema import STAGES, PipelineSpec
 from loraflow.spec.step_configs import (
@@ -186,12 +188,10 @@ def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
             for name, ref in sp.inputs.items()
         }
         compute = spec.compute_for(sp.stage)
-        python = (
-            "python"
-            if compute.launcher != "local"
-            else str(sp.env.lock_file.parent.parent / ".venvs" / sp.env.name / "bin" / "python")
-        )
+        identity = JobIdentity(spec.name, run_id, sp.stage, "CACHE_KEY")
+        launcher = registry.launcher_for(compute, identity, output_prefix(spec, run_id, sp.stage))
         placeholders = {name: "FINGERPRINT" for name in inputs}
+        python = launcher.python(sp.env, installed=False)
         argv = sp.argv(python, output_prefix(spec, run_id, sp.stage), inputs, "LOCK", "CACHE_KEY", placeholders)
         entry = {
             "stage": sp.stage,
@@ -201,20 +201,8 @@ def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
             "output": output_prefix(spec, run_id, sp.stage),
             "cached": sp.cacheable,
             "argv": argv,
+            **launcher.describe(argv),
         }
-        if compute.launcher == "vertex":
-            from loraflow.launchers import vertex_job as vertex
-
-            identity = vertex.JobIdentity(spec.name, run_id, sp.stage, "CACHE_KEY")
-            entry["vertex_create_request"] = vertex.create_request(
-                compute, identity, argv, output_prefix(spec, run_id, sp.stage), compute.env
-            )
-        if compute.launcher == "gke":
-            from loraflow.launchers import gke_jobset as gke
-            from loraflow.launchers import vertex_job as vertex
-
-            identity = vertex.JobIdentity(spec.name, run_id, sp.stage, "CACHE_KEY")
-            entry["gke_jobset"] = gke.jobset(compute, identity, argv, compute.env)
         stages.append(entry)
     described: dict[str, Any] = {
         "pipeline": spec.name,

@@ -8,18 +8,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.launchers import credentials
-from loraflow.launchers.local import KillSwitch, LineSink, LocalLauncher
+from loraflow.launchers import credentials, registry
+from loraflow.launchers.base import Launcher, WorkloadSink, ignore_workload
+from loraflow.launchers.identity import JobIdentity
+from loraflow.launchers.local import KillSwitch, LineSink
 from loraflow.pipeline import artifacts
 from loraflow.pipeline.plan import Source, StagePlan, output_prefix, stage_plans
-from loraflow.spec.schema import ComputeSpec, PipelineSpec
-
-if TYPE_CHECKING:
-    from loraflow.launchers.gke import GkeLauncher
-    from loraflow.launchers.vertex import VertexLauncher
+from loraflow.spec.compute import AnyCompute
+from loraflow.spec.schema import PipelineSpec
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class PreparedStage:
 
     stage: str
     plan: StagePlan
-    compute: ComputeSpec
+    compute: AnyCompute
     inputs: dict[str, str]
     cache_key: str
     lock_version: str
@@ -99,11 +98,7 @@ def prepare_stage(
     """The first half of ``run_stage``: resolve inputs and the cache key; a ``StageResult`` on a cache hit."""
     plan = stage_plans(spec)[stage]
     compute = spec.compute_for(stage)
-    if compute.launcher not in ("local", "vertex", "gke"):
-        raise LoraflowError(
-            f"stage {stage} asks for the {compute.launcher!r} launcher, which this loraflow version cannot "
-            f"start; set compute.{stage}.launcher to local, vertex or gke"
-        )
+    registry.launcher_class(compute.launcher, stage)  # one this version cannot start fails before any work
     inputs = resolve_inputs(plan, upstream)
     lock = plan.env.lock_version()
     fingerprints = input_fingerprints(inputs)
@@ -118,23 +113,31 @@ def prepare_stage(
     return PreparedStage(stage, plan, compute, inputs, key, lock, prefix, fingerprints)
 
 
-def vertex_launcher(
-    spec: PipelineSpec, prepared: PreparedStage, run_id: str, dag_id: str | None = None
-) -> VertexLauncher:
-    """The ``VertexLauncher`` of a prepared vertex stage; its job is named after dag_id, run_id, stage, cache key."""
-    from loraflow.launchers.vertex import VertexLauncher
-    from loraflow.launchers.vertex_job import JobIdentity
-
-    identity = JobIdentity(dag_id or spec.name, run_id, prepared.stage, prepared.cache_key)
-    return VertexLauncher(prepared.compute, identity, prepared.prefix)
+def launcher_for(
+    spec: PipelineSpec, stage: str, run_id: str, cache_key: str, prefix: str, dag_id: str | None = None
+) -> Launcher:
+    """The launcher of ``stage`` as the spec's compute section says; a remote job is named after
+    dag_id (default: the spec's name, as the DAG factory names DAGs), run_id, stage and cache key."""
+    identity = JobIdentity(dag_id or spec.name, run_id, stage, cache_key)
+    return registry.launcher_for(spec.compute_for(stage), identity, prefix)
 
 
-def gke_launcher(spec: PipelineSpec, stage: str, run_id: str, cache_key: str, dag_id: str | None = None) -> GkeLauncher:
-    """The ``GkeLauncher`` of a gke stage; its JobSet is named after dag_id, run_id, stage and cache key."""
-    from loraflow.launchers.gke import GkeLauncher
-    from loraflow.launchers.vertex_job import JobIdentity
-
-    return GkeLauncher(spec.compute_for(stage), JobIdentity(dag_id or spec.name, run_id, stage, cache_key))
+def launch(
+    prepared: PreparedStage,
+    launcher: Launcher,
+    sink: LineSink,
+    secrets: Mapping[str, str] = {},
+    on_workload: WorkloadSink = ignore_workload,
+) -> None:
+    """Run a prepared stage's step program with ``launcher`` until it ends; ``on_workload`` hears of a
+    remote job as soon as it exists."""
+    plan = prepared.plan
+    for name, value in sorted(secrets.items()):
+        sink(f"secret {name} ({credentials.fingerprint(value)}) passed to the step in its environment")
+    launcher.check_secrets(secrets)
+    sink(f"launching {plan.module} {launcher.summary(plan.env)}, output {prepared.prefix}")
+    argv = prepared.argv(launcher.python(plan.env))
+    launcher.run(argv, sink, prepared.compute.env, secrets, on_workload)
 
 
 def finish_stage(spec: PipelineSpec, stage: str, prefix: str, cache_key: str) -> StageResult:
@@ -161,48 +164,17 @@ def run_stage(
     kill_switch: KillSwitch | None = None,
     dag_id: str | None = None,
     secrets: Mapping[str, str] | None = None,
+    on_workload: WorkloadSink = ignore_workload,
 ) -> StageResult:
-    """Run ``stage`` unless the cache holds it. A vertex stage runs as a Vertex AI CustomJob named after
-    ``dag_id`` (default: the spec's name, as the DAG factory names DAGs), ``run_id``, stage and cache key;
-    ``kill_switch.kill()`` stops the step program (or cancels that job). ``secrets`` (``{ENV_NAME: value}``,
-    resolved by the caller) reach the step program only through its environment; their values are
-    replaced by ``***`` in the step's output lines and error messages."""
+    """Run ``stage`` unless the cache holds it, with the launcher its compute section names
+    (``launcher_for``); ``kill_switch.kill()`` stops the step program (or cancels its remote job).
+    ``secrets`` (``{ENV_NAME: value}``, resolved by the caller) reach the step program only through its
+    environment; their values are replaced by ``***`` in the step's output lines and error messages."""
     prepared = prepare_stage(spec, stage, run_id, upstream, sink)
     if isinstance(prepared, StageResult):
         return prepared
-    plan, compute, key, prefix = prepared.plan, prepared.compute, prepared.cache_key, prepared.prefix
-    secrets = dict(secrets or {})
-    for name, value in sorted(secrets.items()):
-        sink(f"secret {name} ({credentials.fingerprint(value)}) passed to the step in its environment")
-    if compute.launcher == "vertex" and secrets:
-        raise LoraflowError(
-            f"stage {stage} runs on Vertex AI, where loraflow does not pass secrets ({', '.join(sorted(secrets))}); "
-            f"grant compute.{stage}.service_account access instead, or limit secrets.*.stages to local stages"
-        )
-    if compute.launcher == "vertex":
-        remote = vertex_launcher(spec, prepared, run_id, dag_id)
-        if kill_switch is not None:
-            kill_switch.arm(remote)
-        argv = prepared.argv("python")
-        sink(f"launching {plan.module} on Vertex AI ({compute.machine_type} x {compute.hosts}), output {prefix}")
-        remote.run(argv, sink, compute.env)
-    elif compute.launcher == "gke":
-        if secrets:
-            raise LoraflowError(
-                f"stage {stage} runs on GKE, where loraflow does not pass secrets ({', '.join(sorted(secrets))}); "
-                f"use Workload Identity (compute.{stage}.kubernetes_service_account) or limit secrets.*.stages to local stages"
-            )
-        jobset = gke_launcher(spec, stage, run_id, key, dag_id)
-        if kill_switch is not None:
-            kill_switch.arm(jobset)
-        argv = prepared.argv("python")
-        sink(f"launching {plan.module} on GKE ({compute.machine_type} x {compute.hosts}), output {prefix}")
-        jobset.run(argv, sink, compute.env)
-    else:
-        argv = prepared.argv(str(plan.env.local_python()))
-        sink(f"launching {plan.module} in the {plan.env.name} environment, output {prefix}")
-        local = LocalLauncher()
-        if kill_switch is not None:
-            kill_switch.arm(local)
-        local.run(argv, sink, compute.env, secrets)
-    return finish_stage(spec, stage, prefix, key)
+    launcher = launcher_for(spec, stage, run_id, prepared.cache_key, prepared.prefix, dag_id)
+    if kill_switch is not None:
+        kill_switch.arm(launcher)
+    launch(prepared, launcher, sink, secrets or {}, on_workload)
+    return finish_stage(spec, stage, prepared.prefix, prepared.cache_key)

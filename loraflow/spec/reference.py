@@ -10,7 +10,8 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from loraflow.spec.schema import STAGES, ComputeSpec, ParamSpec, PipelineSpec
+from loraflow.spec.compute import COMPUTE_CLASSES, LAUNCHER_NAMES
+from loraflow.spec.schema import STAGES, ParamSpec, PipelineSpec
 
 HEADER = """# Pipeline spec reference
 
@@ -44,6 +45,7 @@ def _type(annotation: Any) -> str:
     annotation = _plain(annotation)
     text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
     text = (text or str(annotation)).replace("typing.", "").replace("loraflow.spec.schema.", "")
+    text = text.replace("loraflow.spec.compute.", "")
     return text.replace("NoneType", "null").replace("None", "null").replace("|", "\\|")
 
 
@@ -89,11 +91,19 @@ def _sections(model: type[BaseModel], prefix: str) -> list[str]:
     out: list[str] = []
     for name, field in model.model_fields.items():
         for key, sub in _nested(field.annotation, f"{prefix}{name}"):
-            if sub in (ComputeSpec, ParamSpec):  # documented with their own prose below
+            if sub in (*COMPUTE_CLASSES, ParamSpec):  # documented with their own prose below
                 continue
             doc = (sub.__doc__ or "").strip().splitlines()
             out += ["", f"## `{key}`", *([doc[0], ""] if doc else []), *_table(sub, f"{key}.")]
             out += _sections(sub, f"{key}.")
+    return out
+
+
+def _launcher_tables() -> list[str]:
+    out: list[str] = []
+    for name, model in zip(LAUNCHER_NAMES, COMPUTE_CLASSES, strict=True):
+        doc = (model.__doc__ or "").strip().splitlines()
+        out += ["", f"### `launcher: {name}`", *([doc[0], ""] if doc else []), *_table(model, "")]
     return out
 
 
@@ -103,8 +113,9 @@ def render() -> str:
         "",
         "## `compute.<stage>`",
         f"Keys: `default` or a stage: {', '.join(f'`{s}`' for s in STAGES)}. A stage without an entry uses `default`.",
-        "",
-        *_table(ComputeSpec, ""),
+        "Its `launcher` decides which keys it takes: each launcher has its own below, and a key of another",
+        "launcher is refused.",
+        *_launcher_tables(),
         "",
         "## `params[]`",
         "Each entry becomes an Airflow Param named like the path with dots as underscores"

@@ -12,14 +12,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import SpecError
-from loraflow.spec import env_rules
 from loraflow.spec import resource_names as rn
+from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute
+from loraflow.spec.fields import EnvName, Image, ProjectId, Region
+from loraflow.spec.fields import SpecModel as _Model
 from loraflow.spec.reader import load_yaml, read_spec_file
 
 STAGES = (
@@ -40,10 +42,6 @@ _CRON_FIELD = re.compile(r"[0-9*/,\-A-Za-z?LW#]+")
 _CRON_PRESETS = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 def _gs_uri(value: str) -> str:
     if not value.startswith("gs://") or len(value) <= len("gs://") or value[5] == "/":
         raise ValueError(f"{value!r} is not a GCS URI; write gs://BUCKET/PATH")
@@ -59,13 +57,6 @@ def _gs_uri(value: str) -> str:
 
 
 GsUri = Annotated[str, Field(description="a gs://BUCKET/PATH URI")]
-# Names a spec gives to environment variables of a step (compute.*.env, secrets): loraflow/spec/env_rules.py.
-EnvName = Annotated[str, AfterValidator(env_rules.check_name)]
-EnvValue = Annotated[str, AfterValidator(env_rules.check_value)]
-# Names that go into Google Cloud and Kubernetes requests: loraflow/spec/resource_names.py.
-Region = Annotated[str, AfterValidator(rn.check_region)]
-ProjectId = Annotated[str, AfterValidator(rn.check_project)]
-Image = Annotated[str, AfterValidator(rn.check_image)]
 
 
 class BaseModelSpec(_Model):
@@ -223,71 +214,6 @@ class PublishSpec(_Model):
     )
 
     _uris = field_validator("registry")(lambda v: v if v is None else _gs_uri(v))
-
-
-class ComputeSpec(_Model):
-    """Where one stage runs."""
-
-    launcher: Literal["local", "vertex", "gke"] = "local"
-    machine_type: Annotated[str, AfterValidator(rn.check_machine_type)] | None = Field(
-        None, description="e.g. ct5lp-hightpu-4t (Vertex) or a node pool machine"
-    )
-    tpu_topology: Annotated[str, AfterValidator(rn.check_tpu_topology)] | None = Field(None, description="e.g. 4x4")
-    hosts: int = Field(1, ge=1, description="processes (TPU hosts) the stage runs on")
-    image: Image | None = Field(None, description="container image (vertex, gke)")
-    region: Region | None = Field(None, description="vertex: Google Cloud region of the job, e.g. us-central1")
-    service_account: Annotated[str, AfterValidator(rn.check_service_account)] | None = Field(
-        None, description="the job's Google service account email"
-    )
-    env: dict[EnvName, EnvValue] = Field(
-        default_factory=dict,
-        description="extra environment variables for the step; names that change the interpreter, the loader, "
-        "TLS, proxies, credentials or loraflow's own wiring are refused (loraflow/spec/env_rules.py)",
-    )
-    deferrable: bool = Field(
-        True,
-        description="vertex, gke: wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)",
-    )
-    network: Annotated[str, AfterValidator(rn.check_network)] | None = Field(
-        None, description="vertex: VPC network to peer the job with, projects/PROJECT_NUMBER/global/networks/NAME"
-    )
-    reserved_ip_ranges: list[Annotated[str, AfterValidator(rn.check_gce_name)]] = Field(
-        default_factory=list, description="vertex: names of reserved IP ranges in that network for the job"
-    )
-    reservation: str | None = Field(
-        None, description="vertex: consume this reservation, projects/P/zones/Z/reservations/NAME"
-    )
-    spot: bool = Field(False, description="vertex: run on Spot capacity (cheaper, preemptible)")
-    namespace: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
-        None, description="gke: Kubernetes namespace of the JobSet (default: default)"
-    )
-    kubernetes_service_account: Annotated[str, AfterValidator(rn.check_k8s_subdomain)] | None = Field(
-        None, description="gke: the pods' Kubernetes service account (Workload Identity maps it to a Google one)"
-    )
-    node_pool: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
-        None, description="gke: run only on this node pool (cloud.google.com/gke-nodepool)"
-    )
-
-    @model_validator(mode="after")
-    def _vertex_options(self) -> ComputeSpec:
-        if self.reserved_ip_ranges and not self.network:
-            raise ValueError("reserved_ip_ranges need a network; set network or remove reserved_ip_ranges")
-        if self.reservation and self.spot:
-            raise ValueError("Spot capacity cannot consume a reservation; set spot: false or remove reservation")
-        if self.reservation is not None and not rn.RESERVATION.fullmatch(self.reservation):
-            raise ValueError(f"reservation {self.reservation!r} is not projects/PROJECT/zones/ZONE/reservations/NAME")
-        return self
-
-    @model_validator(mode="after")
-    def _remote_needs(self) -> ComputeSpec:
-        missing = []
-        if self.launcher != "local":
-            missing = [k for k in ("image", "machine_type") if getattr(self, k) is None]
-        if missing:
-            raise ValueError(f"launcher {self.launcher!r} needs {' and '.join(missing)}; set them")
-        if self.launcher == "local" and self.hosts != 1:
-            raise ValueError("the local launcher runs one process; set hosts: 1 or use launcher vertex/gke")
-        return self
 
 
 class RetrySpec(_Model):
@@ -489,7 +415,7 @@ class PipelineSpec(_Model):
 
     @field_validator("compute")
     @classmethod
-    def _compute_stages(cls, v: dict[str, ComputeSpec]) -> dict[str, ComputeSpec]:
+    def _compute_stages(cls, v: dict[str, AnyCompute]) -> dict[str, AnyCompute]:
         unknown = sorted(set(v) - set(STAGES) - {"default"})
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; use 'default' or one of {list(STAGES)}")
@@ -526,8 +452,9 @@ class PipelineSpec(_Model):
             raise ValueError("params: " + "; ".join(problems))
         return self
 
-    def compute_for(self, stage: str) -> ComputeSpec:
-        return self.compute.get(stage) or self.compute.get("default") or ComputeSpec()
+    def compute_for(self, stage: str) -> AnyCompute:
+        """Where ``stage`` runs: its own ``compute`` entry, else ``default``, else the local launcher."""
+        return self.compute.get(stage) or self.compute.get("default") or LocalCompute()
 
     @property
     def tokenizer_uri(self) -> str:
@@ -615,10 +542,26 @@ def with_overrides(spec: PipelineSpec, overrides: dict[str, Any], source: str = 
 # ----------------------------------------------------------------------------------- validation
 
 
+def _launcher_tag(loc: tuple[Any, ...]) -> str | None:
+    """The launcher whose keys an error under ``compute.<stage>`` is about (pydantic puts the union's tag there)."""
+    if len(loc) > 2 and loc[0] == "compute" and loc[2] in LAUNCHER_NAMES:
+        return str(loc[2])
+    return None
+
+
 def _fix_hint(err: dict[str, Any]) -> str:
     kind, msg = err["type"], err["msg"]
+    launcher = _launcher_tag(tuple(err.get("loc", ())))
+    if kind == "extra_forbidden" and launcher is not None:
+        return (
+            f"not a key of the {launcher} launcher; remove it, or see the {launcher} launcher's keys "
+            "in docs/spec-reference.md"
+        )
     if kind == "extra_forbidden":
         return "unknown key; remove it or check its spelling against docs/spec-reference.md"
+    if kind == "unknown_launcher":
+        given = err.get("input")
+        return f"{msg} (got {given.get('launcher') if isinstance(given, dict) else given!r})"
     if kind == "missing":
         return "required; add it"
     if kind.endswith("_type") or kind.endswith("_parsing"):
@@ -631,7 +574,10 @@ def _fix_hint(err: dict[str, Any]) -> str:
 
 
 def _error_path(loc: tuple[Any, ...]) -> str:
-    # Drop pydantic's union-branch labels such as 'str' or 'dict[str,str]' and function names.
+    # Drop pydantic's union-branch labels such as 'str' or 'dict[str,str]', function names and the
+    # compute section's launcher tags.
+    if _launcher_tag(loc) is not None:
+        loc = loc[:2] + loc[3:]
     parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in {"str", "int", "float", "bool"}))]
     return ".".join(p for p in parts if not p.startswith("function-")) or "(top level)"
 
@@ -644,7 +590,8 @@ def validate_spec(data: Any, source: str) -> PipelineSpec:
     except ValidationError as exc:
         problems: dict[tuple[str, str], None] = {}
         for err in exc.errors():
-            problems[(_error_path(err["loc"]), _fix_hint(dict(err)))] = None
+            key = _error_path(err["loc"]) + (".launcher" if err["type"] == "unknown_launcher" else "")
+            problems[(key, _fix_hint(dict(err)))] = None
         raise SpecError(source, list(problems)) from None
 
 

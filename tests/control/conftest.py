@@ -7,9 +7,15 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import hypothesis
 import pytest
 
 from loraflow.steps._harness import StepContext
+
+# Property tests assert what holds, never how fast: hypothesis's default 200 ms deadline per example
+# failed on a loaded 2-core machine (a slow first example is no bug), so there is none.
+hypothesis.settings.register_profile("loraflow", deadline=None)
+hypothesis.settings.load_profile("loraflow")
 
 REPO = Path(__file__).resolve().parents[2]
 PARITY = REPO / "pipelines" / "data" / "parity"

@@ -19,7 +19,8 @@ from loraflow.launchers import gke_jobset as gke
 from loraflow.launchers import local as launch
 from loraflow.launchers import vertex_job as vertex
 from loraflow.spec import env_rules
-from loraflow.spec.schema import ComputeSpec, validate_spec
+from loraflow.spec.compute import compute_from
+from loraflow.spec.schema import validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
@@ -98,7 +99,7 @@ def test_every_variable_the_launchers_set_themselves_is_refused(monkeypatch: pyt
     for name in candidates:
         monkeypatch.setenv(name, os.environ.get(name, "x"))
     tunables = {"JAX_PLATFORMS", "XLA_FLAGS", "VLLM_LOGGING_LEVEL", *env_rules.STEP_TUNABLES}
-    compute = ComputeSpec(**VERTEX, hosts=2)
+    compute = compute_from(**VERTEX, hosts=2)
     names = set(launch.step_environment({})) | {e["name"] for e in vertex.container_env(compute)}
     names |= {e["name"] for e in gke.container_env(compute, "lf-x")}
     assert {"PATH", "PYTHONPATH", "HF_HUB_OFFLINE", "LORAFLOW_EXPECTED_HOSTS", "LORAFLOW_COORDINATOR_HOST"} <= names

@@ -20,12 +20,13 @@ from loraflow.launchers.local import KillSwitch
 from loraflow.launchers.multihost import distributed_config
 from loraflow.launchers.vertex_job import JobIdentity
 from loraflow.pipeline.plan import describe
-from loraflow.spec.schema import ComputeSpec, load_spec
+from loraflow.spec.compute import compute_from
+from loraflow.spec.schema import load_spec
 from tests.gke_standin import GkeStandIn, serve
 
 IMAGE = "us-docker.pkg.dev/acme-ml/loraflow/trainer:0.1.0"
 ARGV = ["python", "-m", "loraflow.steps.lora_sft", "--output", "gs://b/p/run-1/lora_sft", "--cache-key", "K"]
-TRAINING = ComputeSpec(
+TRAINING = compute_from(
     launcher="gke",
     image=IMAGE,
     machine_type="ct5lp-hightpu-4t",
@@ -111,11 +112,11 @@ def test_hosts_must_match_the_topology() -> None:
 
 
 def test_gpu_and_cpu_machines() -> None:
-    l4 = ComputeSpec(launcher="gke", image=IMAGE, machine_type="g2-standard-12")
+    l4 = compute_from(launcher="gke", image=IMAGE, machine_type="g2-standard-12")
     pod = _pod_spec(gke.jobset(l4, IDENTITY, ARGV))
     assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-l4"
     assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-    cpu = ComputeSpec(launcher="gke", image=IMAGE, machine_type="n2-highmem-32")
+    cpu = compute_from(launcher="gke", image=IMAGE, machine_type="n2-highmem-32")
     pod = _pod_spec(gke.jobset(cpu, IDENTITY, ARGV))
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "n2-highmem-32"}
     assert "resources" not in pod["containers"][0]
@@ -251,7 +252,7 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[GkeStandIn]:
         yield server
 
 
-COMPUTE = ComputeSpec(launcher="gke", image=IMAGE, machine_type="n2-standard-4", namespace="ml")
+COMPUTE = compute_from(launcher="gke", image=IMAGE, machine_type="n2-standard-4", namespace="ml")
 
 
 def _launcher(run_id: str = "run-1") -> GkeLauncher:
@@ -294,12 +295,12 @@ FAILED = {
 def test_submit_poll_succeed(standin: GkeStandIn) -> None:
     launcher, lines = _launcher(), []
     thread, errors = _run_in_thread(launcher, lines)
-    _wait_for(lambda: ("ml", launcher.name) in standin.jobsets, "the JobSet")
-    stored = standin.jobsets[("ml", launcher.name)]
+    _wait_for(lambda: ("ml", launcher.jobset_name) in standin.jobsets, "the JobSet")
+    stored = standin.jobsets[("ml", launcher.jobset_name)]
     assert _pod_spec(stored)["containers"][0]["args"] == ARGV[1:]
-    standin.set_status("ml", launcher.name, RUNNING)
+    standin.set_status("ml", launcher.jobset_name, RUNNING)
     _wait_for(lambda: any(line.endswith(": running") for line in lines), "running")
-    standin.set_status("ml", launcher.name, COMPLETED)
+    standin.set_status("ml", launcher.jobset_name, COMPLETED)
     thread.join(30)
     assert not thread.is_alive() and errors == []
     assert standin.creates() == 1 and any("succeeded" in line for line in lines)
@@ -309,12 +310,12 @@ def test_a_retry_reattaches_instead_of_creating_twice(standin: GkeStandIn) -> No
     first, lines = _launcher(), []
     thread, _ = _run_in_thread(first, lines)
     _wait_for(lambda: standin.created == 1, "the first create")
-    standin.set_status("ml", first.name, RUNNING)
+    standin.set_status("ml", first.jobset_name, RUNNING)
     # The task is retried (or the worker restarted) while the JobSet runs: same identity, same name.
     retry, retry_lines = _launcher(), []
     thread2, errors2 = _run_in_thread(retry, retry_lines)
     _wait_for(lambda: any("reattaching" in line for line in retry_lines), "the reattach")
-    standin.set_status("ml", first.name, COMPLETED)
+    standin.set_status("ml", first.jobset_name, COMPLETED)
     thread.join(30)
     thread2.join(30)
     assert errors2 == [] and standin.creates() == 1
@@ -324,14 +325,14 @@ def test_a_failed_jobset_fails_the_stage_with_the_pod_message_and_is_replaced_on
     launcher, lines = _launcher(), []
     thread, errors = _run_in_thread(launcher, lines)
     _wait_for(lambda: standin.created == 1, "the create")
-    standin.add_pod("ml", launcher.name, 0, 0, "")
-    standin.add_pod("ml", launcher.name, 1, 2, "[lora_sft] ERROR: dataset input has no train.jsonl")
-    standin.set_status("ml", launcher.name, FAILED)
+    standin.add_pod("ml", launcher.jobset_name, 0, 0, "")
+    standin.add_pod("ml", launcher.jobset_name, 1, 2, "[lora_sft] ERROR: dataset input has no train.jsonl")
+    standin.set_status("ml", launcher.jobset_name, FAILED)
     thread.join(30)
     [err] = errors
     assert isinstance(err, StepError)
     assert "FailedJobs: jobset failed due to failed jobs" in str(err)
-    assert f"pod {launcher.name}-workers-0-1-abcde exited with status 2" in str(err)
+    assert f"pod {launcher.jobset_name}-workers-0-1-abcde exited with status 2" in str(err)
     assert "dataset input has no train.jsonl" in str(err)
 
     retry, retry_lines = _launcher(), []
@@ -339,7 +340,7 @@ def test_a_failed_jobset_fails_the_stage_with_the_pod_message_and_is_replaced_on
     _wait_for(lambda: standin.created == 2, "the re-create")
     assert any("failed" in line and "creating it again" in line for line in retry_lines)
     assert standin.deletions[-1].get("propagationPolicy") == "Foreground"
-    standin.set_status("ml", retry.name, COMPLETED)
+    standin.set_status("ml", retry.jobset_name, COMPLETED)
     thread2.join(30)
     assert errors2 == []
 
@@ -349,12 +350,12 @@ def test_kill_deletes_the_jobset(standin: GkeStandIn) -> None:
     launcher, lines = _launcher(), []
     switch.arm(launcher)
     thread, errors = _run_in_thread(launcher, lines)
-    _wait_for(lambda: ("ml", launcher.name) in standin.jobsets, "the JobSet")
-    standin.set_status("ml", launcher.name, RUNNING)
+    _wait_for(lambda: ("ml", launcher.jobset_name) in standin.jobsets, "the JobSet")
+    standin.set_status("ml", launcher.jobset_name, RUNNING)
     _wait_for(lambda: any(line.endswith(": running") for line in lines), "running")
     switch.kill()
     thread.join(30)
-    assert ("ml", launcher.name) not in standin.jobsets
+    assert ("ml", launcher.jobset_name) not in standin.jobsets
     assert standin.deletions == [{"propagationPolicy": "Foreground"}]
     [err] = errors
     assert isinstance(err, StepError) and "killed" in str(err)
@@ -365,7 +366,7 @@ def test_transient_api_errors_are_retried_and_lasting_ones_explained(standin: Gk
     thread, errors = _run_in_thread(launcher, lines)
     _wait_for(lambda: standin.created == 1, "the create")
     standin.faults += [503, 503]
-    standin.set_status("ml", launcher.name, COMPLETED)
+    standin.set_status("ml", launcher.jobset_name, COMPLETED)
     thread.join(30)
     assert errors == [] and sum("retrying" in line for line in lines) == 2
 

@@ -52,13 +52,14 @@ async def _first_event(trigger: GkeJobSetTrigger) -> dict[str, Any]:
 def test_serialize_is_pinned_and_round_trips() -> None:
     trigger = GkeJobSetTrigger(namespace="ml", name="lf-x", stage="lora_sft", poll_seconds=5, endpoint=None)
     classpath, kwargs = trigger.serialize()
-    assert classpath == "operators.triggers.GkeJobSetTrigger"
+    assert classpath == "operators.triggers.gke.GkeJobSetTrigger"
     assert kwargs == {"namespace": "ml", "name": "lf-x", "stage": "lora_sft", "poll_seconds": 5.0, "endpoint": None}
     from airflow.sdk._shared.module_loading import import_string
     from airflow.sdk.serde import deserialize, serialize
 
-    again = import_string(classpath)(**deserialize(serialize(kwargs)))
-    assert again.serialize() == (classpath, kwargs)
+    for path in (classpath, "operators.triggers.GkeJobSetTrigger"):  # the path an earlier version stored
+        again = import_string(path)(**deserialize(serialize(kwargs)))
+        assert again.serialize() == (classpath, kwargs)
 
 
 def test_execute_defers_and_the_completed_jobset_resumes_to_the_same_xcom(

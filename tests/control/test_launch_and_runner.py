@@ -13,6 +13,7 @@ import pytest
 from loraflow.errors import StepError
 from loraflow.launchers.local import LocalLauncher, step_environment
 from loraflow.pipeline import artifacts
+from loraflow.spec.compute import compute_from
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,16 +120,33 @@ def test_a_rerun_on_changed_inputs_in_the_same_run_commits_beside_the_first(pari
 
 
 class FakeStep:
-    """Stands in for LocalLauncher / VertexLauncher / GkeLauncher: records what it was given and, like a
-    step program that ended well, commits at ``--output`` with the ``--cache-key`` it was handed."""
+    """Stands in for the step program a launcher starts: ``install`` replaces a launcher's ``run`` and
+    ``kill`` (everything else is the real launcher's) and records what it was given; like a step that
+    ended well, it commits at ``--output`` with the ``--cache-key`` it was handed."""
 
     def __init__(self, commit_key: str | None = None) -> None:
         self.calls: list[dict] = []
         self.killed = False
         self.commit_key = commit_key  # a step that commits another key than it was given
+        self.made: list = []  # (compute, identity, output prefix) of each launcher made
 
-    def __call__(self, *args, **kwargs) -> FakeStep:  # the launcher classes are called to construct one
-        self.constructed = (args, kwargs)
+    def install(self, monkeypatch: pytest.MonkeyPatch, launcher: str = "local") -> FakeStep:
+        from loraflow.launchers import registry
+
+        fake = self
+
+        class Fake(registry.LAUNCHERS[launcher]):  # type: ignore[misc, valid-type]
+            def __init__(self, compute, identity, prefix) -> None:
+                super().__init__(compute, identity, prefix)
+                fake.made.append((compute, identity, prefix))
+
+            def run(self, argv, sink, extra_env=None, secrets=None, on_workload=None) -> None:
+                fake.run(argv, sink, extra_env or {}, secrets or {})
+
+            def kill(self) -> None:
+                fake.kill()
+
+        monkeypatch.setitem(registry.LAUNCHERS, launcher, Fake)
         return self
 
     def run(self, argv: list[str], sink, env, secrets=None) -> None:
@@ -168,11 +186,8 @@ def upstream_commit(root: str, stage: str, key: str, payload: str = "x") -> str:
 
 @pytest.fixture
 def fake_step(monkeypatch: pytest.MonkeyPatch) -> FakeStep:
-    from loraflow.pipeline import runner
 
-    step = FakeStep()
-    monkeypatch.setattr(runner, "LocalLauncher", step)
-    return step
+    return FakeStep().install(monkeypatch)
 
 
 def test_a_miss_launches_and_caches_a_hit_launches_nothing(parity_spec, fake_step: FakeStep) -> None:
@@ -309,7 +324,7 @@ def test_a_rerun_with_another_key_commits_beside_and_the_same_key_finds_its_own(
 def test_a_commit_for_another_key_fails_the_stage_and_is_not_cached(parity_spec, monkeypatch) -> None:
     from loraflow.pipeline import runner
 
-    monkeypatch.setattr(runner, "LocalLauncher", FakeStep(commit_key="f" * 64))
+    FakeStep(commit_key="f" * 64).install(monkeypatch)
     with pytest.raises(
         artifacts.ArtifactError,
         match=r"committed for cache key f{64}, not this attempt's .*: the stage's inputs or config changed under it; re-run the stage",
@@ -334,7 +349,7 @@ def test_a_failing_step_fails_the_stage_and_caches_nothing(parity_spec, monkeypa
         def run(self, argv, sink, env, secrets=None) -> None:
             raise StepError("step exited with 1: boom")
 
-    monkeypatch.setattr(runner, "LocalLauncher", Failing())
+    Failing().install(monkeypatch)
     with pytest.raises(StepError, match="boom"):
         runner.run_stage(parity_spec, "validate_data", "run-e", {}, lambda _: None)
     prepared = runner.prepare_stage(parity_spec, "validate_data", "run-e2", {}, lambda _: None)
@@ -361,26 +376,16 @@ def test_secrets_reach_a_local_step_and_only_their_fingerprint_the_log(parity_sp
 @pytest.mark.parametrize("launcher", ["vertex", "gke"])
 def test_a_remote_stage_is_launched_as_its_job_with_plain_python(parity_spec, monkeypatch, launcher: str) -> None:
     from loraflow.errors import LoraflowError
+    from loraflow.launchers import registry
+    from loraflow.launchers.identity import JobIdentity
     from loraflow.launchers.local import KillSwitch
     from loraflow.pipeline import runner
 
-    compute = parity_spec.compute_for("validate_data").model_copy(update={"launcher": launcher})
+    compute = compute_from(launcher=launcher, image="us-docker.pkg.dev/p/r/control:1", machine_type="n2-standard-8",
+                           env=dict(parity_spec.compute_for("validate_data").env))  # fmt: skip
     spec = parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute}})
-    assert spec.compute_for("validate_data").launcher == launcher
-    step = FakeStep()
-    seen: dict = {}
-
-    def make_vertex(spec_, prepared, run_id, dag_id=None):
-        seen.update(spec=spec_, stage=prepared.stage, run_id=run_id, dag_id=dag_id, key=prepared.cache_key)
-        return step
-
-    def make_gke(spec_, stage, run_id, cache_key, dag_id=None):
-        seen.update(spec=spec_, stage=stage, run_id=run_id, dag_id=dag_id, key=cache_key)
-        return step
-
-    monkeypatch.setattr(runner, "vertex_launcher", make_vertex)
-    monkeypatch.setattr(runner, "gke_launcher", make_gke)
-    monkeypatch.setattr(runner, "LocalLauncher", lambda: pytest.fail("launched locally"))
+    step = FakeStep().install(monkeypatch, launcher)
+    monkeypatch.setitem(registry.LAUNCHERS, "local", lambda *a: pytest.fail("launched locally"))
     with pytest.raises(
         LoraflowError, match=r"stage validate_data runs on .*, where loraflow does not pass secrets \(A, B\)"
     ):
@@ -390,7 +395,9 @@ def test_a_remote_stage_is_launched_as_its_job_with_plain_python(parity_spec, mo
     log: list[str] = []
     result = runner.run_stage(spec, "validate_data", f"run-{launcher}", {}, log.append, switch, dag_id="d1")
     key = artifacts.read_manifest(result.manifest).data["cache_key"]
-    assert seen == {"spec": spec, "stage": "validate_data", "run_id": f"run-{launcher}", "dag_id": "d1", "key": key}
+    (made_compute, identity, prefix) = step.made[-1]
+    assert made_compute == compute and prefix == result.manifest.rsplit("/", 1)[0]
+    assert identity == JobIdentity("d1", f"run-{launcher}", "validate_data", key)
     where = {"vertex": "on Vertex AI", "gke": "on GKE"}[launcher]
     assert any(line.startswith(f"launching loraflow.steps.validate_data {where}") for line in log)
     assert "step line 1" in log
@@ -410,19 +417,19 @@ def test_a_launcher_this_version_cannot_start_is_refused_with_the_key(parity_spe
 
 
 def test_remote_jobs_are_named_after_dag_run_stage_and_key(parity_spec) -> None:
+    from loraflow.launchers.gke import GkeLauncher
+    from loraflow.launchers.vertex import VertexLauncher
     from loraflow.pipeline import runner
 
-    compute = parity_spec.compute_for("validate_data").model_copy(update={"hosts": 2})
-    parity_spec = parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute}})
-    prepared = runner.PreparedStage("validate_data", runner.stage_plans(parity_spec)["validate_data"], compute,
-                                    {}, "k" * 64, "l", "gs://b/p", {})  # fmt: skip
-    for dag_id, expected in ((None, parity_spec.name), ("d2", "d2")):
-        vertex = runner.vertex_launcher(parity_spec, prepared, "run-v", dag_id)
-        gke = runner.gke_launcher(parity_spec, "validate_data", "run-v", "k" * 64, dag_id)
-        assert vertex.output_prefix == "gs://b/p"
-        assert vertex.compute == compute and gke.compute == compute  # the stage's own section
-        for launcher in (vertex, gke):
-            identity = launcher.identity
+    remote = {"image": "us-docker.pkg.dev/p/r/control:1", "machine_type": "n2-standard-8", "hosts": 2}
+    for launcher, cls in (("vertex", VertexLauncher), ("gke", GkeLauncher)):
+        compute = compute_from(launcher=launcher, **remote)
+        spec = parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute}})
+        for dag_id, expected in ((None, spec.name), ("d2", "d2")):
+            made = runner.launcher_for(spec, "validate_data", "run-v", "k" * 64, "gs://b/p", dag_id)
+            assert type(made) is cls and made.compute == compute  # the stage's own section
+            assert made.output_prefix == "gs://b/p"
+            identity = made.identity
             assert (identity.dag_id, identity.run_id, identity.stage, identity.cache_key) == (
                 expected,
                 "run-v",

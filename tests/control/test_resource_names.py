@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from loraflow.errors import SpecError
 from loraflow.spec import resource_names as rn
-from loraflow.spec.schema import ComputeSpec, validate_spec
+from loraflow.spec.compute import VertexCompute, compute_from
+from loraflow.spec.schema import validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "pipelines" / "tiny-llama-lora.yaml").read_text())
@@ -103,14 +104,14 @@ def test_the_spec_takes_a_region_only_if_an_endpoint_can_be_built_from_it(region
 
 
 def test_the_launchers_refuse_a_region_that_slipped_past_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Defence in depth: a ComputeSpec or registry target built without validation still cannot send a
+    """Defence in depth: a compute entry or registry target built without validation still cannot send a
     request elsewhere; the host is refused where it is built, before any client exists."""
     from loraflow.launchers import vertex as launch_vertex
     from loraflow.launchers import vertex_job as vertex
     from loraflow.registry import vertex as vertex_registry
 
     monkeypatch.delenv("LORAFLOW_VERTEX_ENDPOINT", raising=False)
-    crafted = ComputeSpec.model_construct(**{**ComputeSpec(**VERTEX).__dict__, "region": "evil.com/x"})
+    crafted = VertexCompute.model_construct(**{**compute_from(**VERTEX).__dict__, "region": "evil.com/x"})
     with pytest.raises(rn.ResourceNameError, match=r"'evil\.com/x' is not a Google Cloud region"):
         launch_vertex.VertexLauncher(crafted, vertex.JobIdentity("d", "r", "lora_sft", "k"), "gs://bucket/p")
     with pytest.raises(rn.ResourceNameError, match="no Vertex AI endpoint is built from it"):

@@ -31,15 +31,17 @@ NAME = "projects/loraflow-local/locations/us-central1/customJobs/1001"
 def test_serialize_is_pinned_and_round_trips() -> None:
     trigger = VertexJobTrigger(job_name=NAME, endpoint="http://127.0.0.1:1", stage="lora_sft", poll_seconds=5)
     classpath, kwargs = trigger.serialize()
-    assert classpath == "operators.triggers.VertexJobTrigger"
+    assert classpath == "operators.triggers.vertex.VertexJobTrigger"
     assert kwargs == {"job_name": NAME, "endpoint": "http://127.0.0.1:1", "stage": "lora_sft", "poll_seconds": 5.0}
-    # What the task runner stores (Airflow's serde) and what the triggerer re-creates from it.
+    # What the task runner stores (Airflow's serde) and what the triggerer re-creates from it, under the
+    # path this version writes and the one an earlier version wrote into a triggerer's database.
     from airflow.sdk._shared.module_loading import import_string
     from airflow.sdk.serde import deserialize, serialize
 
     stored = deserialize(serialize(kwargs))
-    again = import_string(classpath)(**stored)
-    assert again.serialize() == (classpath, kwargs)
+    for path in (classpath, "operators.triggers.VertexJobTrigger"):
+        again = import_string(path)(**stored)
+        assert again.serialize() == (classpath, kwargs)
 
 
 def _submit(code: str) -> str:

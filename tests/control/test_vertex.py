@@ -11,7 +11,8 @@ import pytest
 
 from loraflow.launchers import vertex_job as vertex
 from loraflow.pipeline.plan import describe
-from loraflow.spec.schema import ComputeSpec, load_spec
+from loraflow.spec.compute import compute_from
+from loraflow.spec.schema import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION = REPO / "pipelines" / "llama31-8b-lora.yaml"
@@ -87,27 +88,27 @@ def test_gpu_machine_types_name_their_accelerator() -> None:
         "acceleratorType": "NVIDIA_L4",
         "acceleratorCount": 1,
     }
-    spec = vertex.machine_spec(ComputeSpec(launcher="vertex", image="i", machine_type="a3-highgpu-8g"))
+    spec = vertex.machine_spec(compute_from(launcher="vertex", image="i", machine_type="a3-highgpu-8g"))
     assert spec["acceleratorCount"] == 8
-    assert vertex.machine_spec(ComputeSpec(launcher="vertex", image="i", machine_type="n2-highmem-16")) == {
+    assert vertex.machine_spec(compute_from(launcher="vertex", image="i", machine_type="n2-highmem-16")) == {
         "machineType": "n2-highmem-16"
     }
 
 
 def test_topology_on_a_cpu_machine_says_what_to_change() -> None:
-    compute = ComputeSpec(launcher="vertex", image="i", machine_type="n2-standard-8", tpu_topology="2x2")
+    compute = compute_from(launcher="vertex", image="i", machine_type="n2-standard-8", tpu_topology="2x2")
     with pytest.raises(vertex.VertexConfigError, match="not a TPU machine type"):
         vertex.machine_spec(compute)
 
 
 def test_project_comes_from_the_environment_first() -> None:
-    compute = ComputeSpec(
+    compute = compute_from(
         launcher="vertex", image="i", machine_type="n2-standard-8", service_account="sa@acme-ml.iam.gserviceaccount.com"
     )
     assert vertex.project_for(compute, {}) == "acme-ml"
     assert vertex.project_for(compute, {"GOOGLE_CLOUD_PROJECT": "p2"}) == "p2"
     assert vertex.project_for(compute, {"GOOGLE_CLOUD_PROJECT": "p2", "LORAFLOW_VERTEX_PROJECT": "p3"}) == "p3"
-    bare = ComputeSpec(launcher="vertex", image="i", machine_type="n2-standard-8")
+    bare = compute_from(launcher="vertex", image="i", machine_type="n2-standard-8")
     assert vertex.project_for(bare, {}) is None
 
 
@@ -181,7 +182,7 @@ def test_network_reservation_and_spot_reach_the_request_as_the_v1_proto_has_them
 
     reservation = "projects/acme-ml/zones/us-central1-a/reservations/v5e-16"
     network = "projects/123456789/global/networks/ml-vpc"
-    reserved = ComputeSpec(
+    reserved = compute_from(
         launcher="vertex",
         image="i",
         machine_type="ct5lp-hightpu-4t",
@@ -205,7 +206,7 @@ def test_network_reservation_and_spot_reach_the_request_as_the_v1_proto_has_them
     json_format.ParseDict(vertex.custom_job(spot, identity, ["python", "-m", "x"], "gs://b/p")["jobSpec"], spec)
     assert spec.scheduling.strategy == Scheduling.Strategy.SPOT
     plain = vertex.custom_job(
-        ComputeSpec(launcher="vertex", image="i", machine_type="n2-standard-4"),
+        compute_from(launcher="vertex", image="i", machine_type="n2-standard-4"),
         identity,
         ["python", "-m", "x"],
         "gs://b",
@@ -224,4 +225,4 @@ def test_network_reservation_and_spot_reach_the_request_as_the_v1_proto_has_them
 )
 def test_network_options_that_cannot_work_are_refused(fields: dict, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
-        ComputeSpec(launcher="vertex", image="i", machine_type="n2-standard-4", **fields)
+        compute_from(launcher="vertex", image="i", machine_type="n2-standard-4", **fields)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from loraflow.launchers.vertex_errors import Kind, advice, classify, explain, retry_poll, status_name
-from loraflow.spec.schema import ComputeSpec
+from loraflow.spec.compute import compute_from
 
-TPU = ComputeSpec(
+TPU = compute_from(
     launcher="vertex",
     image="us-docker.pkg.dev/acme-ml/loraflow/trainer:0.1.0",
     machine_type="ct5lp-hightpu-4t",

@@ -20,7 +20,7 @@ from loraflow.errors import StepError
 from loraflow.launchers.local import KillSwitch
 from loraflow.launchers.vertex import VertexLauncher
 from loraflow.launchers.vertex_job import JobIdentity
-from loraflow.spec.schema import ComputeSpec
+from loraflow.spec.compute import AnyCompute, compute_from
 from tests.vertex_standin import VertexStandIn, endpoint_env, replica_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,8 +43,8 @@ def serve(tmp_path: Path, gcs_emulator: local_gcs.Emulator, monkeypatch: pytest.
         yield server
 
 
-def compute(hosts: int = 1) -> ComputeSpec:
-    return ComputeSpec(launcher="vertex", image=IMAGE, machine_type="n2-standard-4", hosts=hosts, region="us-central1")
+def compute(hosts: int = 1) -> AnyCompute:
+    return compute_from(launcher="vertex", image=IMAGE, machine_type="n2-standard-4", hosts=hosts, region="us-central1")
 
 
 def launcher(run_id: str = "run-1", hosts: int = 1) -> VertexLauncher:

@@ -130,3 +130,15 @@ def test_finish_refuses_a_manifest_committed_for_another_cache_key(standin: Vert
     prefix = result.manifest.rsplit("/", 1)[0]
     with pytest.raises(artifacts.ArtifactError, match=r"committed for cache key .* not this attempt's other"):
         runner.finish_stage(spec, "validate_data", prefix, "other")
+
+
+def test_a_blocking_remote_stage_links_its_job_too(standin: VertexStandIn, parity_spec) -> None:
+    """deferrable: false: a worker waits for the job, and the task still gets its 'Remote job' link, as
+    soon as the job exists (it is what a person opens while waiting)."""
+    blocking = compute().model_copy(update={"deferrable": False})
+    spec = parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": blocking}})
+    op = OPERATORS["validate_data"].for_spec(spec.model_dump(mode="json"))
+    ti = FakeTI()
+    xcom = op.execute({"params": {}, "run_id": "run-b", "ti": ti})  # no TaskDeferred: it waited here
+    assert ti.pushed[WorkloadLink().xcom_key].endswith("/training/1001/cpu?project=loraflow-local")
+    assert artifacts.read_manifest(xcom["manifest"]).prefix.endswith("/run-b/validate_data")

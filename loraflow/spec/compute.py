@@ -1,0 +1,136 @@
+"""``compute.<stage>``: where one stage runs. One config class per launcher, told apart by ``launcher``.
+
+Each class holds exactly the keys its launcher reads (``loraflow/launchers/<name>.py``), so a Vertex AI
+key under a GKE stage is refused as unknown instead of being silently ignored. A new launcher adds
+its class here and to ``ComputeSpec``; ``loraflow/launchers/registry.py`` maps the name to its code.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
+
+from loraflow.spec import resource_names as rn
+from loraflow.spec.fields import EnvName, EnvValue, Image, Region, SpecModel
+
+
+class _Compute(SpecModel):
+    launcher: str = Field("local", description="where the stage runs: local, vertex or gke")
+    hosts: int = Field(1, ge=1, description="processes (TPU hosts) the stage runs on")
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict,
+        description="extra environment variables for the step; names that change the interpreter, the loader, "
+        "TLS, proxies, credentials or loraflow's own wiring are refused (loraflow/spec/env_rules.py)",
+    )
+
+
+class LocalCompute(_Compute):
+    """The step program runs as a child process of the Airflow worker, in its environment's interpreter."""
+
+    launcher: Literal["local"] = Field("local", description="where the stage runs: local, vertex or gke")
+
+    @model_validator(mode="after")
+    def _one_process(self) -> LocalCompute:
+        if self.hosts != 1:
+            raise ValueError("the local launcher runs one process; set hosts: 1 or use launcher vertex/gke")
+        return self
+
+
+class _RemoteCompute(_Compute):
+    """What every launcher that runs the step in a container image on cloud machines needs."""
+
+    machine_type: Annotated[str, AfterValidator(rn.check_machine_type)] | None = Field(
+        None, description="e.g. ct5lp-hightpu-4t (Vertex) or a node pool machine"
+    )
+    tpu_topology: Annotated[str, AfterValidator(rn.check_tpu_topology)] | None = Field(None, description="e.g. 4x4")
+    image: Image | None = Field(None, description="container image")
+    service_account: Annotated[str, AfterValidator(rn.check_service_account)] | None = Field(
+        None,
+        description="the job's Google service account email (its project is the job's, unless the workers name one)",
+    )
+    deferrable: bool = Field(
+        True, description="wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)"
+    )
+
+    @model_validator(mode="after")
+    def _image_and_machine(self) -> _RemoteCompute:
+        missing = [k for k in ("image", "machine_type") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"launcher {getattr(self, 'launcher', '?')!r} needs {' and '.join(missing)}; set them")
+        return self
+
+
+class VertexCompute(_RemoteCompute):
+    """A Vertex AI CustomJob (loraflow/launchers/vertex.py)."""
+
+    launcher: Literal["vertex"] = Field(description="where the stage runs: local, vertex or gke")
+    region: Region | None = Field(None, description="Google Cloud region of the job, e.g. us-central1")
+    network: Annotated[str, AfterValidator(rn.check_network)] | None = Field(
+        None, description="VPC network to peer the job with, projects/PROJECT_NUMBER/global/networks/NAME"
+    )
+    reserved_ip_ranges: list[Annotated[str, AfterValidator(rn.check_gce_name)]] = Field(
+        default_factory=list, description="names of reserved IP ranges in that network for the job"
+    )
+    reservation: str | None = Field(None, description="consume this reservation, projects/P/zones/Z/reservations/NAME")
+    spot: bool = Field(False, description="run on Spot capacity (cheaper, preemptible)")
+
+    @model_validator(mode="after")
+    def _vertex_options(self) -> VertexCompute:
+        if self.reserved_ip_ranges and not self.network:
+            raise ValueError("reserved_ip_ranges need a network; set network or remove reserved_ip_ranges")
+        if self.reservation and self.spot:
+            raise ValueError("Spot capacity cannot consume a reservation; set spot: false or remove reservation")
+        if self.reservation is not None and not rn.RESERVATION.fullmatch(self.reservation):
+            raise ValueError(f"reservation {self.reservation!r} is not projects/PROJECT/zones/ZONE/reservations/NAME")
+        return self
+
+
+class GkeCompute(_RemoteCompute):
+    """A JobSet on a GKE cluster (loraflow/launchers/gke.py)."""
+
+    launcher: Literal["gke"] = Field(description="where the stage runs: local, vertex or gke")
+    namespace: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
+        None, description="Kubernetes namespace of the JobSet (default: default)"
+    )
+    kubernetes_service_account: Annotated[str, AfterValidator(rn.check_k8s_subdomain)] | None = Field(
+        None, description="the pods' Kubernetes service account (Workload Identity maps it to a Google one)"
+    )
+    node_pool: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
+        None, description="run only on this node pool (cloud.google.com/gke-nodepool)"
+    )
+
+
+COMPUTE_CLASSES: tuple[type[_Compute], ...] = (LocalCompute, VertexCompute, GkeCompute)
+LAUNCHER_NAMES = (
+    "local",
+    "vertex",
+    "gke",
+)  # the tags of ComputeSpec, in the order the docs list them (and the error above)
+
+
+def _launcher_of(value: Any) -> str:
+    """The tag of a compute entry: its ``launcher`` (default local). An unknown name is left to pydantic,
+    whose error lists the known ones."""
+    launcher = value.get("launcher", "local") if isinstance(value, dict) else getattr(value, "launcher", "local")
+    return str(launcher)
+
+
+ComputeSpec = Annotated[
+    Annotated[LocalCompute, Tag("local")] | Annotated[VertexCompute, Tag("vertex")] | Annotated[GkeCompute, Tag("gke")],
+    Discriminator(
+        _launcher_of,
+        custom_error_type="unknown_launcher",
+        custom_error_message="unknown launcher; use 'local', 'vertex' or 'gke'",
+    ),
+]
+RemoteCompute = VertexCompute | GkeCompute
+AnyCompute = LocalCompute | VertexCompute | GkeCompute
+
+
+def compute_from(**keys: Any) -> AnyCompute:
+    """A compute entry from its keys as a spec writes them (``launcher`` picks the class), validated."""
+    from pydantic import TypeAdapter
+
+    compute: AnyCompute = TypeAdapter(ComputeSpec).validate_python(keys)
+    return compute
