@@ -14,7 +14,8 @@ from loraflow.errors import LoraflowError
 from loraflow.launchers import credentials
 from loraflow.launchers.local import KillSwitch, LineSink, LocalLauncher
 from loraflow.pipeline import artifacts
-from loraflow.pipeline.plan import Source, StagePlan, output_prefix, stage_plans
+from loraflow.pipeline.plan import StagePlan, output_prefix, stage_plans
+from loraflow.pipeline.stages import Source
 from loraflow.spec.schema import ComputeSpec, PipelineSpec
 
 if TYPE_CHECKING:

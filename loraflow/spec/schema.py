@@ -18,21 +18,11 @@ from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import SpecError
+from loraflow.pipeline.stages import STAGES
 from loraflow.spec import env_rules
 from loraflow.spec import resource_names as rn
 from loraflow.spec.reader import load_yaml, read_spec_file
 
-STAGES = (
-    "validate_data",
-    "convert_checkpoint",
-    "evaluate_base",
-    "lora_sft",
-    "merge_adapter",
-    "evaluate_tuned",
-    "gate",
-    "publish",
-    "report",
-)
 # data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/data/handoff.py).
 HANDOFF_VERSION = "{version}"
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # whole names only: fullmatch (a `$` lets "\n" through)
