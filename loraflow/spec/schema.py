@@ -18,6 +18,7 @@ from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import SpecError
+from loraflow.evaluation import metrics as metric_table
 from loraflow.pipeline.stages import STAGES
 from loraflow.spec import env_rules
 from loraflow.spec import resource_names as rn
@@ -172,7 +173,12 @@ class EvaluationSpec(_Model):
 
 
 class GateSpec(_Model):
-    metric: Literal["accuracy", "format_rate"] = "accuracy"
+    metric: Annotated[str, AfterValidator(metric_table.check_name)] = Field(
+        "accuracy",
+        description="the metric the gate compares (loraflow/evaluation/metrics.py), one of: "
+        + metric_table.described(),
+        json_schema_extra={"enum": list(metric_table.METRICS)},
+    )
     min_improvement: float = Field(0.0, ge=-1, le=1, description="tuned - base must reach at least this")
     confidence: float = Field(0.95, gt=0.5, lt=1)
     bootstrap_samples: int = Field(2000, ge=100)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.evaluation.metrics import METRICS
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting import report
 from loraflow.spec.step_configs import ReportConfig, parse
@@ -49,7 +50,8 @@ WANTED = {
     "lora_sft": ["loss.csv"],
     "gate": ["decision.json"],
 }
-_BULKY_METRICS = {"ids", "correct", "format_ok", "config"}  # per-example lists: the predictions show those
+# Per-example lists (the predictions show those) and the settings.
+_BULKY_METRICS = {"ids", "config", *(m.column for m in METRICS.values())}
 
 
 def _read_json(path: Path) -> Any:
