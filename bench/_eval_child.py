@@ -73,7 +73,7 @@ def run_hf(model: Path, eval_file: Path, out: Path) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraflow.evaluation import scoring
+    from loraflow.evaluation import metrics, scoring
     from loraflow.steps import evaluate as ev
 
     t = time.perf_counter()
@@ -103,10 +103,10 @@ def run_hf(model: Path, eval_file: Path, out: Path) -> dict:
         return time.perf_counter() - t, n, texts
 
     spec_s, spec_n, texts = gen(SPEC_EVAL["max_new_tokens"], False)
-    scored = scoring.score_all(
+    scored = metrics.score_all(
         texts, [e.reference for e in examples], scoring.compile_pattern(SPEC_EVAL["answer_pattern"])
     )
-    acc = scoring.aggregate(scored)["accuracy"]
+    acc = metrics.aggregate(scored)["accuracy"]
     long_s, long_n, _ = gen(LONG, True)
     return {
         "startup_s": startup,

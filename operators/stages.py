@@ -1,14 +1,22 @@
-"""One operator per pipeline stage. Each is thin: spec + trigger params -> runner -> manifest URI."""
+"""One operator per pipeline stage. Each is thin: spec + trigger params -> runner -> manifest URI.
+
+The stage table (``loraflow/pipeline/stages.py``) gives every operator its traits (colour, trigger
+rule, extra links). Operators with behaviour of their own are written here (validate_data, publish,
+report); every other stage's class is made from its row (``ConvertCheckpointOperator``, ...), under
+the same name in this module, so serialized DAGs and imports find it.
+"""
 
 from __future__ import annotations
 
 import os
+import types
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from loraflow.data import handoff
 from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline.stages import BY_NAME, STAGE_TABLE, Link
 from loraflow.reporting.report import browser_url, data_docs_uri, site_url
 from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
 
@@ -20,6 +28,14 @@ if TYPE_CHECKING:
 
 # The spec models, the planner, the launchers, the runner and the clients they use are imported
 # where a task runs, not at DAG parse time (docs/benchmarks.md, section 1).
+
+# The stage table's names of the extra links (operators/links.py).
+LINKS: dict[Link, type[BaseOperatorLink]] = {
+    "data_docs": DataDocsLink,
+    "workload": WorkloadLink,
+    "artifacts": ArtifactsLink,
+    "report": ReportLink,
+}
 
 
 def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
@@ -50,11 +66,19 @@ class LoraflowStageOperator(BaseOperator):
     """Runs one stage's step program and pushes its manifest URI (never its data) to XCom."""
 
     stage: ClassVar[str]
-    default_trigger_rule: ClassVar[str] = "all_success"
-    ui_color = "#e8f0fe"
-    operator_extra_links: tuple[BaseOperatorLink, ...] = (WorkloadLink(), ArtifactsLink())
+    default_trigger_rule: ClassVar[str]
+    operator_extra_links: tuple[BaseOperatorLink, ...]
     spec: dict[str, Any]  # the pipeline spec as JSON data, attached by for_spec()
     _kill_switch: KillSwitch | None = None  # made in execute(): operators get deep-copied
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A stage's operator (a subclass that sets ``stage``) takes its traits from the stage table."""
+        super().__init_subclass__(**kwargs)
+        if "stage" in vars(cls):
+            row = BY_NAME[cls.stage]
+            cls.ui_color = row.ui_color
+            cls.default_trigger_rule = row.trigger_rule
+            cls.operator_extra_links = tuple(LINKS[link]() for link in row.links)
 
     # No __init__ here (nor in subclasses): Airflow wraps every __init__ in the class hierarchy and
     # deep-copies the DAG's params once per wrapped level, which made DAG parsing slow.
@@ -180,7 +204,6 @@ class LoraflowStageOperator(BaseOperator):
 
 class ValidateDataOperator(LoraflowStageOperator):
     stage = "validate_data"
-    operator_extra_links = (DataDocsLink(), WorkloadLink(), ArtifactsLink())
 
     def execute(self, context: Context) -> dict[str, Any]:
         try:
@@ -214,31 +237,6 @@ class ValidateDataOperator(LoraflowStageOperator):
         self.log.info("Great Expectations data docs: %s (%s)", url, uri)
 
 
-class ConvertCheckpointOperator(LoraflowStageOperator):
-    stage = "convert_checkpoint"
-
-
-class EvaluateBaseOperator(LoraflowStageOperator):
-    stage = "evaluate_base"
-
-
-class LoraSftOperator(LoraflowStageOperator):
-    stage = "lora_sft"
-    ui_color = "#fce8e6"
-
-
-class MergeAdapterOperator(LoraflowStageOperator):
-    stage = "merge_adapter"
-
-
-class EvaluateTunedOperator(LoraflowStageOperator):
-    stage = "evaluate_tuned"
-
-
-class GateOperator(LoraflowStageOperator):
-    stage = "gate"
-
-
 class PublishOperator(LoraflowStageOperator):
     """Publishes only what the gate promoted; otherwise the task is skipped with the gate's reason."""
 
@@ -263,9 +261,6 @@ class ReportOperator(LoraflowStageOperator):
     stays failed in Airflow (its state follows its last task)."""
 
     stage = "report"
-    ui_color = "#e6f4ea"
-    operator_extra_links = (ReportLink(), ArtifactsLink())
-    default_trigger_rule = "all_done"
 
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.sdk.exceptions import AirflowFailException
@@ -290,17 +285,21 @@ class ReportOperator(LoraflowStageOperator):
         return sorted(t for t, state in per_task.items() if state in ("failed", "upstream_failed") and t != ti.task_id)
 
 
-OPERATORS: dict[str, type[LoraflowStageOperator]] = {
-    op.stage: op
-    for op in (
-        ValidateDataOperator,
-        ConvertCheckpointOperator,
-        EvaluateBaseOperator,
-        LoraSftOperator,
-        MergeAdapterOperator,
-        EvaluateTunedOperator,
-        GateOperator,
-        PublishOperator,
-        ReportOperator,
-    )
+def _stage_operator(stage: str) -> type[LoraflowStageOperator]:
+    """The operator of a stage with no behaviour of its own: its row of the stage table, nothing else."""
+    name = BY_NAME[stage].operator_name
+
+    def body(namespace: dict[str, Any]) -> None:
+        namespace.update(__module__=__name__, __qualname__=name, stage=stage)
+        namespace["__doc__"] = f"Runs the {stage} stage (its row of loraflow/pipeline/stages.py)."
+
+    return types.new_class(name, (LoraflowStageOperator,), exec_body=body)
+
+
+_WRITTEN: dict[str, type[LoraflowStageOperator]] = {
+    op.stage: op for op in (ValidateDataOperator, PublishOperator, ReportOperator)
 }
+OPERATORS: dict[str, type[LoraflowStageOperator]] = {
+    row.name: _WRITTEN.get(row.name) or _stage_operator(row.name) for row in STAGE_TABLE
+}
+globals().update({op.__name__: op for op in OPERATORS.values() if op.stage not in _WRITTEN})

@@ -6,7 +6,7 @@ Pure and deterministic (numpy only): the gate step reads the two evaluations and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from loraflow.errors import LoraflowError
@@ -48,6 +48,7 @@ def decide(
     confidence: float = 0.95,
     bootstrap_samples: int = 2000,
     seed: int = 0,
+    higher_is_better: bool = True,
 ) -> Decision:
     """Paired comparison of two per-example outcomes on the same example ids.
 
@@ -56,26 +57,55 @@ def decide(
             Both must hold exactly the same ids; anything else is refused with GateError, since an
             unpaired comparison would measure the sample, not the model.
         metric: name of the metric, recorded in the decision.
-        min_improvement: the smallest gain in the metric (tuned - base, absolute) worth promoting.
+        min_improvement: the smallest gain in the metric (tuned - base, absolute; base - tuned for
+            a metric where lower is better) worth promoting.
         confidence: level of the two-sided percentile confidence interval of the gain.
         bootstrap_samples, seed: the paired bootstrap (examples resampled with replacement, the
             same resample for both models); fixed seed, so a decision is reproducible.
+        higher_is_better: the metric's direction (loraflow/evaluation/metrics.py).
 
     Returns:
-        A Decision with both scores, their difference ``delta``, its bootstrap interval ``ci``,
-        the counts of fixed (base wrong -> tuned right) and broken (right -> wrong) examples.
+        A Decision with both scores, the gain ``delta``, its bootstrap interval ``ci``, the counts
+        of fixed (the tuned model better on the example) and broken (worse) examples.
 
     Rule: promote iff ``delta >= min_improvement`` **and** the interval's lower bound is
     ``> 0``: the gain must be large enough to matter and the tuned model must be better beyond
     resampling noise. (A stricter rule, lower bound ``>= min_improvement``, needs far more eval
     examples for the same gain; it is a one-line change here if wanted.)
     """
-    import numpy as np
+    _check_settings(confidence, bootstrap_samples)
+    ids = _paired_ids(base, tuned)
+    b, t = _outcomes(base, ids), _outcomes(tuned, ids)
+    gain = (t - b) if higher_is_better else (b - t)  # per example: +1 better, -1 worse, 0 the same
+    ci = _interval(gain, confidence, bootstrap_samples, seed)
+    scores = Decision(
+        promote=False,
+        metric=metric,
+        n=len(ids),
+        base=float(b.mean()),
+        tuned=float(t.mean()),
+        delta=float(gain.mean()),
+        ci=ci,
+        confidence=confidence,
+        min_improvement=min_improvement,
+        fixed=int((gain > 0).sum()),
+        broken=int((gain < 0).sum()),
+        bootstrap_samples=bootstrap_samples,
+        seed=seed,
+        reason="",
+    )
+    return _verdict(scores, "rose" if higher_is_better else "fell")
 
+
+def _check_settings(confidence: float, bootstrap_samples: int) -> None:
     if not 0.0 < confidence < 1.0:
         raise GateError(f"confidence must lie strictly between 0 and 1 (got {confidence})")
     if bootstrap_samples < 1:
         raise GateError(f"bootstrap_samples must be at least 1 (got {bootstrap_samples})")
+
+
+def _paired_ids(base: Mapping[str, bool], tuned: Mapping[str, bool]) -> list[str]:
+    """The example ids both evaluations hold, sorted; GateError unless they hold the same ones."""
     only_base = sorted(set(base) - set(tuned))
     only_tuned = sorted(set(tuned) - set(base))
     if only_base or only_tuned:
@@ -86,58 +116,51 @@ def decide(
         )
     if not base:
         raise GateError("the evaluations hold no examples; nothing to compare")
+    return sorted(base)
 
-    ids = sorted(base)
-    b = np.array([bool(base[i]) for i in ids], dtype=np.float64)
-    t = np.array([bool(tuned[i]) for i in ids], dtype=np.float64)
-    n = len(ids)
-    diff = t - b
-    delta = float(diff.mean())
 
+def _outcomes(outcome: Mapping[str, bool], ids: list[str]) -> Any:
+    """The outcomes in ``ids`` order as a float array of 0 and 1."""
+    import numpy as np
+
+    return np.array([bool(outcome[i]) for i in ids], dtype=np.float64)
+
+
+def _interval(gain: Any, confidence: float, bootstrap_samples: int, seed: int) -> tuple[float, float]:
+    """The paired bootstrap's two-sided percentile interval of the mean gain."""
+    import numpy as np
+
+    n = len(gain)
     rng = np.random.default_rng(seed)
     deltas = np.empty(bootstrap_samples)
     chunk = max(1, (1 << 22) // n)  # keep each (chunk, n) index block to a few MB
     for start in range(0, bootstrap_samples, chunk):
         stop = min(bootstrap_samples, start + chunk)
         idx = rng.integers(0, n, size=(stop - start, n))
-        deltas[start:stop] = diff[idx].mean(axis=1)
+        deltas[start:stop] = gain[idx].mean(axis=1)
     alpha = (1.0 - confidence) / 2.0
     lo, hi = (float(x) for x in np.quantile(deltas, [alpha, 1.0 - alpha]))
+    return lo, hi
 
-    fixed = int(((b == 0) & (t == 1)).sum())
-    broken = int(((b == 1) & (t == 0)).sum())
-    pct = f"{confidence:.0%}"
-    if delta < min_improvement:
+
+def _verdict(d: Decision, moved: str) -> Decision:
+    """``d`` with its verdict: promoted or not, and why (``moved``: how the metric moves when it improves)."""
+    (lo, hi), pct = d.ci, f"{d.confidence:.0%}"
+    scores = f"({d.base:.3f} -> {d.tuned:.3f})"
+    if d.delta < d.min_improvement:
         reason = (
-            f"{metric} rose by {delta:+.3f} ({b.mean():.3f} -> {t.mean():.3f}), less than the required "
-            f"{min_improvement:+.3f}; not promoted"
+            f"{d.metric} {moved} by {d.delta:+.3f} {scores}, less than the required "
+            f"{d.min_improvement:+.3f}; not promoted"
         )
-        promote = False
-    elif lo <= 0.0:
+        return replace(d, promote=False, reason=reason)
+    if lo <= 0.0:
         reason = (
-            f"{metric} rose by {delta:+.3f} but the {pct} interval [{lo:+.3f}, {hi:+.3f}] reaches 0: "
-            f"the gain may be noise on {n} examples; not promoted (evaluate on more examples)"
+            f"{d.metric} {moved} by {d.delta:+.3f} but the {pct} interval [{lo:+.3f}, {hi:+.3f}] reaches 0: "
+            f"the gain may be noise on {d.n} examples; not promoted (evaluate on more examples)"
         )
-        promote = False
-    else:
-        reason = (
-            f"{metric} rose by {delta:+.3f} ({b.mean():.3f} -> {t.mean():.3f}) >= {min_improvement:+.3f}, "
-            f"{pct} interval [{lo:+.3f}, {hi:+.3f}] above 0; {fixed} examples fixed, {broken} broken"
-        )
-        promote = True
-    return Decision(
-        promote=promote,
-        metric=metric,
-        n=n,
-        base=float(b.mean()),
-        tuned=float(t.mean()),
-        delta=delta,
-        ci=(lo, hi),
-        confidence=confidence,
-        min_improvement=min_improvement,
-        fixed=fixed,
-        broken=broken,
-        bootstrap_samples=bootstrap_samples,
-        seed=seed,
-        reason=reason,
+        return replace(d, promote=False, reason=reason)
+    reason = (
+        f"{d.metric} {moved} by {d.delta:+.3f} {scores} >= {d.min_improvement:+.3f}, "
+        f"{pct} interval [{lo:+.3f}, {hi:+.3f}] above 0; {d.fixed} examples fixed, {d.broken} broken"
     )
+    return replace(d, promote=True, reason=reason)

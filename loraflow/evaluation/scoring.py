@@ -1,7 +1,9 @@
-"""Scoring generations against references: answer extraction, normalisation, metrics.
+"""Scoring one generation against its reference: answer extraction, normalisation, the scorers.
 
-Pure functions on strings and lists (standard library only), shared by the evaluate step program
-and anything that re-scores its ``predictions``. One example is scored in three steps:
+Pure functions on strings (standard library only), shared by the evaluate step program and anything
+that re-scores its ``predictions``. Which scorers an evaluation runs, and the metric each one
+makes, is the metric table's (:mod:`loraflow.evaluation.metrics`). The exact-match scorer behind
+``accuracy`` works in three steps:
 
 1. **extract**: ``answer_pattern`` (a regular expression, searched with :func:`re.search`) picks the
    answer out of the generation; group 1 is the answer (the whole match when the pattern has no
@@ -11,10 +13,8 @@ and anything that re-scores its ``predictions``. One example is scored in three 
    The reference is normalised the same way.
 3. **compare**: exact match of the two normalised strings.
 
-:func:`aggregate` turns the per-example results into ``accuracy`` and ``format_rate`` (both over
-all ``n`` examples) and keeps the per-example ``correct`` / ``format_ok`` lists, in input order, so
-that a later gate can compare two evaluations of the same eval set example by example (paired
-bootstrap, McNemar).
+A scorer (:func:`exact_match`, :func:`answer_found`) takes an example's :class:`Outputs` and
+says whether the example counts for its metric.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from __future__ import annotations
 import re
 import string
 import unicodedata
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 #: First "word-ish" token of the generation: everything up to whitespace or a ``<`` (the start of
 #: a special token such as ``<|end|>`` if it was not stripped).
@@ -78,55 +76,23 @@ def extract_answer(generation: str, pattern: str | re.Pattern[str] | None = None
 
 
 @dataclass(frozen=True)
-class ScoredExample:
-    """The score of one generation: the extracted answer (raw), whether it had the format, whether it is right."""
+class Outputs:
+    """What a scorer sees of one example: the generation, its reference and ``answer_pattern``'s answer."""
 
-    answer: str | None
-    format_ok: bool
-    correct: bool
+    generation: str
+    reference: str
+    answer: str | None  # as extracted (not normalised); None: the pattern found none
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def score(generation: str, reference: str, pattern: str | re.Pattern[str] | None = None) -> ScoredExample:
-    """Score one generation against its reference (see the module docstring for the rules)."""
-    answer = extract_answer(generation, pattern)
-    normalized = normalize(answer) if answer is not None else ""
-    if not normalized:
-        return ScoredExample(answer=answer, format_ok=False, correct=False)
-    return ScoredExample(answer=answer, format_ok=True, correct=normalized == normalize(reference))
+    @classmethod
+    def of(cls, generation: str, reference: str, pattern: str | re.Pattern[str] | None = None) -> Outputs:
+        return cls(generation, reference, extract_answer(generation, pattern))
 
 
-def score_all(
-    generations: Sequence[str], references: Sequence[str], pattern: str | re.Pattern[str] | None = None
-) -> list[ScoredExample]:
-    """Score generations against references pairwise (the sequences must have the same length)."""
-    if len(generations) != len(references):
-        raise ValueError(f"{len(generations)} generations but {len(references)} references")
-    compiled = compile_pattern(pattern)
-    return [score(g, r, compiled) for g, r in zip(generations, references, strict=True)]
+def answer_found(outputs: Outputs) -> bool:
+    """The format check: the pattern found an answer that does not normalise to nothing."""
+    return outputs.answer is not None and bool(normalize(outputs.answer))
 
 
-def aggregate(scored: Iterable[ScoredExample]) -> dict[str, Any]:
-    """Metrics over scored examples, in input order.
-
-    Returns ``{"n", "n_correct", "n_format_ok", "accuracy", "format_rate", "correct", "format_ok"}``
-    where ``accuracy = n_correct / n`` and ``format_rate = n_format_ok / n`` (format failures count
-    as wrong; both are 0.0 when ``n == 0``), and ``correct`` / ``format_ok`` are per-example lists of
-    bools for paired comparisons.
-    """
-    items = list(scored)
-    n = len(items)
-    correct = [bool(s.correct) for s in items]
-    format_ok = [bool(s.format_ok) for s in items]
-    n_correct, n_format_ok = sum(correct), sum(format_ok)
-    return {
-        "n": n,
-        "n_correct": n_correct,
-        "n_format_ok": n_format_ok,
-        "accuracy": n_correct / n if n else 0.0,
-        "format_rate": n_format_ok / n if n else 0.0,
-        "correct": correct,
-        "format_ok": format_ok,
-    }
+def exact_match(outputs: Outputs) -> bool:
+    """The answer equals the reference once both are normalised; a format failure is wrong."""
+    return answer_found(outputs) and normalize(str(outputs.answer)) == normalize(outputs.reference)

@@ -14,39 +14,11 @@ from loraflow.launchers import registry
 from loraflow.launchers.environments import ENVIRONMENTS, Environment
 from loraflow.launchers.identity import JobIdentity
 from loraflow.pipeline import artifacts
-from loraflow.spec.schema import STAGES, PipelineSpec
-from loraflow.spec.step_configs import (
-    ConvertCheckpointConfig,
-    EvaluateConfig,
-    GateConfig,
-    LoraSftConfig,
-    MergeAdapterConfig,
-    PublishConfig,
-    ReportConfig,
-    ValidateDataConfig,
-)
+from loraflow.pipeline.stages import REPORTED, STAGE_TABLE, Input, Source, Upstream
+from loraflow.spec.schema import PipelineSpec
+from loraflow.spec.step_configs import STEP_CONFIGS
 
-
-@dataclass(frozen=True)
-class Source:
-    """An input that is not a loraflow artifact: a dataset, a Hugging Face checkpoint."""
-
-    uri: str
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """An input that is another stage's committed output (its manifest)."""
-
-    stage: str
-    fetch: bool = True  # False: only referenced (fingerprinted, not downloaded)
-    optional: bool = False  # True: the stage runs without it when that stage failed or was skipped
-
-
-Input = Source | Upstream
-
-# The stages the run report reads (by reference: it fetches only the few small files it shows).
-REPORTED = tuple(s for s in STAGES if s not in ("publish", "report"))
+__all__ = ["REPORTED", "Input", "Source", "StagePlan", "Upstream", "describe", "output_prefix", "stage_plans"]
 
 
 @dataclass(frozen=True)
@@ -83,95 +55,21 @@ class StagePlan:
 
 
 def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
-    """Every stage of the pipeline, in an order where each stage follows its inputs."""
-    ctl, trn, srv = ENVIRONMENTS["control"], ENVIRONMENTS["trainer"], ENVIRONMENTS["serving"]
-    evaluation = EvaluateConfig.from_spec(spec).wire()
-    plans = [
-        StagePlan(
-            "validate_data",
-            ctl,
-            "loraflow.steps.validate_data",
-            {"train": Source(spec.data.train), "eval": Source(spec.data.eval), "tokenizer": Source(spec.tokenizer_uri)},
-            ValidateDataConfig.from_spec(spec).wire(),
-        ),
-        StagePlan(
-            "convert_checkpoint",
-            trn,
-            "loraflow.steps.convert_checkpoint",
-            {"hf_checkpoint": Source(spec.base_model.hf_checkpoint)},
-            ConvertCheckpointConfig.from_spec(spec).wire(),
-        ),
-        StagePlan(
-            "evaluate_base",
-            srv,
-            "loraflow.steps.evaluate",
-            {"model": Source(spec.base_model.hf_checkpoint), "eval_set": Upstream("validate_data")},
-            evaluation,
-        ),
-        StagePlan(
-            "lora_sft",
-            trn,
-            "loraflow.steps.lora_sft",
-            {
-                "checkpoint": Upstream("convert_checkpoint"),
-                "dataset": Upstream("validate_data"),
-                "tokenizer": Source(spec.tokenizer_uri),
-            },
-            LoraSftConfig.from_spec(spec).wire(),
-        ),
-        StagePlan(
-            "merge_adapter",
-            trn,
-            "loraflow.steps.merge_adapter",
-            {"base": Source(spec.base_model.hf_checkpoint), "adapter": Upstream("lora_sft")},
-            MergeAdapterConfig.from_spec(spec).wire(),
-        ),
-        StagePlan(
-            "evaluate_tuned",
-            srv,
-            "loraflow.steps.evaluate",
-            {"model": Upstream("merge_adapter"), "eval_set": Upstream("validate_data")},
-            evaluation,
-        ),
-        StagePlan(
-            "gate",
-            ctl,
-            "loraflow.steps.gate",
-            {"base_eval": Upstream("evaluate_base"), "tuned_eval": Upstream("evaluate_tuned")},
-            GateConfig.from_spec(spec).wire(),
-            # It also compares with the registry's current champion, which moves between runs
-            # without any input changing: a cached decision could promote a model the champion beats.
-            cacheable=False,
-        ),
-        StagePlan(
-            "publish",
-            ctl,
-            "loraflow.steps.publish",
-            {"model": Upstream("merge_adapter", fetch=False), "decision": Upstream("gate")},
-            PublishConfig.from_spec(spec).wire(),
-            cacheable=False,
-        ),
-        StagePlan(
-            "report",
-            ctl,
-            "loraflow.steps.report",
-            # Every input optional: the report also describes a run where a stage failed.
-            {stage: Upstream(stage, fetch=False, optional=True) for stage in REPORTED},
-            ReportConfig.from_spec(spec).wire(),
-            cacheable=False,  # it reports this run: its cache hits, its publish outcome
-        ),
-    ]
+    """Every stage of the pipeline (``loraflow.pipeline.stages.STAGE_TABLE``), in an order where each
+    stage follows its inputs; a stage runs after the stages its inputs name and those it lists in ``after``."""
     out: dict[str, StagePlan] = {}
-    for p in plans:
-        ups = tuple(dict.fromkeys(i.stage for i in p.inputs.values() if isinstance(i, Upstream)))
-        # Nothing is converted or trained before the data contract holds.
-        if p.stage == "convert_checkpoint":
-            ups = ("validate_data",)
-        # The report follows publish (and reads its outcome from the run's prefix) without
-        # needing it: publish is skipped when the gate does not promote.
-        if p.stage == "report":
-            ups = (*ups, "publish")
-        out[p.stage] = StagePlan(p.stage, p.env, p.module, p.inputs, p.config, p.cacheable, ups)
+    for stage in STAGE_TABLE:
+        inputs = stage.inputs(spec)
+        named = [i.stage for i in inputs.values() if isinstance(i, Upstream)]
+        out[stage.name] = StagePlan(
+            stage.name,
+            ENVIRONMENTS[stage.env],
+            stage.module,
+            inputs,
+            STEP_CONFIGS[stage.name].from_spec(spec).wire(),
+            stage.cacheable,
+            tuple(dict.fromkeys([*named, *stage.after])),
+        )
     return out
 
 

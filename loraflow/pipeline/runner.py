@@ -16,7 +16,8 @@ from loraflow.launchers.base import Launcher, WorkloadSink, ignore_workload
 from loraflow.launchers.identity import JobIdentity
 from loraflow.launchers.local import KillSwitch, LineSink
 from loraflow.pipeline import artifacts
-from loraflow.pipeline.plan import Source, StagePlan, output_prefix, stage_plans
+from loraflow.pipeline.plan import StagePlan, output_prefix, stage_plans
+from loraflow.pipeline.stages import Source
 from loraflow.spec.compute import AnyCompute
 from loraflow.spec.schema import PipelineSpec
 

@@ -14,6 +14,7 @@ import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from loraflow.evaluation.metrics import METRICS
 from loraflow.pipeline import gcs
 
 SAMPLES_PER_KIND = 5
@@ -272,7 +273,7 @@ def _metrics_section(data: Mapping[str, Any]) -> str:
     decision = data.get("decision") or {}
     if not base and not tuned:
         return '<p class="muted">no evaluation ran</p>'
-    keys = [k for k in ("accuracy", "format_rate", "n") if k in base or k in tuned]
+    keys = [k for k in (*METRICS, "n") if k in base or k in tuned]
     rows = []
     for k in keys:
         b, t = base.get(k), tuned.get(k)

@@ -12,29 +12,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import SpecError
+from loraflow.evaluation import metrics as metric_table
+from loraflow.pipeline.stages import STAGES
 from loraflow.spec import resource_names as rn
 from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute
 from loraflow.spec.fields import EnvName, Image, ProjectId, Region
 from loraflow.spec.fields import SpecModel as _Model
 from loraflow.spec.reader import load_yaml, read_spec_file
 
-STAGES = (
-    "validate_data",
-    "convert_checkpoint",
-    "evaluate_base",
-    "lora_sft",
-    "merge_adapter",
-    "evaluate_tuned",
-    "gate",
-    "publish",
-    "report",
-)
 # data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/data/handoff.py).
 HANDOFF_VERSION = "{version}"
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # whole names only: fullmatch (a `$` lets "\n" through)
@@ -173,7 +164,12 @@ class EvaluationSpec(_Model):
 
 
 class GateSpec(_Model):
-    metric: Literal["accuracy", "format_rate"] = "accuracy"
+    metric: Annotated[str, AfterValidator(metric_table.check_name)] = Field(
+        "accuracy",
+        description="the metric the gate compares (loraflow/evaluation/metrics.py), one of: "
+        + metric_table.described(),
+        json_schema_extra={"enum": list(metric_table.METRICS)},
+    )
     min_improvement: float = Field(0.0, ge=-1, le=1, description="tuned - base must reach at least this")
     confidence: float = Field(0.95, gt=0.5, lt=1)
     bootstrap_samples: int = Field(2000, ge=100)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loraflow.data.expectations import DataExpectations
 from loraflow.errors import LoraflowError
+from loraflow.pipeline.stages import STAGE_TABLE
 from loraflow.spec.schema import (
     STAGES,
     DataSpec,
@@ -49,6 +50,11 @@ class StepConfig(BaseModel):
     STEP: ClassVar[str] = "step"
     # Knobs the spec cannot reach, each with why: never sent by the planner, default applies.
     INTERNAL: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_spec(cls, spec: PipelineSpec) -> Self:
+        """The config a pipeline with this spec sends its step."""
+        raise NotImplementedError(f"{cls.__name__}.from_spec")
 
     def wire(self) -> dict[str, Any]:
         """The ``--config-json`` payload: every field but the internal knobs."""
@@ -243,14 +249,6 @@ class ReportConfig(StepConfig):
         return cls(pipeline=spec.name)
 
 
-STEP_CONFIGS: dict[str, type[StepConfig]] = {
-    "validate_data": ValidateDataConfig,
-    "convert_checkpoint": ConvertCheckpointConfig,
-    "evaluate_base": EvaluateConfig,
-    "lora_sft": LoraSftConfig,
-    "merge_adapter": MergeAdapterConfig,
-    "evaluate_tuned": EvaluateConfig,
-    "gate": GateConfig,
-    "publish": PublishConfig,
-    "report": ReportConfig,
-}
+# Each stage's config class, as the stage table names it (loraflow/pipeline/stages.py).
+_CLASSES: dict[str, type[StepConfig]] = {cls.__name__: cls for cls in StepConfig.__subclasses__()}
+STEP_CONFIGS: dict[str, type[StepConfig]] = {stage.name: _CLASSES[stage.config] for stage in STAGE_TABLE}

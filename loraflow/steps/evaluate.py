@@ -26,9 +26,10 @@ the same argv runs on a laptop CPU, a GPU host or a TPU host.
 
 Output
     ``predictions.jsonl`` (and ``predictions.parquet`` when pyarrow or fastparquet is installed):
-    one row per example with id, prompt, reference, generation, answer, correct, format_ok.
-    ``metrics.json``: accuracy, format_rate, n, the per-example ``ids`` / ``correct`` /
-    ``format_ok`` lists in eval-set order (for the gate's paired comparison), timings, settings.
+    one row per example with id, prompt, reference, generation, answer and each metric's column
+    (correct, format_ok, ...: loraflow/evaluation/metrics.py).
+    ``metrics.json``: every metric (accuracy, format_rate, ...), n, the per-example ``ids`` and
+    metric columns in eval-set order (for the gate's paired comparison), timings, settings.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import scoring
+from loraflow.evaluation.metrics import METRICS
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
@@ -335,8 +338,8 @@ def _evaluate(
     tokens_per_s = total_tokens / generate_s if generate_s > 0 else 0.0
 
     pattern = scoring.compile_pattern(cfg.answer_pattern)
-    scored = scoring.score_all(generations, [ex.reference for ex in examples], pattern)
-    metrics = scoring.aggregate(scored)
+    scored = metric_table.score_all(generations, [ex.reference for ex in examples], pattern)
+    metrics = metric_table.aggregate(scored)
 
     written = _write_predictions(ctx.out, examples, texts, generations, scored, gen_tokens, finish)
     timing = {
@@ -347,17 +350,15 @@ def _evaluate(
         "prompt_tokens": sum(len(p) for p in prompt_ids),
         "tokens_per_s": round(tokens_per_s, 1),
     }
+    rates = {m.name: metrics[m.name] for m in METRICS.values()}
     report = {
         "stage": ctx.stage,
-        "accuracy": metrics["accuracy"],
-        "format_rate": metrics["format_rate"],
+        **rates,
         "n": metrics["n"],
-        "n_correct": metrics["n_correct"],
-        "n_format_ok": metrics["n_format_ok"],
+        **{f"n_{m.column}": metrics[f"n_{m.column}"] for m in METRICS.values()},
         "answer_pattern": pattern.pattern,
         "ids": [ex.id for ex in examples],
-        "correct": metrics["correct"],
-        "format_ok": metrics["format_ok"],
+        **{m.column: metrics[m.column] for m in METRICS.values()},
         "timing": timing,
         "config": cfg.model_dump(mode="json"),
         "engine": {k: v for k, v in engine.kwargs.items() if k not in ("model", "tokenizer")},
@@ -367,12 +368,11 @@ def _evaluate(
     }
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
     ctx.progress(
-        f"accuracy {metrics['accuracy']:.4f}, format_rate {metrics['format_rate']:.4f} over n={metrics['n']}; "
-        f"{total_tokens} tokens at {tokens_per_s:.0f} tok/s"
+        ", ".join(f"{name} {value:.4f}" for name, value in rates.items())
+        + f" over n={metrics['n']}; {total_tokens} tokens at {tokens_per_s:.0f} tok/s"
     )
     return {
-        "accuracy": metrics["accuracy"],
-        "format_rate": metrics["format_rate"],
+        **rates,
         "n": metrics["n"],
         "tokens_per_s": round(tokens_per_s, 1),
         "seconds": round(time.monotonic() - started, 2),
@@ -384,7 +384,7 @@ def _write_predictions(
     examples: list[Example],
     texts: list[str],
     generations: list[str],
-    scored: list[scoring.ScoredExample],
+    scored: list[metric_table.ScoredExample],
     gen_tokens: list[int],
     finish: list[str | None],
 ) -> list[str]:
@@ -397,8 +397,7 @@ def _write_predictions(
             "reference": [ex.reference for ex in examples],
             "generation": generations,
             "answer": [s.answer for s in scored],
-            "correct": [s.correct for s in scored],
-            "format_ok": [s.format_ok for s in scored],
+            **{m.column: [s.outcomes[m.column] for s in scored] for m in METRICS.values()},
             "generated_tokens": gen_tokens,
             "finish_reason": finish,
         }

@@ -1,9 +1,10 @@
 """Step program for the gate stage: decide, with evidence, whether the tuned model is promoted.
 
 Inputs (local directories from the evaluate stages): ``base_eval`` and ``tuned_eval``, each with
-``metrics.json`` ({"accuracy", "format_rate", "n"}) and ``predictions.parquet`` (columns id,
-correct, format_ok, answer, reference, generation; ``predictions.jsonl`` is read when the
-Parquet file is absent).
+``metrics.json`` (every metric of loraflow/evaluation/metrics.py, and n) and ``predictions.parquet``
+(columns id, answer, reference, generation and each metric's per-example column: correct,
+format_ok, ...; ``predictions.jsonl`` is read when the Parquet file is absent). The gate reads the
+column of the spec's ``gate.metric``.
 
 Config (``loraflow.spec.step_configs.GateConfig``; every key optional, defaults the spec's ``gate``)::
 
@@ -34,12 +35,16 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.evaluation.gate_rule import Decision, GateError, decide
+from loraflow.evaluation.metrics import METRICS, Metric
 from loraflow.registry import store as registry
 from loraflow.spec.step_configs import GateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "gate"
-METRIC_COLUMNS = {"accuracy": "correct", "format_rate": "format_ok"}
+RULE = (
+    "promote iff delta >= min_improvement and the lower bound of the paired bootstrap interval > 0, "
+    "and, when a champion is registered, the tuned metric beats the champion's"
+)
 
 
 def resolve_config(raw: dict[str, Any]) -> GateConfig:
@@ -97,7 +102,7 @@ def against_champion(
         verdict, beats = f"the tuned model is {who} itself", False
     elif value is None:
         verdict, beats = f"{who} records no {metric}, so it cannot be compared", False
-    elif decision.tuned > value:
+    elif decision.tuned > value if METRICS[metric].higher_is_better else decision.tuned < value:
         verdict, beats = f"{metric} {decision.tuned:.3f} beats {who}: {value:.3f}", True
     else:
         verdict, beats = f"{metric} {decision.tuned:.3f} does not beat {who}: {value:.3f}", False
@@ -112,7 +117,8 @@ def against_champion(
 
 
 def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool], dict[str, Any], Any]:
-    """(id -> outcome, metrics.json, the predictions frame) of one evaluation."""
+    """(id -> outcome, metrics.json, the predictions frame) of one evaluation: the outcome is ``metric``'s
+    per-example column."""
     import pandas as pd
 
     metrics_path = directory / "metrics.json"
@@ -127,7 +133,7 @@ def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool],
         raise GateError(
             f"{name}: predictions.parquet is missing from the evaluation artifact; re-run its evaluate stage"
         )
-    column = METRIC_COLUMNS[metric]
+    column = METRICS[metric].column
     missing = [c for c in ("id", column) if c not in frame.columns]
     if missing:
         raise GateError(
@@ -146,77 +152,101 @@ def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool],
 
 def run(ctx: StepContext) -> dict[str, Any]:
     cfg = resolve_config(dict(ctx.config))
-    metric = cfg.metric
+    metric = METRICS[cfg.metric]
     for name in ("base_eval", "tuned_eval"):
         if name not in ctx.inputs:
             raise LoraflowError(f"{STAGE}: input {name!r} is missing; give --input {name}=gs://.../_MANIFEST.json")
-    base, base_metrics, base_frame = load_eval(ctx.inputs["base_eval"], "base_eval", metric)
-    tuned, tuned_metrics, tuned_frame = load_eval(ctx.inputs["tuned_eval"], "tuned_eval", metric)
-    ctx.progress(f"base: {len(base)} predictions, tuned: {len(tuned)} predictions; comparing {metric}")
-
-    decision = decide(
-        base,
-        tuned,
-        metric=metric,
-        min_improvement=cfg.min_improvement,
-        confidence=cfg.confidence,
-        bootstrap_samples=cfg.bootstrap_samples,
-        seed=cfg.seed,
-    )
-
-    notes = []
-    for name, metrics, value in (("base", base_metrics, decision.base), ("tuned", tuned_metrics, decision.tuned)):
-        reported = metrics.get(metric)
-        if reported is not None and abs(float(reported) - value) > 1e-9:
-            notes.append(
-                f"{name} metrics.json says {metric}={reported}, its predictions give {value:.6f}; the predictions are used"
-            )
-    identical = None
-    if "generation" in base_frame.columns and "generation" in tuned_frame.columns:
-        joined = (
-            base_frame[["id", "generation"]]
-            .astype({"id": str})
-            .merge(tuned_frame[["id", "generation"]].astype({"id": str}), on="id", suffixes=("_base", "_tuned"))
-        )
-        identical = int((joined["generation_base"] == joined["generation_tuned"]).sum())
-        if len(joined) and identical == len(joined):
-            raise NoOpAdapterError(
-                f"the adapter did nothing: the tuned model generated exactly what the base model did on all "
-                f"{identical} eval examples, so it is not promoted and this run fails rather than passing quietly. "
-                "Check lora_sft: its loss curve (loss.csv) and lora_b_norm, the learning rate "
-                "(training.learning_rate), the number of steps (training.steps), the LoRA targets "
-                "(lora.target_modules) and rank/alpha; and merge_adapter's summary (how many tensors changed)"
-            )
-
-    champion = None
-    if cfg.registry_uri:
-        champion = registry.champion(cfg.registry_uri, str(cfg.pipeline), cfg.artifact_root)
-    model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
-    eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")
-    decision, compared, champion_notes = against_champion(decision, champion, model_fp, eval_fp)
+    base, base_metrics, base_frame = load_eval(ctx.inputs["base_eval"], "base_eval", metric.name)
+    tuned, tuned_metrics, tuned_frame = load_eval(ctx.inputs["tuned_eval"], "tuned_eval", metric.name)
+    ctx.progress(f"base: {len(base)} predictions, tuned: {len(tuned)} predictions; comparing {metric.name}")
+    decision = _decide(cfg, metric, base, tuned)
+    notes = reported_differently(decision, base_metrics, tuned_metrics)
+    identical = identical_generations(base_frame, tuned_frame)
+    decision, compared, champion_notes = _against_registry(ctx, cfg, decision)
     notes += champion_notes
     ctx.progress(
         f"champion: {compared['verdict']}" if compared else "champion: none registered yet; compared with the base only"
     )
     for note in notes:
         ctx.progress(f"note: {note}")
-
     evidence = {
         **decision.as_dict(),
         "base_metrics": base_metrics,
         "tuned_metrics": tuned_metrics,
         "identical_generations": identical,
         "champion": compared,
-        "tuned_model_fingerprint": model_fp,
-        "eval_set_fingerprint": eval_fp,
+        "tuned_model_fingerprint": _input_fingerprint(ctx, "tuned_eval", "model"),
+        "eval_set_fingerprint": _input_fingerprint(ctx, "tuned_eval", "eval_set"),
         "notes": notes,
-        "rule": (
-            "promote iff delta >= min_improvement and the lower bound of the paired bootstrap interval > 0, "
-            "and, when a champion is registered, the tuned metric beats the champion's"
-        ),
+        "rule": RULE,
     }
     (ctx.out / "decision.json").write_text(json.dumps(evidence, indent=2, sort_keys=True))
     ctx.progress(("PROMOTE: " if decision.promote else "do not promote: ") + decision.reason)
+    return summary(decision, compared)
+
+
+def _decide(cfg: GateConfig, metric: Metric, base: dict[str, bool], tuned: dict[str, bool]) -> Decision:
+    return decide(
+        base,
+        tuned,
+        metric=metric.name,
+        min_improvement=cfg.min_improvement,
+        confidence=cfg.confidence,
+        bootstrap_samples=cfg.bootstrap_samples,
+        seed=cfg.seed,
+        higher_is_better=metric.higher_is_better,
+    )
+
+
+def reported_differently(decision: Decision, base_metrics: dict[str, Any], tuned_metrics: dict[str, Any]) -> list[str]:
+    """Notes on an evaluation whose metrics.json disagrees with its predictions (which the gate uses)."""
+    notes = []
+    metric = decision.metric
+    for name, metrics, value in (("base", base_metrics, decision.base), ("tuned", tuned_metrics, decision.tuned)):
+        reported = metrics.get(metric)
+        if reported is not None and abs(float(reported) - value) > 1e-9:
+            notes.append(
+                f"{name} metrics.json says {metric}={reported}, its predictions give {value:.6f}; the predictions are used"
+            )
+    return notes
+
+
+def identical_generations(base_frame: Any, tuned_frame: Any) -> int | None:
+    """How many examples the two models answered with the same generation (None: no generations);
+    NoOpAdapterError when that is every one."""
+    if "generation" not in base_frame.columns or "generation" not in tuned_frame.columns:
+        return None
+    joined = (
+        base_frame[["id", "generation"]]
+        .astype({"id": str})
+        .merge(tuned_frame[["id", "generation"]].astype({"id": str}), on="id", suffixes=("_base", "_tuned"))
+    )
+    identical = int((joined["generation_base"] == joined["generation_tuned"]).sum())
+    if len(joined) and identical == len(joined):
+        raise NoOpAdapterError(
+            f"the adapter did nothing: the tuned model generated exactly what the base model did on all "
+            f"{identical} eval examples, so it is not promoted and this run fails rather than passing quietly. "
+            "Check lora_sft: its loss curve (loss.csv) and lora_b_norm, the learning rate "
+            "(training.learning_rate), the number of steps (training.steps), the LoRA targets "
+            "(lora.target_modules) and rank/alpha; and merge_adapter's summary (how many tensors changed)"
+        )
+    return identical
+
+
+def _against_registry(
+    ctx: StepContext, cfg: GateConfig, decision: Decision
+) -> tuple[Decision, dict[str, Any] | None, list[str]]:
+    """``against_champion`` with the registry's champion of this pipeline, if any."""
+    champion = None
+    if cfg.registry_uri:
+        champion = registry.champion(cfg.registry_uri, str(cfg.pipeline), cfg.artifact_root)
+    model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
+    eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")
+    return against_champion(decision, champion, model_fp, eval_fp)
+
+
+def summary(decision: Decision, compared: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest's summary (and the XCom the publish task reads)."""
     return {
         "promote": decision.promote,
         "base": round(decision.base, 6),

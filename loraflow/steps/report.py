@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.evaluation.metrics import METRICS
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting import report
 from loraflow.spec.step_configs import ReportConfig, parse
@@ -49,7 +50,8 @@ WANTED = {
     "lora_sft": ["loss.csv"],
     "gate": ["decision.json"],
 }
-_BULKY_METRICS = {"ids", "correct", "format_ok", "config"}  # per-example lists: the predictions show those
+# Per-example lists (the predictions show those) and the settings.
+_BULKY_METRICS = {"ids", "config", *(m.column for m in METRICS.values())}
 
 
 def _read_json(path: Path) -> Any:
@@ -83,7 +85,36 @@ def _small(metrics: dict[str, Any] | None) -> dict[str, Any]:
 def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
     """Everything the page shows, as plain data (fetched from the input manifests)."""
     run_prefix = ctx.output_uri.rstrip("/").rsplit("/", 1)[0]
-    run_id = run_prefix.rsplit("/", 1)[-1]
+    local = _fetch_wanted(ctx)
+    rejected_report = _rejected_report(ctx, run_prefix)
+    table = stage_rows(ctx, cfg, run_prefix, rejected_report)
+    lora = ctx.input_manifests.get("lora_sft")
+    data_report = (
+        _read_json(local["validate_data"] / "data_report.json") if "validate_data" in local else rejected_report
+    )
+    docs = _data_docs(ctx, run_prefix, data_report)
+    return {
+        "pipeline": cfg.pipeline,
+        "run_id": run_prefix.rsplit("/", 1)[-1],
+        "run_prefix": run_prefix,
+        "generated_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "stages": table,
+        "loss": _read_loss(local["lora_sft"] / "loss.csv") if "lora_sft" in local else [],
+        "training_summary": lora.summary if lora is not None else {},
+        "base_metrics": _eval_metrics(local, "evaluate_base"),
+        "tuned_metrics": _eval_metrics(local, "evaluate_tuned"),
+        "decision": _decision(local),
+        "data_report": data_report,
+        "data_docs": docs,
+        "data_docs_url": report.site_url(docs, os.environ.get("STORAGE_EMULATOR_HOST")) if docs else None,
+        "failure": failure(table, rejected_report),
+        "samples": report.sample_outputs(_predictions(local, "evaluate_base"), _predictions(local, "evaluate_tuned")),
+        "publish": _publish_entry(ctx, run_prefix),
+    }
+
+
+def _fetch_wanted(ctx: StepContext) -> dict[str, Path]:
+    """The few small files the report shows of each stage that committed (WANTED), fetched: stage -> folder."""
     local: dict[str, Path] = {}
     for stage, names in WANTED.items():
         manifest = ctx.input_manifests.get(stage)
@@ -92,13 +123,20 @@ def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
         dest = ctx.work / stage
         artifacts.fetch(manifest, dest, only=[n for n in names if n in manifest.files])
         local[stage] = dest
+    return local
 
-    data_manifest = ctx.input_manifests.get("validate_data")
-    rejected_report = None
-    if data_manifest is None:
-        rejected_report = artifacts.read_json(
-            gcs.join(run_prefix, "validate_data", report.REJECTED, "data_report.json")
-        )
+
+def _rejected_report(ctx: StepContext, run_prefix: str) -> dict[str, Any] | None:
+    """validate_data's evidence when it rejected the dataset (no committed output, a data report beside it)."""
+    if "validate_data" in ctx.input_manifests:
+        return None
+    return artifacts.read_json(gcs.join(run_prefix, "validate_data", report.REJECTED, "data_report.json"))
+
+
+def stage_rows(
+    ctx: StepContext, cfg: ReportConfig, run_prefix: str, rejected_report: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """One row per stage before the report: ran, reused (from which run), rejected, not run or no output."""
     table: list[dict[str, Any]] = []
     for stage in cfg.stages:
         if stage == STAGE:
@@ -122,48 +160,43 @@ def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
                 "manifest": manifest.uri,
             }
         )
+    return table
 
-    publish = None
-    published = _publish_manifest(run_prefix)
-    if published is not None:
-        artifacts.fetch(published, ctx.work / "publish", only=["registry_entry.json"])
-        publish = _read_json(ctx.work / "publish" / "registry_entry.json")
 
-    base_pred = _read_jsonl(local["evaluate_base"] / "predictions.jsonl") if "evaluate_base" in local else []
-    tuned_pred = _read_jsonl(local["evaluate_tuned"] / "predictions.jsonl") if "evaluate_tuned" in local else []
+def _eval_metrics(local: dict[str, Path], stage: str) -> dict[str, Any]:
+    return _small(_read_json(local[stage] / "metrics.json")) if stage in local else {}
+
+
+def _predictions(local: dict[str, Path], stage: str) -> list[dict[str, Any]]:
+    return _read_jsonl(local[stage] / "predictions.jsonl") if stage in local else []
+
+
+def _decision(local: dict[str, Path]) -> dict[str, Any] | None:
+    """The gate's decision.json without the evaluations' metrics (the report shows those itself)."""
     decision = _read_json(local["gate"] / "decision.json") if "gate" in local else None
-    if decision:
-        decision = {k: v for k, v in decision.items() if k not in ("base_metrics", "tuned_metrics")}
-    lora = ctx.input_manifests.get("lora_sft")
-    data_report = (
-        _read_json(local["validate_data"] / "data_report.json") if "validate_data" in local else rejected_report
-    )
-    docs = None
-    if data_report and data_report.get("data_docs"):
-        if data_manifest is not None:
-            docs = report.data_docs_uri(data_manifest.prefix)
-        else:
-            docs = report.data_docs_uri(gcs.join(run_prefix, "validate_data"), rejected=True)
-    return {
-        "pipeline": cfg.pipeline,
-        "run_id": run_id,
-        "run_prefix": run_prefix,
-        "generated_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "stages": table,
-        "loss": _read_loss(local["lora_sft"] / "loss.csv") if "lora_sft" in local else [],
-        "training_summary": lora.summary if lora is not None else {},
-        "base_metrics": _small(_read_json(local["evaluate_base"] / "metrics.json")) if "evaluate_base" in local else {},
-        "tuned_metrics": (
-            _small(_read_json(local["evaluate_tuned"] / "metrics.json")) if "evaluate_tuned" in local else {}
-        ),
-        "decision": decision,
-        "data_report": data_report,
-        "data_docs": docs,
-        "data_docs_url": report.site_url(docs, os.environ.get("STORAGE_EMULATOR_HOST")) if docs else None,
-        "failure": failure(table, rejected_report),
-        "samples": report.sample_outputs(base_pred, tuned_pred),
-        "publish": publish,
-    }
+    if not decision:
+        return decision
+    return {k: v for k, v in decision.items() if k not in ("base_metrics", "tuned_metrics")}
+
+
+def _data_docs(ctx: StepContext, run_prefix: str, data_report: dict[str, Any] | None) -> str | None:
+    """Where GX's data docs lie: beside the committed dataset, or beside the rejected one's evidence."""
+    if not (data_report and data_report.get("data_docs")):
+        return None
+    data_manifest = ctx.input_manifests.get("validate_data")
+    if data_manifest is not None:
+        return report.data_docs_uri(data_manifest.prefix)
+    return report.data_docs_uri(gcs.join(run_prefix, "validate_data"), rejected=True)
+
+
+def _publish_entry(ctx: StepContext, run_prefix: str) -> dict[str, Any] | None:
+    """This run's publish outcome (its registry_entry.json), when publish ran."""
+    published = _publish_manifest(run_prefix)
+    if published is None:
+        return None
+    artifacts.fetch(published, ctx.work / "publish", only=["registry_entry.json"])
+    result: dict[str, Any] | None = _read_json(ctx.work / "publish" / "registry_entry.json")
+    return result
 
 
 def failure(table: list[dict[str, Any]], rejected_report: dict[str, Any] | None) -> dict[str, Any] | None:

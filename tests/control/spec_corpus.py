@@ -68,7 +68,7 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
     ("param-forbidden", {"params": [{"path": "artifact_root"}]}, "(top level)", "cannot be overridden"),
     ("param-twice", {"params": [{"path": "lora.rank"}, {"path": "lora.rank"}]}, "(top level)", "listed twice"),
     ("gate-confidence", {"gate.confidence": 1.5}, "gate.confidence", "less than 1"),
-    ("gate-metric", {"gate.metric": "bleu"}, "gate.metric", "'accuracy' or 'format_rate'"),
+    ("gate-metric", {"gate.metric": "bleu"}, "gate.metric", "use one of: accuracy, format_rate"),
     (
         "min-rows-zero",
         {"data.expectations.row_count.min": 0},

@@ -1,4 +1,4 @@
-"""Unit tests of loraflow.evaluation.scoring: extraction, normalisation, format failures, aggregation."""
+"""Unit tests of loraflow.evaluation.scoring and .metrics: extraction, normalisation, format failures, aggregation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.evaluation import scoring
-from loraflow.evaluation.scoring import ScoredExample
+from loraflow.evaluation import metrics, scoring
+from loraflow.evaluation.metrics import ScoredExample
 
 
 @pytest.mark.parametrize(
@@ -73,29 +73,29 @@ def test_normalize(text: str, expected: str) -> None:
 
 
 def test_score_correct_wrong_and_format_failure() -> None:
-    assert scoring.score(" Even.", "even") == ScoredExample(answer="Even.", format_ok=True, correct=True)
-    assert scoring.score("odd", "even") == ScoredExample(answer="odd", format_ok=True, correct=False)
-    assert scoring.score("", "even") == ScoredExample(answer=None, format_ok=False, correct=False)
+    assert metrics.score(" Even.", "even") == ScoredExample("Even.", {"correct": True, "format_ok": True})
+    assert metrics.score("odd", "even") == ScoredExample("odd", {"correct": False, "format_ok": True})
+    assert metrics.score("", "even") == ScoredExample(None, {"correct": False, "format_ok": False})
     # an answer that normalises to nothing is a format failure too
-    assert scoring.score("?!", "even") == ScoredExample(answer="?!", format_ok=False, correct=False)
+    assert metrics.score("?!", "even") == ScoredExample("?!", {"correct": False, "format_ok": False})
 
 
 def test_score_normalises_reference() -> None:
-    assert scoring.score("even", "  EVEN. ").correct
+    assert metrics.score("even", "  EVEN. ").outcomes["correct"]
 
 
 def test_score_exact_match_not_prefix() -> None:
-    assert not scoring.score("evenly", "even").correct
+    assert not metrics.score("evenly", "even").outcomes["correct"]
 
 
 def test_score_all_length_mismatch() -> None:
     with pytest.raises(ValueError, match="2 generations but 1 references"):
-        scoring.score_all(["a", "b"], ["a"])
+        metrics.score_all(["a", "b"], ["a"])
 
 
 def test_aggregate() -> None:
-    scored = scoring.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"])
-    m = scoring.aggregate(scored)
+    scored = metrics.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"])
+    m = metrics.aggregate(scored)
     assert m["n"] == 4
     assert m["n_correct"] == 2
     assert m["n_format_ok"] == 3
@@ -106,7 +106,7 @@ def test_aggregate() -> None:
 
 
 def test_aggregate_empty() -> None:
-    m = scoring.aggregate([])
+    m = metrics.aggregate([])
     assert m == {
         "n": 0,
         "n_correct": 0,
@@ -121,11 +121,11 @@ def test_aggregate_empty() -> None:
 def test_aggregate_is_json_serialisable() -> None:
     import json
 
-    json.dumps(scoring.aggregate(scoring.score_all(["even"], ["even"])))
+    json.dumps(metrics.aggregate(metrics.score_all(["even"], ["even"])))
 
 
 def test_scoring_imports_no_heavy_modules() -> None:
-    code = "import sys, loraflow.evaluation.scoring; print(sorted(m for m in ('vllm','pandas','torch','numpy') if m in sys.modules))"
+    code = "import sys, loraflow.evaluation.metrics; print(sorted(m for m in ('vllm','pandas','torch','numpy') if m in sys.modules))"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "[]"

@@ -1,0 +1,175 @@
+"""The pipeline's stages, each declared once: everything that differs from one stage to the next.
+
+The planner (``loraflow.pipeline.plan.stage_plans``) iterates this table, the spec schema takes its
+stage names from it (``STAGES``), ``loraflow.spec.step_configs.STEP_CONFIGS`` resolves each stage's
+config class from it and ``operators/stages.py`` builds one operator class per row from it (the
+operator traits below). Adding a stage is a row here, its step program and its config class
+(docs/architecture.md, "Adding a stage").
+
+Light on purpose: the standard library only, so the spec schema and the DAG file import it without
+the planner, pydantic's models or Airflow. Hence names, not objects, for what lives above it: the
+environment (``loraflow.launchers.environments.ENVIRONMENTS``), the step program's module and the
+config class (in ``loraflow.spec.step_configs``, which itself imports the schema).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from loraflow.spec.schema import PipelineSpec
+
+
+@dataclass(frozen=True)
+class Source:
+    """An input that is not a loraflow artifact: a dataset, a Hugging Face checkpoint."""
+
+    uri: str
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An input that is another stage's committed output (its manifest)."""
+
+    stage: str
+    fetch: bool = True  # False: only referenced (fingerprinted, not downloaded)
+    optional: bool = False  # True: the stage runs without it when that stage failed or was skipped
+
+
+Input = Source | Upstream
+EnvironmentName = Literal["control", "trainer", "serving"]
+TriggerRule = Literal["all_success", "all_done"]
+# The operator's extra links (operators/links.py): the task's buttons in the Airflow UI.
+Link = Literal["data_docs", "workload", "artifacts", "report"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its step program, where it runs, what it reads, how it is cached and ordered, and
+    how its Airflow task looks."""
+
+    name: str
+    env: EnvironmentName
+    module: str  # the step program: python -m MODULE
+    inputs: Callable[[PipelineSpec], dict[str, Input]]  # input name -> where it comes from, for a spec
+    config: str  # its config class in loraflow.spec.step_configs (from_spec builds it, wire() is sent)
+    cacheable: bool = True
+    after: tuple[str, ...] = ()  # stages it runs after beyond those its inputs name
+    reported: bool = True  # the run report reads its output (an optional input of the report)
+    # The Airflow operator (operators/stages.py builds it; its class is operator_name).
+    ui_color: str = "#e8f0fe"
+    trigger_rule: TriggerRule = "all_success"
+    links: tuple[Link, ...] = ("workload", "artifacts")
+
+    @property
+    def operator_name(self) -> str:
+        """The operator's class name in ``operators.stages``: ``lora_sft`` -> ``LoraSftOperator``."""
+        return "".join(part.capitalize() for part in self.name.split("_")) + "Operator"
+
+
+def _report_inputs(spec: PipelineSpec) -> dict[str, Input]:
+    # Every input optional: the report also describes a run where a stage failed.
+    return {stage: Upstream(stage, fetch=False, optional=True) for stage in REPORTED}
+
+
+# In pipeline order: each stage after every stage it reads or runs after (a test holds it).
+STAGE_TABLE: tuple[Stage, ...] = (
+    Stage(
+        "validate_data",
+        "control",
+        "loraflow.steps.validate_data",
+        lambda spec: {
+            "train": Source(spec.data.train),
+            "eval": Source(spec.data.eval),
+            "tokenizer": Source(spec.tokenizer_uri),
+        },
+        "ValidateDataConfig",
+        links=("data_docs", "workload", "artifacts"),
+    ),
+    Stage(
+        "convert_checkpoint",
+        "trainer",
+        "loraflow.steps.convert_checkpoint",
+        lambda spec: {"hf_checkpoint": Source(spec.base_model.hf_checkpoint)},
+        "ConvertCheckpointConfig",
+        # Nothing is converted or trained before the data contract holds.
+        after=("validate_data",),
+    ),
+    Stage(
+        "evaluate_base",
+        "serving",
+        "loraflow.steps.evaluate",
+        lambda spec: {"model": Source(spec.base_model.hf_checkpoint), "eval_set": Upstream("validate_data")},
+        "EvaluateConfig",
+    ),
+    Stage(
+        "lora_sft",
+        "trainer",
+        "loraflow.steps.lora_sft",
+        lambda spec: {
+            "checkpoint": Upstream("convert_checkpoint"),
+            "dataset": Upstream("validate_data"),
+            "tokenizer": Source(spec.tokenizer_uri),
+        },
+        "LoraSftConfig",
+        ui_color="#fce8e6",
+    ),
+    Stage(
+        "merge_adapter",
+        "trainer",
+        "loraflow.steps.merge_adapter",
+        lambda spec: {"base": Source(spec.base_model.hf_checkpoint), "adapter": Upstream("lora_sft")},
+        "MergeAdapterConfig",
+    ),
+    Stage(
+        "evaluate_tuned",
+        "serving",
+        "loraflow.steps.evaluate",
+        lambda spec: {"model": Upstream("merge_adapter"), "eval_set": Upstream("validate_data")},
+        "EvaluateConfig",
+    ),
+    Stage(
+        "gate",
+        "control",
+        "loraflow.steps.gate",
+        lambda spec: {"base_eval": Upstream("evaluate_base"), "tuned_eval": Upstream("evaluate_tuned")},
+        "GateConfig",
+        # It also compares with the registry's current champion, which moves between runs
+        # without any input changing: a cached decision could promote a model the champion beats.
+        cacheable=False,
+    ),
+    Stage(
+        "publish",
+        "control",
+        "loraflow.steps.publish",
+        lambda spec: {"model": Upstream("merge_adapter", fetch=False), "decision": Upstream("gate")},
+        "PublishConfig",
+        cacheable=False,
+        # The report reads the publish outcome from the run's prefix: publish is skipped when the
+        # gate does not promote, and a skipped upstream is no input.
+        reported=False,
+    ),
+    Stage(
+        "report",
+        "control",
+        "loraflow.steps.report",
+        _report_inputs,
+        "ReportConfig",
+        cacheable=False,  # it reports this run: its cache hits, its publish outcome
+        # The report follows publish (and reads its outcome from the run's prefix) without
+        # needing it: publish is skipped when the gate does not promote.
+        after=("publish",),
+        reported=False,  # itself
+        ui_color="#e6f4ea",
+        # Every run gets its report: one the gate did not promote, one in which a stage failed.
+        trigger_rule="all_done",
+        links=("report", "artifacts"),
+    ),
+)
+
+STAGES: tuple[str, ...] = tuple(stage.name for stage in STAGE_TABLE)
+BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGE_TABLE}
+# The stages the run report reads (by reference: it fetches only the few small files it shows).
+REPORTED: tuple[str, ...] = tuple(stage.name for stage in STAGE_TABLE if stage.reported)

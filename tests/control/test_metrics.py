@@ -1,0 +1,108 @@
+"""The metric table (loraflow/evaluation/metrics.py): the spec, the gate and the report take their metrics from it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from loraflow.errors import SpecError
+from loraflow.evaluation import metrics
+from loraflow.evaluation.gate_rule import decide
+from loraflow.evaluation.metrics import METRICS
+from loraflow.reporting import report
+from loraflow.spec.reference import render
+from loraflow.spec.schema import load_spec, validate_spec
+from loraflow.steps import gate
+
+SPEC = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"
+
+
+def test_an_unknown_gate_metric_is_refused_naming_the_allowed_ones() -> None:
+    data = load_spec(SPEC).model_dump(mode="json")
+    data["gate"]["metric"] = "acuracy"
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "spec")
+    message = str(err.value)
+    assert "gate.metric" in message and "'acuracy'" in message
+    assert all(name in message for name in METRICS)
+
+
+@pytest.mark.parametrize("name", list(METRICS))
+def test_every_metric_may_be_gated_on(name: str) -> None:
+    data = load_spec(SPEC).model_dump(mode="json")
+    data["gate"]["metric"] = name
+    assert validate_spec(data, "spec").gate.metric == name
+
+
+def test_the_spec_reference_lists_every_metric_with_what_it_measures() -> None:
+    row = next(line for line in render().splitlines() if line.startswith("| `gate.metric`"))
+    assert all(f"`{m.name}`: {m.description}" in row for m in METRICS.values())
+
+
+def test_an_evaluation_scores_every_metric_of_the_table() -> None:
+    scored = metrics.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"])
+    aggregated = metrics.aggregate(scored)
+    for m in METRICS.values():
+        per_example = aggregated[m.column]
+        assert len(per_example) == 4 and aggregated[f"n_{m.column}"] == sum(per_example)
+        assert aggregated[m.name] == pytest.approx(sum(per_example) / 4)
+    assert aggregated["accuracy"] == pytest.approx(0.5) and aggregated["format_rate"] == pytest.approx(0.75)
+
+
+def _write_eval(d: Path, columns: dict[str, list[bool]]) -> Path:
+    import pandas as pd
+
+    d.mkdir(parents=True)
+    n = len(next(iter(columns.values())))
+    generations = [f"{d.name} {i}" for i in range(n)]  # base and tuned differ: the adapter did something
+    frame = pd.DataFrame({"id": [f"e{i:04d}" for i in range(n)], **columns, "generation": generations})
+    frame.to_parquet(d / "predictions.parquet")
+    rates = {m.name: sum(columns[m.column]) / n for m in METRICS.values()}
+    (d / "metrics.json").write_text(json.dumps({**rates, "n": n}))
+    return d
+
+
+@pytest.mark.parametrize("metric", list(METRICS.values()), ids=list(METRICS))
+def test_the_gate_compares_the_column_of_the_spec_metric(
+    tmp_path: Path, make_ctx: Callable, metric: metrics.Metric
+) -> None:
+    # The gated metric's column rises from 0.2 to 0.95; every other metric's column stays put.
+    rising = {"b": [False] * 80 + [True] * 20, "t": [True] * 95 + [False] * 5}
+    flat = [True] * 50 + [False] * 50
+    inputs = {
+        f"{side}_eval": _write_eval(
+            tmp_path / side, {m.column: rising[side[0]] if m is metric else flat for m in METRICS.values()}
+        )
+        for side in ("base", "tuned")
+    }
+    ctx = make_ctx("gate", inputs, {"metric": metric.name, "min_improvement": 0.3})
+    summary = gate.run(ctx)
+    assert summary["promote"] is True
+    assert summary["base"] == pytest.approx(0.2) and summary["tuned"] == pytest.approx(0.95)
+    assert json.loads((ctx.out / "decision.json").read_text())["metric"] == metric.name
+
+
+def test_a_metric_where_lower_is_better_promotes_on_a_fall() -> None:
+    base = {f"e{i}": i < 60 for i in range(200)}  # 0.30
+    tuned = {f"e{i}": i < 10 for i in range(200)}  # 0.05
+    d = decide(base, tuned, metric="error_rate", min_improvement=0.1, higher_is_better=False)
+    assert d.promote and d.delta == pytest.approx(0.25) and d.fixed == 50 and d.broken == 0
+    assert "error_rate fell by +0.250 (0.300 -> 0.050)" in d.reason
+    assert not decide(tuned, base, metric="error_rate", min_improvement=0.1, higher_is_better=False).promote
+
+
+def test_the_report_shows_every_metric_of_the_table() -> None:
+    data = {
+        "base_metrics": {**{name: 0.25 for name in METRICS}, "n": 4},
+        "tuned_metrics": {**{name: 0.75 for name in METRICS}, "n": 4},
+        "stages": [],
+    }
+    page = report.render(data)
+    section = page[page.index('<section id="metrics">') :]
+    section = section[: section.index("</section>")]
+    for name in METRICS:
+        assert f"<td>{name}</td>" in section
+    assert section.count("+0.500") == len(METRICS)
