@@ -152,25 +152,50 @@ def jobset(
     name = jobset_name(identity)
     if not _DNS_LABEL.fullmatch(pod_hostname(name, compute.hosts - 1).split(".")[0]):
         raise GkeConfigError(f"JobSet name {name} makes pod host names that are not DNS labels")
-    selector, limits = _placement(compute)
-    labels = _labels(identity)
-    port = DEFAULT_COORDINATOR_PORT
-    container: dict[str, Any] = {
-        "name": CONTAINER,
-        "image": compute.image,
-        "command": ["python"],
-        "args": list(argv[1:]),
-        "env": container_env(compute, name, extra_env, port),
-        "ports": [{"name": "coordinator", "containerPort": port}],
-        # A failed step's last log lines become the pod's termination message (the launcher shows it).
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "JobSet",
+        "metadata": _metadata(compute, identity, name),
+        "spec": {
+            "replicatedJobs": [
+                {
+                    "name": REPLICATED_JOB,
+                    "replicas": 1,
+                    "template": _job_template(compute, identity, name, argv, extra_env),
+                }
+            ],
+            # The headless service: pod i is {name}-workers-0-i.{name}, resolvable before it is ready.
+            "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
+            "failurePolicy": {"maxRestarts": 0},
+        },
     }
+
+
+def _metadata(compute: GkeCompute, identity: JobIdentity, name: str) -> dict[str, Any]:
+    """The JobSet's name, namespace and labels, and its identity as annotations (a person reads them)."""
+    annotations = {
+        "loraflow/dag-id": identity.dag_id,
+        "loraflow/run-id": identity.run_id,
+        "loraflow/stage": identity.stage,
+        "loraflow/cache-key": identity.cache_key,
+    }
+    return {"name": name, "namespace": namespace_for(compute), "labels": _labels(identity), "annotations": annotations}
+
+
+def _job_template(
+    compute: GkeCompute, identity: JobIdentity, name: str, argv: Sequence[str], extra_env: Mapping[str, str]
+) -> dict[str, Any]:
+    """One indexed Job of ``hosts`` pods, one per host; any failed pod fails it (no Kubernetes retry)."""
+    labels = _labels(identity)
+    selector, limits = _placement(compute)
+    container = _container(compute, name, argv, extra_env)
     if limits:
         container["resources"] = {"limits": limits, "requests": dict(limits)}
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "nodeSelector": selector, "containers": [container]}
     if compute.kubernetes_service_account:
         pod_spec["serviceAccountName"] = compute.kubernetes_service_account
-    job_template = {
+    return {
         "metadata": {"labels": labels},
         "spec": {
             "parallelism": compute.hosts,
@@ -180,27 +205,20 @@ def jobset(
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
+
+
+def _container(compute: GkeCompute, name: str, argv: Sequence[str], extra_env: Mapping[str, str]) -> dict[str, Any]:
+    """The step program's container: the image's ``python`` with the stage's argv and environment."""
+    port = DEFAULT_COORDINATOR_PORT
     return {
-        "apiVersion": API_VERSION,
-        "kind": "JobSet",
-        "metadata": {
-            "name": name,
-            "namespace": namespace_for(compute),
-            "labels": labels,
-            "annotations": {
-                "loraflow/dag-id": identity.dag_id,
-                "loraflow/run-id": identity.run_id,
-                "loraflow/stage": identity.stage,
-                "loraflow/cache-key": identity.cache_key,
-            },
-        },
-        "spec": {
-            "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1, "template": job_template}],
-            # The headless service: pod i is {name}-workers-0-i.{name}, resolvable before it is ready.
-            "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
-            "failurePolicy": {"maxRestarts": 0},
-        },
+        "name": CONTAINER,
+        "image": compute.image,
+        "command": ["python"],
+        "args": list(argv[1:]),
+        "env": container_env(compute, name, extra_env, port),
+        "ports": [{"name": "coordinator", "containerPort": port}],
+        # A failed step's last log lines become the pod's termination message (the launcher shows it).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 

@@ -306,43 +306,43 @@ def _gate_section(data: Mapping[str, Any]) -> str:
         ["metric", _e(decision.get("metric"))],
         ["required improvement", _num(decision.get("min_improvement"))],
         ["identical generations", _e(decision.get("identical_generations"))],
+        *_champion_row(decision),
     ]
-    champion = decision.get("champion")
-    if champion:
-        rows.append(
-            [
-                "champion",
-                _e(
-                    f"version {champion.get('version')} (run {champion.get('run_id')}): "
-                    f"{champion.get('metric')} {champion.get('value')}"
-                )
-                + (f" &mdash; {_e(champion.get('verdict'))}" if champion.get("verdict") else ""),
-            ]
-        )
-    elif "champion" in decision:
-        rows.append(["champion", "none yet: the first model of this pipeline is compared with the base only"])
     out = _table(["", ""], rows)
     notes = decision.get("notes") or []
     if notes:
         out += "<p>Notes:</p><ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"
-    publish = data.get("publish")
-    if publish:
-        if publish.get("promoted"):
-            out += (
-                f"<p>Published as version <b>{_e(publish.get('version'))}</b>: "
-                f"<code>{_e(publish.get('version_uri'))}</code></p>"
-            )
-            vertex = publish.get("vertex_model_registry")
-            if vertex:
-                aliases = ", ".join(vertex.get("version_aliases") or []) or "none"
-                out += (
-                    f"<p>Vertex AI Model Registry: <code>{_e(vertex.get('model'))}@{_e(vertex.get('version_id'))}</code>"
-                    f" (aliases: {_e(aliases)})</p>"
-                )
-        else:
-            out += f"<p>Not published: {_e(publish.get('reason'))}</p>"
-    elif decision.get("promote") is False:
-        out += "<p>Not published (the gate did not promote).</p>"
+    return out + _publish_outcome(data.get("publish"), decision)
+
+
+def _champion_row(decision: Mapping[str, Any]) -> list[list[str]]:
+    """The registry's champion the tuned model was compared with (none: the first model)."""
+    champion = decision.get("champion")
+    if champion:
+        text = _e(
+            f"version {champion.get('version')} (run {champion.get('run_id')}): "
+            f"{champion.get('metric')} {champion.get('value')}"
+        )
+        return [["champion", text + (f" &mdash; {_e(champion.get('verdict'))}" if champion.get("verdict") else "")]]
+    if "champion" in decision:
+        return [["champion", "none yet: the first model of this pipeline is compared with the base only"]]
+    return []
+
+
+def _publish_outcome(publish: Mapping[str, Any] | None, decision: Mapping[str, Any]) -> str:
+    """Where the model was published (the registry version, the Vertex AI mirror), or why not."""
+    if not publish:
+        return "<p>Not published (the gate did not promote).</p>" if decision.get("promote") is False else ""
+    if not publish.get("promoted"):
+        return f"<p>Not published: {_e(publish.get('reason'))}</p>"
+    out = f"<p>Published as version <b>{_e(publish.get('version'))}</b>: <code>{_e(publish.get('version_uri'))}</code></p>"
+    vertex = publish.get("vertex_model_registry")
+    if vertex:
+        aliases = ", ".join(vertex.get("version_aliases") or []) or "none"
+        out += (
+            f"<p>Vertex AI Model Registry: <code>{_e(vertex.get('model'))}@{_e(vertex.get('version_id'))}</code>"
+            f" (aliases: {_e(aliases)})</p>"
+        )
     return out
 
 
@@ -362,44 +362,9 @@ def _data_section(data: Mapping[str, Any]) -> str:
     report = data.get("data_report")
     if not report:
         return '<p class="muted">no data report</p>'
-    stats = report.get("statistics", {})
-    rows = []
-    for split in ("train", "eval"):
-        s = stats.get(split)
-        if isinstance(s, Mapping):
-            rows.append(
-                [
-                    _e(split),
-                    _e(s.get("file")),
-                    _e(s.get("format")),
-                    f'<span class="num">{_e(s.get("rows"))}</span>',
-                    _e(f"{s.get('tokens_min')} / {s.get('tokens_mean')} / {s.get('tokens_max')}"),
-                ]
-            )
-    out = _table(["split", "file", "format", "rows", "tokens min / mean / max"], rows)
-    ok = report.get("success")
-    warned = stats.get("warned_expectations") or 0
-    out += (
-        f"<p>Expectations: <b>{_e(stats.get('successful_expectations'))}</b> of "
-        f"{_e(stats.get('evaluated_expectations'))} passed"
-        + (f", <span class='warn'>{_e(warned)} warned</span>" if warned else "")
-        + " "
-        + ('<span class="ok">(data contract holds)</span>' if ok else '<span class="bad">(contract broken)</span>')
-        + "</p>"
-    )
-    exp_rows = [
-        [
-            _e(x.get("dataset")),
-            _e(x.get("rule")),
-            _e(x.get("level")),
-            _e(x.get("check")),
-            f"<code>{_e(x.get('type'))}</code>",
-            _e(x.get("observed")),
-            _OUTCOME.get(str(x.get("outcome") or ("pass" if x.get("success") else "fail")), ""),
-        ]
-        for x in report.get("expectations", [])
-    ]
-    out += _table(["split", "rule", "level", "check", "expectation", "observed", "result"], exp_rows)
+    out = _data_statistics(report.get("statistics", {}))
+    out += _expectations_summary(report)
+    out += _expectations_table(report.get("expectations", []))
     for f in report.get("failures") or []:
         out += f"<p class='bad'>{_e(f)}</p>"
     for w in report.get("warnings") or []:
@@ -410,6 +375,59 @@ def _data_section(data: Mapping[str, Any]) -> str:
             f"<code>{_e(data.get('data_docs'))}</code></a></p>"
         )
     return out
+
+
+def _data_statistics(stats: Mapping[str, Any]) -> str:
+    """One row per split: its file, format, rows and token lengths."""
+    rows = []
+    for split in ("train", "eval"):
+        s = stats.get(split)
+        if isinstance(s, Mapping):
+            tokens = f"{s.get('tokens_min')} / {s.get('tokens_mean')} / {s.get('tokens_max')}"
+            rows.append(
+                [
+                    _e(split),
+                    _e(s.get("file")),
+                    _e(s.get("format")),
+                    f'<span class="num">{_e(s.get("rows"))}</span>',
+                    _e(tokens),
+                ]
+            )
+    return _table(["split", "file", "format", "rows", "tokens min / mean / max"], rows)
+
+
+def _expectations_summary(report: Mapping[str, Any]) -> str:
+    """How many expectations passed and warned, and whether the data contract holds."""
+    stats = report.get("statistics", {})
+    warned = stats.get("warned_expectations") or 0
+    verdict = (
+        '<span class="ok">(data contract holds)</span>'
+        if report.get("success")
+        else '<span class="bad">(contract broken)</span>'
+    )
+    return (
+        f"<p>Expectations: <b>{_e(stats.get('successful_expectations'))}</b> of "
+        f"{_e(stats.get('evaluated_expectations'))} passed"
+        + (f", <span class='warn'>{_e(warned)} warned</span>" if warned else "")
+        + f" {verdict}</p>"
+    )
+
+
+def _expectations_table(expectations: list[Mapping[str, Any]]) -> str:
+    """Every expectation of the data contract with what GX observed and its outcome."""
+    rows = [
+        [
+            _e(x.get("dataset")),
+            _e(x.get("rule")),
+            _e(x.get("level")),
+            _e(x.get("check")),
+            f"<code>{_e(x.get('type'))}</code>",
+            _e(x.get("observed")),
+            _OUTCOME.get(str(x.get("outcome") or ("pass" if x.get("success") else "fail")), ""),
+        ]
+        for x in expectations
+    ]
+    return _table(["split", "rule", "level", "check", "expectation", "observed", "result"], rows)
 
 
 _OUTCOME = {
