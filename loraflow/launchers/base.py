@@ -114,3 +114,32 @@ class Launcher(ABC):
     def describe(self, argv: Sequence[str]) -> dict[str, Any]:
         """What ``loraflow plan`` shows of the request this launcher would send, keyed by what it is."""
         return {}
+
+
+class RemoteLauncher(Launcher):
+    """A launcher whose step runs as a job on cloud machines: ``run`` is ``submit``, then ``wait``."""
+
+    @property
+    def deferrable(self) -> bool:
+        return bool(getattr(self.compute, "deferrable", False))
+
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        extra_env: Mapping[str, str] = {},
+        secrets: Mapping[str, str] = {},
+        on_workload: WorkloadSink = ignore_workload,
+    ) -> None:
+        """Submit (or reattach to) the job and wait in this thread until it ends."""
+        self.check_secrets(secrets)
+        on_workload(self.submit(argv, sink, extra_env))
+        self.wait(sink)
+
+    @abstractmethod
+    def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> Workload:
+        """Start (or reattach to) the job: reattaching keeps one writer per stage and run."""
+
+    @abstractmethod
+    def wait(self, sink: LineSink) -> None:
+        """Wait for the submitted job to end; ``StepError`` with its own error unless it succeeded."""

@@ -27,7 +27,7 @@ from typing import Any
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launchers import gke_jobset as gke
 from loraflow.launchers import vertex_job as vertex
-from loraflow.launchers.base import Launcher, LineSink, Workload, WorkloadFailure, WorkloadSink, ignore_workload
+from loraflow.launchers.base import LineSink, RemoteLauncher, Workload, WorkloadFailure
 from loraflow.launchers.identity import JobIdentity
 from loraflow.spec.compute import GkeCompute
 
@@ -54,7 +54,7 @@ def poll_backoff(exc: BaseException, errors: int, poll_seconds: float, api_error
     return min(poll_seconds * 2**errors, 300.0)
 
 
-class GkeLauncher(Launcher):
+class GkeLauncher(RemoteLauncher):
     """Runs one stage as a JobSet on a GKE cluster."""
 
     name = "gke"
@@ -109,24 +109,10 @@ class GkeLauncher(Launcher):
 
     # --- the launcher surface -------------------------------------------------------------------
 
-    @property
-    def deferrable(self) -> bool:
-        return self.compute.deferrable
-
     def secrets_advice(self) -> str:
         return f"use Workload Identity (compute.{self.identity.stage}.kubernetes_service_account)"
 
-    def run(
-        self,
-        argv: Sequence[str],
-        sink: LineSink,
-        extra_env: Mapping[str, str] = {},
-        secrets: Mapping[str, str] = {},
-        on_workload: WorkloadSink = ignore_workload,
-    ) -> None:
-        """Create (or reattach to) the JobSet and wait in this process until it ends."""
-        self.check_secrets(secrets)
-        on_workload(self._workload(self._create_or_reattach(argv, sink, extra_env)))
+    def wait(self, sink: LineSink) -> None:
         if self._killed.is_set():  # killed while creating
             self._delete()
         self._wait(sink)

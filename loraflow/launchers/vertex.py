@@ -26,7 +26,7 @@ from typing import Any
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launchers import vertex_errors
 from loraflow.launchers import vertex_job as vertex
-from loraflow.launchers.base import Launcher, LineSink, Workload, WorkloadFailure, WorkloadSink, ignore_workload
+from loraflow.launchers.base import LineSink, RemoteLauncher, Workload, WorkloadFailure
 from loraflow.launchers.identity import JobIdentity
 from loraflow.spec.compute import VertexCompute
 from loraflow.spec.resource_names import vertex_api_host
@@ -45,7 +45,7 @@ def state_name(state: Any) -> str:
     return getattr(state, "name", str(state))
 
 
-class VertexLauncher(Launcher):
+class VertexLauncher(RemoteLauncher):
     """Runs one stage as a Vertex AI CustomJob."""
 
     name = "vertex"
@@ -70,6 +70,7 @@ class VertexLauncher(Launcher):
         self.credentials = credentials
         self.poll_seconds = poll_seconds or float(os.environ.get("LORAFLOW_VERTEX_POLL_SECONDS", "30"))
         self.job_name: str | None = None
+        self._job: Any = None  # the SDK's CustomJob message, once submitted
         self._killed = threading.Event()
         self._client_obj: Any = None
 
@@ -97,30 +98,16 @@ class VertexLauncher(Launcher):
 
     # --- the launcher surface -------------------------------------------------------------------
 
-    @property
-    def deferrable(self) -> bool:
-        return self.compute.deferrable
-
     def secrets_advice(self) -> str:
         return f"grant compute.{self.identity.stage}.service_account access instead"
 
-    def run(
-        self,
-        argv: Sequence[str],
-        sink: LineSink,
-        extra_env: Mapping[str, str] = {},
-        secrets: Mapping[str, str] = {},
-        on_workload: WorkloadSink = ignore_workload,
-    ) -> None:
-        """Submit (or reattach) and wait in this thread until the job ends."""
-        self.check_secrets(secrets)
-        job = self._submit_or_reattach(argv, sink, extra_env)
-        on_workload(self._workload(job))
-        self._wait(job, sink)
-
     def submit(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str] = {}) -> Workload:
         """The first half of ``run``: a deferrable operator calls this, then defers to the job's trigger."""
-        return self._workload(self._submit_or_reattach(argv, sink, extra_env))
+        self._job = self._submit_or_reattach(argv, sink, extra_env)
+        return self._workload(self._job)
+
+    def wait(self, sink: LineSink) -> None:
+        self._wait(self._job, sink)
 
     def _workload(self, job: Any) -> Workload:
         return Workload(
