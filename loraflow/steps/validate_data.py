@@ -37,6 +37,7 @@ nothing, so a rejected dataset can never be an input of a later stage.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -553,13 +554,30 @@ def _result_entry(split: str, check: Check, res: Any, level: str, message: str |
 def run(ctx: StepContext) -> dict[str, Any]:
     cfg = resolve_config(dict(ctx.config))
     report: dict[str, Any] = {"config": {"expectations": cfg.model_dump(mode="json")}}
-    report_path = ctx.out / "data_report.json"
+    loaded = _load_splits(ctx, report)
+    counter = TokenCounter(ctx.inputs["tokenizer"])
+    report["token_length"] = counter.method
+    frames = {split: build_frame(loaded[split], counter) for split in SPLITS}
+    suites = _run_suites(ctx.out / DATA_DOCS, cfg, frames)
+    findings = _judge(ctx, cfg, loaded, suites.results)
+    docs_seconds = _write_data_docs(ctx, suites.context)
+    stats = {split: _split_statistics(loaded[split], frames[split]) for split in SPLITS}
+    report |= _report_outcome(findings, suites, docs_seconds, stats)
+    _write_report(ctx.out, report)
+    if findings.failures:
+        raise DataValidationError(contract.contract_broken_message(findings.failures))
+    _write_accepted_data(ctx.out, loaded)
+    return _accepted_summary(ctx, suites, findings, stats)
 
-    def write_report() -> None:
-        report_path.write_text(json.dumps(_jsonable(report), indent=2, sort_keys=True, ensure_ascii=False))
 
+def _write_report(out: Path, report: dict[str, Any]) -> None:
+    (out / "data_report.json").write_text(json.dumps(_jsonable(report), indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def _load_splits(ctx: StepContext, report: dict[str, Any]) -> dict[str, ds.Dataset]:
+    """Both datasets, loaded; if either cannot be read, the report says why and the stage fails."""
     loaded: dict[str, ds.Dataset] = {}
-    load_problems: list[str] = []
+    problems: list[str] = []
     for split in SPLITS:
         if split not in ctx.inputs:
             raise LoraflowError(f"{STAGE}: input {split!r} is missing; give --input {split}=gs://...")
@@ -567,121 +585,161 @@ def run(ctx: StepContext) -> dict[str, Any]:
             path = ds.find_dataset_file(ctx.inputs[split])
             loaded[split] = ds.load(path, id_prefix=f"{split}-")
         except DataValidationError as exc:
-            load_problems.append(f"{split}: {exc}")
+            problems.append(f"{split}: {exc}")
             continue
-        data = loaded[split]
-        ctx.progress(f"{split}: {len(data.rows)} rows loaded from {path.name} ({data.format} format)")
-    if load_problems:
-        report["load_problems"] = load_problems
-        report["success"] = False
-        write_report()
-        raise DataValidationError("the dataset cannot be read:\n" + "\n".join(load_problems))
+        ctx.progress(f"{split}: {len(loaded[split].rows)} rows loaded from {path.name} ({loaded[split].format} format)")
+    if problems:
+        report |= {"load_problems": problems, "success": False}
+        _write_report(ctx.out, report)
+        raise DataValidationError("the dataset cannot be read:\n" + "\n".join(problems))
+    return loaded
 
-    counter = TokenCounter(ctx.inputs["tokenizer"])
-    report["token_length"] = counter.method
-    frames = {split: build_frame(loaded[split], counter) for split in SPLITS}
 
+@dataclass(frozen=True)
+class _SuiteRuns:
+    """Both suites run by Great Expectations: each check's result, and how long it took."""
+
+    context: Any
+    results: list[tuple[str, Check, Any]]  # (split, check, GX result), train's then eval's
+    context_seconds: float  # making the GX context (mostly importing Great Expectations)
+    validate_seconds: dict[str, float]
+    seconds: float  # all of it
+
+
+def _run_suites(docs_dir: Path, cfg: contract.DataExpectations, frames: dict[str, Any]) -> _SuiteRuns:
     started = time.monotonic()
-    context = _gx_context(ctx.out / DATA_DOCS)
-    gx_import_seconds = time.monotonic() - started
+    context = _gx_context(docs_dir)
+    context_seconds = time.monotonic() - started
     results: list[tuple[str, Check, Any]] = []
     validate_seconds: dict[str, float] = {}
     for split in SPLITS:
-        train_keys = None
-        if split == "eval":
-            train_keys = sorted({k for k in frames["train"]["prompt_key"] if k})
+        train_keys = sorted({k for k in frames["train"]["prompt_key"] if k}) if split == "eval" else None
         checks = build_checks(split, cfg, train_keys)
         t0 = time.monotonic()
         results += [(split, c, r) for c, r in validate(context, split, frames[split], checks)]
         validate_seconds[split] = round(time.monotonic() - t0, 3)
-    gx_seconds = time.monotonic() - started
+    return _SuiteRuns(context, results, context_seconds, validate_seconds, time.monotonic() - started)
 
-    failures: list[tuple[str, str]] = []  # (rule, message) of fail-level findings
-    warnings: list[tuple[str, str]] = []
-    entries = []
+
+@dataclass(frozen=True)
+class _Findings:
+    entries: list[dict[str, Any]]  # the report's line of every check
+    failures: list[tuple[str, str]]  # (rule, message) of fail-level findings
+    warnings: list[tuple[str, str]]  # (rule, message) of warn-level findings
+
+
+def _judge(
+    ctx: StepContext,
+    cfg: contract.DataExpectations,
+    loaded: dict[str, ds.Dataset],
+    results: list[tuple[str, Check, Any]],
+) -> _Findings:
+    """Each check's outcome at its rule's level, logged as it is judged."""
+    findings = _Findings([], [], [])
     for split, check, res in results:
         level = cfg.level(check.rule)
-        if res.success:
-            entries.append(_result_entry(split, check, res, level, None))
-            ctx.progress(f"{split}: [{check.rule}] {check.name}: ok")
-            continue
-        data = loaded[split]
+        message = None if res.success else _finding(split, check, res, loaded[split])
+        findings.entries.append(_result_entry(split, check, res, level, message))
+        if message is not None:
+            (findings.warnings if level == "warn" else findings.failures).append((check.rule, message))
+        ctx.progress(f"{split}: [{check.rule}] {check.name}: {_verdict(level, message)}")
+    return findings
 
-        def where(rows: Sequence[int], data: ds.Dataset = data) -> str:
-            return _where(rows, data.unit, data.path.name)
 
-        message = check.describe(split, res.result or {}, where)
-        entries.append(_result_entry(split, check, res, level, message))
-        if level == "warn":
-            warnings.append((check.rule, message))
-            ctx.progress(
-                f"{split}: [{check.rule}] {check.name}: WARNING (rule level warn, the run continues): {message}"
-            )
-        else:
-            failures.append((check.rule, message))
-            ctx.progress(f"{split}: [{check.rule}] {check.name}: FAILED: {message}")
+def _finding(split: str, check: Check, res: Any, data: ds.Dataset) -> str:
+    """What a failed check found, in plain words, naming the rows of the dataset's file."""
+    return check.describe(split, res.result or {}, functools.partial(_where, unit=data.unit, filename=data.path.name))
 
+
+def _verdict(level: str, message: str | None) -> str:
+    if message is None:
+        return "ok"
+    if level == "warn":
+        return f"WARNING (rule level warn, the run continues): {message}"
+    return f"FAILED: {message}"
+
+
+def _write_data_docs(ctx: StepContext, context: Any) -> float:
     t0 = time.monotonic()
     build_data_docs(context)
-    docs_seconds = round(time.monotonic() - t0, 3)
-    ctx.progress(f"Great Expectations data docs written to {DATA_DOCS}/index.html ({docs_seconds:.2f} s)")
+    seconds = round(time.monotonic() - t0, 3)
+    ctx.progress(f"Great Expectations data docs written to {DATA_DOCS}/index.html ({seconds:.2f} s)")
+    return seconds
 
-    stats: dict[str, dict[str, Any]] = {
-        split: {
-            "rows": len(frames[split]),
-            "format": loaded[split].format,
-            "file": loaded[split].path.name,
-            "tokens_min": int(frames[split]["n_tokens"].min()) if len(frames[split]) else 0,
-            "tokens_mean": round(float(frames[split]["n_tokens"].mean()), 2) if len(frames[split]) else 0.0,
-            "tokens_max": int(frames[split]["n_tokens"].max()) if len(frames[split]) else 0,
-        }
-        for split in SPLITS
+
+def _split_statistics(data: ds.Dataset, frame: Any) -> dict[str, Any]:
+    tokens = frame["n_tokens"]
+    return {
+        "rows": len(frame),
+        "format": data.format,
+        "file": data.path.name,
+        "tokens_min": int(tokens.min()) if len(frame) else 0,
+        "tokens_mean": round(float(tokens.mean()), 2) if len(frame) else 0.0,
+        "tokens_max": int(tokens.max()) if len(frame) else 0,
     }
-    max_seen = max(int(s["tokens_max"]) for s in stats.values())
-    unsuccessful = sum(1 for e in entries if not e["success"])
-    report |= {
+
+
+def _report_outcome(
+    findings: _Findings, suites: _SuiteRuns, docs_seconds: float, stats: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The report's verdict, every check's line and the statistics."""
+    failures, warnings = findings.failures, findings.warnings
+    unsuccessful = sum(1 for e in findings.entries if not e["success"])
+    return {
         "success": not failures,
         "failures": [m for _, m in failures],
-        "failed_rules": list(dict.fromkeys(r for r, _ in failures)),
+        "failed_rules": _rules_of(failures),
         "warnings": [m for _, m in warnings],
-        "warned_rules": list(dict.fromkeys(r for r, _ in warnings)),
-        "expectations": entries,
+        "warned_rules": _rules_of(warnings),
+        "expectations": findings.entries,
         "data_docs": f"{DATA_DOCS}/index.html",
         "statistics": {
-            "evaluated_expectations": len(results),
-            "successful_expectations": len(results) - unsuccessful,
+            "evaluated_expectations": len(suites.results),
+            "successful_expectations": len(suites.results) - unsuccessful,
             "unsuccessful_expectations": unsuccessful,
             "warned_expectations": len(warnings),
             "failed_expectations": len(failures),
-            "gx_seconds": round(gx_seconds, 3),
-            "gx_context_seconds": round(gx_import_seconds, 3),
-            "gx_validate_seconds": validate_seconds,
+            "gx_seconds": round(suites.seconds, 3),
+            "gx_context_seconds": round(suites.context_seconds, 3),
+            "gx_validate_seconds": suites.validate_seconds,
             "gx_data_docs_seconds": docs_seconds,
             **stats,
         },
     }
-    write_report()
-    if failures:
-        raise DataValidationError(contract.contract_broken_message(failures))
 
-    ds.write_jsonl(loaded["train"].rows, ctx.out / "train.jsonl")
+
+def _rules_of(findings: list[tuple[str, str]]) -> list[str]:
+    """The rules of ``(rule, message)`` findings, each once, in order."""
+    return list(dict.fromkeys(rule for rule, _ in findings))
+
+
+def _write_accepted_data(out: Path, loaded: dict[str, ds.Dataset]) -> None:
+    """train.jsonl as loaded; eval.jsonl split into the prompt turns and the reference answer."""
+    ds.write_jsonl(loaded["train"].rows, out / "train.jsonl")
     eval_rows = []
     for row in loaded["eval"].rows:
         prompt, reference = ds.prompt_and_reference(row["messages"])
         eval_rows.append({"id": row["id"], "messages": prompt, "reference": reference})
-    ds.write_jsonl(eval_rows, ctx.out / "eval.jsonl")
-    passed = len(results) - len(warnings)
+    ds.write_jsonl(eval_rows, out / "eval.jsonl")
+
+
+def _accepted_summary(
+    ctx: StepContext, suites: _SuiteRuns, findings: _Findings, stats: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Log the closing line; return the manifest summary of an accepted dataset."""
+    evaluated, warned = len(suites.results), len(findings.warnings)
+    max_seen = max(int(s["tokens_max"]) for s in stats.values())
     ctx.progress(
-        f"{passed} of {len(results)} expectations passed, {len(warnings)} warning(s), in {gx_seconds:.2f} s "
-        f"({gx_import_seconds:.2f} s of it importing Great Expectations); longest example {max_seen} tokens"
+        f"{evaluated - warned} of {evaluated} expectations passed, {warned} warning(s), in {suites.seconds:.2f} s "
+        f"({suites.context_seconds:.2f} s of it importing Great Expectations); longest example {max_seen} tokens"
     )
     return {
         "train_rows": stats["train"]["rows"],
         "eval_rows": stats["eval"]["rows"],
-        "expectations": len(results),
+        "expectations": evaluated,
         "failed": 0,
-        "warnings": len(warnings),
-        "warned_rules": report["warned_rules"],
+        "warnings": warned,
+        "warned_rules": _rules_of(findings.warnings),
         "max_tokens_seen": max_seen,
         "data_docs": f"{DATA_DOCS}/index.html",
     }
