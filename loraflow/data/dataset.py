@@ -214,47 +214,71 @@ def normalise(
     rows: list[dict[str, Any]] = []
     lines: list[int] = []
     for line, record in records:
-        if not isinstance(record, dict):
-            problems.add(
-                line, f'is a JSON {type(record).__name__}, not an object; write {{"prompt": ..., "completion": ...}}'
-            )
-            continue
-        fmt = _row_format(record)
+        fmt = _record_format(record, line, problems)
         if fmt is None:
-            keys = ", ".join(sorted(map(str, record))) or "none"
-            if "messages" in record and record["messages"] is not None:
-                problems.add(line, f"has both 'messages' and 'prompt'/'completion' (keys: {keys}); keep one format")
-            else:
-                problems.add(
-                    line,
-                    f"missing columns: needs 'prompt' and 'completion', or 'messages' (found keys: {keys})",
-                )
             continue
         formats[fmt].append(line)
-        before = problems.total
-        messages = (
-            _pc_messages(record, line, problems) if fmt == PROMPT_COMPLETION else _chat_messages(record, line, problems)
-        )
-        row_id = _row_id(record, line, id_prefix, problems)
-        if problems.total == before:
-            rows.append({"id": row_id, "messages": messages})
+        row = _normalise_record(record, fmt, line, id_prefix, problems)
+        if row is not None:
+            rows.append(row)
             lines.append(line)
-    if formats[PROMPT_COMPLETION] and formats[CHAT]:
-        minority = min(formats.values(), key=len)
-        other = PROMPT_COMPLETION if minority is formats[CHAT] else CHAT
-        name = {PROMPT_COMPLETION: "prompt/completion", CHAT: "messages"}
-        this = CHAT if other == PROMPT_COMPLETION else PROMPT_COMPLETION
-        problems.add(
-            None,
-            f"mixed formats: {_fmt_lines(minority, unit)} use {name[this]} while "
-            f"{len(formats[other])} {unit}(s) use {name[other]}; use one format per file",
-        )
+    mixed = _mixed_formats(formats, unit)
+    if mixed is not None:
+        problems.add(None, mixed)
     if not records and not problems.total:
         problems.add(None, "the file holds no examples; give at least one row")
     problems.problems.sort(key=lambda p: (p.line is not None, p.line or 0))
     problems.raise_if_any(path, unit)
     fmt = CHAT if formats[CHAT] else PROMPT_COMPLETION
     return Dataset(path, fmt, rows, lines, unit)
+
+
+def _record_format(record: Any, line: int, problems: _Collector) -> str | None:
+    """The record's format; None, with the problem noted, when it is not an object of one known format."""
+    if not isinstance(record, dict):
+        problems.add(
+            line, f'is a JSON {type(record).__name__}, not an object; write {{"prompt": ..., "completion": ...}}'
+        )
+        return None
+    fmt = _row_format(record)
+    if fmt is None:
+        keys = ", ".join(sorted(map(str, record))) or "none"
+        if "messages" in record and record["messages"] is not None:
+            problems.add(line, f"has both 'messages' and 'prompt'/'completion' (keys: {keys}); keep one format")
+        else:
+            problems.add(
+                line,
+                f"missing columns: needs 'prompt' and 'completion', or 'messages' (found keys: {keys})",
+            )
+    return fmt
+
+
+def _normalise_record(
+    record: dict[str, Any], fmt: str, line: int, id_prefix: str, problems: _Collector
+) -> dict[str, Any] | None:
+    """The row ``{"id", "messages"}`` of a record in format ``fmt``; None when it has problems (noted)."""
+    before = problems.total
+    messages = (
+        _pc_messages(record, line, problems) if fmt == PROMPT_COMPLETION else _chat_messages(record, line, problems)
+    )
+    row_id = _row_id(record, line, id_prefix, problems)
+    if problems.total != before:
+        return None
+    return {"id": row_id, "messages": messages}
+
+
+def _mixed_formats(formats: dict[str, list[int]], unit: str) -> str | None:
+    """The problem of a file whose rows use both formats (naming the minority's rows); None if it uses one."""
+    if not (formats[PROMPT_COMPLETION] and formats[CHAT]):
+        return None
+    minority = min(formats.values(), key=len)
+    other = PROMPT_COMPLETION if minority is formats[CHAT] else CHAT
+    name = {PROMPT_COMPLETION: "prompt/completion", CHAT: "messages"}
+    this = CHAT if other == PROMPT_COMPLETION else PROMPT_COMPLETION
+    return (
+        f"mixed formats: {_fmt_lines(minority, unit)} use {name[this]} while "
+        f"{len(formats[other])} {unit}(s) use {name[other]}; use one format per file"
+    )
 
 
 def _pc_messages(record: dict[str, Any], line: int, problems: _Collector) -> list[dict[str, Any]]:

@@ -146,49 +146,83 @@ class VertexModelRegistry:
         progress: Callable[[str], None] = lambda _: None,
     ) -> dict[str, Any]:
         """Upload GCS registry version ``version`` (unless this run already did) and mirror its alias."""
-        from google.cloud.aiplatform_v1 import types
+        labels = self._labels(version, run_id, fingerprint)
+        existing = self.versions()
+        found = _same_version(existing, labels)
+        if found is not None:
+            version_id = self._reuse(found, champion, progress)
+        else:
+            request = self._upload_request(
+                version=version,
+                champion=champion,
+                artifact_uri=artifact_uri,
+                run_id=run_id,
+                manifest_uri=manifest_uri,
+                labels=labels,
+                model_exists=bool(existing),
+            )
+            version_id = self._upload(request, artifact_uri, progress)
+        return self._published(version_id)
 
-        labels = {
+    def _labels(self, version: int, run_id: str, fingerprint: str) -> dict[str, str]:
+        """The target's labels and loraflow's: which pipeline, run, registry version and model."""
+        return {
             **self.target.labels,
             LABEL_PIPELINE: label_value(self.pipeline),
             LABEL_RUN: label_value(run_id),
             LABEL_VERSION: str(version),
             LABEL_MODEL: label_value(fingerprint)[:16],
         }
-        existing = self.versions()
-        mine = [
-            v
-            for v in existing
-            if v.labels.get(LABEL_VERSION) == labels[LABEL_VERSION] and v.labels.get(LABEL_MODEL) == labels[LABEL_MODEL]
-        ]
-        if mine:
-            found = mine[0]
-            version_id = str(found.version_id)
-            progress(f"Vertex AI model {self.model_name} already has this model as version {version_id}; reusing it")
-            if champion and not {CHAMPION, DEFAULT} <= set(found.version_aliases):
-                self._client().merge_version_aliases(
-                    name=f"{self.model_name}@{version_id}", version_aliases=[CHAMPION, DEFAULT]
-                )
-        else:
-            model = types.Model(
-                display_name=self.target.display_name,
-                description=f"LoRA fine-tunes of the {self.pipeline} loraflow pipeline",
-                version_description=f"loraflow registry version {version}, run {run_id}, model {manifest_uri}",
-                version_aliases=[CHAMPION, DEFAULT] if champion else [],
-                artifact_uri=artifact_uri,
-                container_spec=types.ModelContainerSpec(image_uri=self.target.image, args=list(self.target.args)),
-                labels=labels,
+
+    def _reuse(self, found: Any, champion: bool, progress: Callable[[str], None]) -> str:
+        """A version this run uploaded before: give it the champion alias if it should have it now."""
+        version_id = str(found.version_id)
+        progress(f"Vertex AI model {self.model_name} already has this model as version {version_id}; reusing it")
+        if champion and not {CHAMPION, DEFAULT} <= set(found.version_aliases):
+            self._client().merge_version_aliases(
+                name=f"{self.model_name}@{version_id}", version_aliases=[CHAMPION, DEFAULT]
             )
-            request = types.UploadModelRequest(
-                parent=self.target.parent,
-                model=model,
-                **({"parent_model": self.model_name} if existing else {"model_id": model_id(self.pipeline)}),
-            )
-            progress(f"uploading to Vertex AI Model Registry as {self.model_name} (artifacts {artifact_uri})")
-            operation = self._client().upload_model(request=request)
-            response = operation.result(timeout=UPLOAD_TIMEOUT_S)
-            version_id = str(response.model_version_id)
-            progress(f"Vertex AI model version {response.model}@{version_id} registered")
+        return version_id
+
+    def _upload_request(
+        self,
+        *,
+        version: int,
+        champion: bool,
+        artifact_uri: str,
+        run_id: str,
+        manifest_uri: str,
+        labels: dict[str, str],
+        model_exists: bool,
+    ) -> Any:
+        """A new version of the pipeline's model (the model itself when it does not exist yet)."""
+        from google.cloud.aiplatform_v1 import types
+
+        model = types.Model(
+            display_name=self.target.display_name,
+            description=f"LoRA fine-tunes of the {self.pipeline} loraflow pipeline",
+            version_description=f"loraflow registry version {version}, run {run_id}, model {manifest_uri}",
+            version_aliases=[CHAMPION, DEFAULT] if champion else [],
+            artifact_uri=artifact_uri,
+            container_spec=types.ModelContainerSpec(image_uri=self.target.image, args=list(self.target.args)),
+            labels=labels,
+        )
+        return types.UploadModelRequest(
+            parent=self.target.parent,
+            model=model,
+            **({"parent_model": self.model_name} if model_exists else {"model_id": model_id(self.pipeline)}),
+        )
+
+    def _upload(self, request: Any, artifact_uri: str, progress: Callable[[str], None]) -> str:
+        progress(f"uploading to Vertex AI Model Registry as {self.model_name} (artifacts {artifact_uri})")
+        operation = self._client().upload_model(request=request)
+        response = operation.result(timeout=UPLOAD_TIMEOUT_S)
+        version_id = str(response.model_version_id)
+        progress(f"Vertex AI model version {response.model}@{version_id} registered")
+        return version_id
+
+    def _published(self, version_id: str) -> dict[str, Any]:
+        """What the registry now holds for ``version_id``, read back."""
         current = self._client().get_model(name=f"{self.model_name}@{version_id}")
         return {
             "model": self.model_name,
@@ -198,3 +232,15 @@ class VertexModelRegistry:
             "artifact_uri": current.artifact_uri,
             "console_url": console_url(self.model_name, version_id),
         }
+
+
+def _same_version(versions: list[Any], labels: dict[str, str]) -> Any | None:
+    """The first of ``versions`` labelled with the same registry version and model as ``labels``."""
+    return next(
+        (
+            v
+            for v in versions
+            if v.labels.get(LABEL_VERSION) == labels[LABEL_VERSION] and v.labels.get(LABEL_MODEL) == labels[LABEL_MODEL]
+        ),
+        None,
+    )

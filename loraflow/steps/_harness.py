@@ -164,7 +164,20 @@ def run_step(stage: str, fn: StepFn, argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class _Invocation:
+    """A step's command line, parsed and checked."""
+
+    output: str
+    inputs: dict[str, str]  # --input: fetched into the scratch directory
+    refs: dict[str, str]  # --ref: only their manifests are read
+    config: dict[str, Any]
+    expected: dict[str, str]  # --fingerprint: what the cache key was computed from
+    lock_version: str
+    cache_key: str
+
+
+def _invocation(args: argparse.Namespace) -> _Invocation:
     output = args.output.rstrip("/")
     gcs.split_uri(output)
     inputs = _parse_inputs(args.input)
@@ -175,79 +188,116 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
     config = json.loads(args.config_json)
     expected = _parse_fingerprints(args.fingerprint, set(inputs) | set(refs))
     _check_key(expected, config, args.lock_version, args.cache_key)
+    return _Invocation(output, inputs, refs, config, expected, args.lock_version, args.cache_key)
 
-    existing = artifacts.read_json(gcs.join(output, artifacts.MANIFEST))
-    if existing is not None:
-        if args.cache_key and existing.get("cache_key") == args.cache_key:
-            print(f"[{stage}] {output} is already committed with this cache key; nothing to do", flush=True)
-            _print_result(artifacts.read_manifest(output))
-            return 0
-        raise LoraflowError(
-            f"{output} already holds a committed artifact with another cache key; "
-            "committed artifacts are never overwritten: use a new run id"
-        )
 
+def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
+    call = _invocation(args)
+    if _already_committed(stage, call):
+        return 0
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix=f"loraflow-{stage}-", dir=os.environ.get("LORAFLOW_SCRATCH")))
     try:
-        ctx = StepContext(stage, output, {}, {}, root / "out", root / "work", config)
+        ctx = StepContext(stage, call.output, {}, {}, root / "out", root / "work", call.config)
         ctx.out.mkdir()
         ctx.work.mkdir()
-        fingerprints: dict[str, dict[str, str]] = {}
-        listings: dict[str, dict[str, dict[str, Any]]] = {}
-        # Every input is looked at and checked against its expected fingerprint before any is fetched.
-        looked_at = {**inputs, **{name: artifacts.manifest_uri(uri) for name, uri in refs.items()}}
-        for name, uri in looked_at.items():
-            if uri.endswith("/" + artifacts.MANIFEST):
-                manifest = artifacts.read_manifest(uri)
-                _check_input(name, uri, artifacts.input_identity(manifest), expected, args.cache_key)
-                ctx.input_manifests[name] = manifest
-                fingerprints[name] = _upstream_record(manifest)
-            else:
-                listings[name] = artifacts.source_files(uri)
-                _check_input(name, uri, artifacts.fingerprint(listings[name]), expected, args.cache_key)
-                ctx.input_manifests[name] = None
-                fingerprints[name] = {"uri": uri, "fingerprint": artifacts.fingerprint(listings[name])}
-        for name, uri in inputs.items():
-            dest = safe_join(root / "in", name, what=f"--input {name}={uri}")
-            input_manifest = ctx.input_manifests[name]
-            if input_manifest is not None:
-                artifacts.fetch(input_manifest, dest)
-            else:
-                artifacts.fetch_source(uri, dest, listings[name])
-            ctx.inputs[name] = dest
-            ctx.progress(f"input {name}: {uri} fetched and verified")
-
-        try:
-            summary = fn(ctx) or {}
-        except DataValidationError:
-            # Keep the evidence (e.g. the data-quality report) for people, but never commit it:
-            # without a manifest nothing downstream can use it.
-            rejected = gcs.join(output, "_rejected")
-            artifacts.upload_tree(ctx.out, rejected)
-            ctx.progress(f"evidence of the rejection uploaded to {rejected}/ (not an artifact)")
-            raise
+        fingerprints, listings = _check_inputs(ctx, call)
+        _fetch_inputs(ctx, call.inputs, listings, root / "in")
+        summary = _call_step(fn, ctx)
         if not ctx.commits:
             ctx.progress("not the committing process of this multi-host job: nothing uploaded")
             return 0
-        summary = {**ctx.summary, **summary, "seconds": round(time.monotonic() - started, 2)}
-        files = artifacts.upload_tree(ctx.out, output)
-        faults.point("before_manifest")
-        manifest = artifacts.commit(
-            output,
-            files,
-            stage=stage,
-            inputs=fingerprints,
-            config=config,
-            lock_version=args.lock_version,
-            cache_key=args.cache_key,
-            summary=summary,
-        )
-        ctx.progress(f"committed {len(files)} file(s) at {manifest.uri}")
-        _print_result(manifest)
+        _commit(ctx, call, fingerprints, {**ctx.summary, **summary, "seconds": round(time.monotonic() - started, 2)})
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _already_committed(stage: str, call: _Invocation) -> bool:
+    """True when the output already holds this cache key's artifact; another key's artifact is an error."""
+    existing = artifacts.read_json(gcs.join(call.output, artifacts.MANIFEST))
+    if existing is None:
+        return False
+    if call.cache_key and existing.get("cache_key") == call.cache_key:
+        print(f"[{stage}] {call.output} is already committed with this cache key; nothing to do", flush=True)
+        _print_result(artifacts.read_manifest(call.output))
+        return True
+    raise LoraflowError(
+        f"{call.output} already holds a committed artifact with another cache key; "
+        "committed artifacts are never overwritten: use a new run id"
+    )
+
+
+def _check_inputs(
+    ctx: StepContext, call: _Invocation
+) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, dict[str, Any]]]]:
+    """Every input is looked at and checked against its expected fingerprint before any is fetched.
+
+    Sets ``ctx.input_manifests``; returns what the manifest records of each input and the file
+    listings of the inputs that are not artifacts (the fetch verifies against them)."""
+    fingerprints: dict[str, dict[str, str]] = {}
+    listings: dict[str, dict[str, dict[str, Any]]] = {}
+    looked_at = {**call.inputs, **{name: artifacts.manifest_uri(uri) for name, uri in call.refs.items()}}
+    for name, uri in looked_at.items():
+        if uri.endswith("/" + artifacts.MANIFEST):
+            manifest = artifacts.read_manifest(uri)
+            _check_input(name, uri, artifacts.input_identity(manifest), call.expected, call.cache_key)
+            ctx.input_manifests[name] = manifest
+            fingerprints[name] = _upstream_record(manifest)
+        else:
+            listings[name] = artifacts.source_files(uri)
+            _check_input(name, uri, artifacts.fingerprint(listings[name]), call.expected, call.cache_key)
+            ctx.input_manifests[name] = None
+            fingerprints[name] = {"uri": uri, "fingerprint": artifacts.fingerprint(listings[name])}
+    return fingerprints, listings
+
+
+def _fetch_inputs(
+    ctx: StepContext, inputs: dict[str, str], listings: dict[str, dict[str, dict[str, Any]]], into: Path
+) -> None:
+    """Download each --input into ``into/NAME``, verified, and point ``ctx.inputs`` at it."""
+    for name, uri in inputs.items():
+        dest = safe_join(into, name, what=f"--input {name}={uri}")
+        input_manifest = ctx.input_manifests[name]
+        if input_manifest is not None:
+            artifacts.fetch(input_manifest, dest)
+        else:
+            artifacts.fetch_source(uri, dest, listings[name])
+        ctx.inputs[name] = dest
+        ctx.progress(f"input {name}: {uri} fetched and verified")
+
+
+def _call_step(fn: StepFn, ctx: StepContext) -> dict[str, Any]:
+    """The stage's own work; a rejected dataset's evidence is uploaded beside the output, never committed."""
+    try:
+        return fn(ctx) or {}
+    except DataValidationError:
+        # Keep the evidence (e.g. the data-quality report) for people, but never commit it:
+        # without a manifest nothing downstream can use it.
+        rejected = gcs.join(ctx.output_uri, "_rejected")
+        artifacts.upload_tree(ctx.out, rejected)
+        ctx.progress(f"evidence of the rejection uploaded to {rejected}/ (not an artifact)")
+        raise
+
+
+def _commit(
+    ctx: StepContext, call: _Invocation, fingerprints: dict[str, dict[str, str]], summary: dict[str, Any]
+) -> None:
+    """Upload what the step wrote, then commit its manifest (last: the artifact exists from then on)."""
+    files = artifacts.upload_tree(ctx.out, call.output)
+    faults.point("before_manifest")
+    manifest = artifacts.commit(
+        call.output,
+        files,
+        stage=ctx.stage,
+        inputs=fingerprints,
+        config=call.config,
+        lock_version=call.lock_version,
+        cache_key=call.cache_key,
+        summary=summary,
+    )
+    ctx.progress(f"committed {len(files)} file(s) at {manifest.uri}")
+    _print_result(manifest)
 
 
 def _print_result(manifest: artifacts.Manifest) -> None:

@@ -292,71 +292,134 @@ def evaluate(ctx: StepContext, engine: Engine | None = None) -> dict[str, Any]:
 def _evaluate(
     ctx: StepContext, engine: Engine, cfg: EvaluateConfig, examples: list[Example], started: float
 ) -> dict[str, Any]:
+    sampling = _sampling_params(cfg)
+    texts, prompt_ids = render_prompts(engine.tokenizer, examples)
+    _check_prompts_fit(prompt_ids, cfg)
+    gen = _generate(ctx, engine, sampling, prompt_ids, cfg.batch_size)
+
+    pattern = scoring.compile_pattern(cfg.answer_pattern)
+    scored = metric_table.score_all(gen.texts, [ex.reference for ex in examples], pattern)
+    metrics = metric_table.aggregate(scored)
+    rates = {m.name: metrics[m.name] for m in METRICS.values()}
+
+    written = _write_predictions(ctx.out, examples, texts, gen.texts, scored, gen.tokens, gen.finish)
+    report = _metrics_report(
+        ctx.stage, cfg, engine, examples, metrics, pattern.pattern, _timing(engine, gen, prompt_ids)
+    )
+    report["files"] = [*written, METRICS_JSON]
+    (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
+    ctx.progress(
+        ", ".join(f"{name} {value:.4f}" for name, value in rates.items())
+        + f" over n={metrics['n']}; {gen.total_tokens} tokens at {gen.tokens_per_s:.0f} tok/s"
+    )
+    return {
+        **rates,
+        "n": metrics["n"],
+        "tokens_per_s": round(gen.tokens_per_s, 1),
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+def _sampling_params(cfg: EvaluateConfig) -> Any:
     from vllm import SamplingParams
 
-    texts, prompt_ids = render_prompts(engine.tokenizer, examples)
+    return SamplingParams(
+        temperature=float(cfg.temperature),
+        max_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
+        skip_special_tokens=True,
+    )
+
+
+def _check_prompts_fit(prompt_ids: list[list[int]], cfg: EvaluateConfig) -> None:
+    """The longest prompt and its answer must fit the engine's context."""
     longest = max(len(p) for p in prompt_ids)
     if longest + cfg.max_new_tokens > cfg.max_model_len:
         raise LoraflowError(
             f"evaluate: the longest prompt has {longest} tokens; with max_new_tokens={cfg.max_new_tokens} it "
             f"exceeds max_model_len={cfg.max_model_len}: raise max_model_len"
         )
-    sampling = SamplingParams(
-        temperature=float(cfg.temperature),
-        max_tokens=cfg.max_new_tokens,
-        seed=cfg.seed,
-        skip_special_tokens=True,
-    )
-    # Same seed, same batches, empty cache -> the same generations run after run.
-    if hasattr(engine.llm, "reset_prefix_cache"):
-        engine.llm.reset_prefix_cache()
 
-    generations: list[str] = []
-    gen_tokens: list[int] = []
-    finish: list[str | None] = []
-    bs = cfg.batch_size
-    n_batches = (len(examples) + bs - 1) // bs
-    gen_started = time.monotonic()
-    for b in range(n_batches):
-        t0 = time.monotonic()
-        batch = [{"prompt_token_ids": ids} for ids in prompt_ids[b * bs : (b + 1) * bs]]
-        outputs = engine.llm.generate(batch, sampling, use_tqdm=False)
+
+@dataclass
+class _Generations:
+    """vLLM's answers in example order: text, generated token count and finish reason of each."""
+
+    texts: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    seconds: float = 0.0  # generating all of them
+
+    def add(self, outputs: Any) -> int:
+        """Append one batch's outputs; return the tokens it generated."""
         ntok = 0
         for out in outputs:
             completion = out.outputs[0]
-            generations.append(completion.text)
-            gen_tokens.append(len(completion.token_ids))
-            finish.append(completion.finish_reason)
+            self.texts.append(completion.text)
+            self.tokens.append(len(completion.token_ids))
+            self.finish.append(completion.finish_reason)
             ntok += len(completion.token_ids)
+        return ntok
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _generate(
+    ctx: StepContext, engine: Engine, sampling: Any, prompt_ids: list[list[int]], batch_size: int
+) -> _Generations:
+    """Generate for every prompt, ``batch_size`` at a time, logging each batch's throughput."""
+    # Same seed, same batches, empty cache -> the same generations run after run.
+    if hasattr(engine.llm, "reset_prefix_cache"):
+        engine.llm.reset_prefix_cache()
+    gen = _Generations()
+    n_batches = (len(prompt_ids) + batch_size - 1) // batch_size
+    started = time.monotonic()
+    for b in range(n_batches):
+        t0 = time.monotonic()
+        batch = [{"prompt_token_ids": ids} for ids in prompt_ids[b * batch_size : (b + 1) * batch_size]]
+        ntok = gen.add(engine.llm.generate(batch, sampling, use_tqdm=False))
         dt = time.monotonic() - t0
         ctx.progress(
-            f"batch {b + 1}/{n_batches}: {len(generations)}/{len(examples)} examples, "
+            f"batch {b + 1}/{n_batches}: {len(gen.texts)}/{len(prompt_ids)} examples, "
             f"{ntok} tokens in {dt:.2f}s ({ntok / dt if dt > 0 else 0.0:.0f} tok/s)"
         )
-    generate_s = time.monotonic() - gen_started
-    total_tokens = sum(gen_tokens)
-    tokens_per_s = total_tokens / generate_s if generate_s > 0 else 0.0
+    gen.seconds = time.monotonic() - started
+    return gen
 
-    pattern = scoring.compile_pattern(cfg.answer_pattern)
-    scored = metric_table.score_all(generations, [ex.reference for ex in examples], pattern)
-    metrics = metric_table.aggregate(scored)
 
-    written = _write_predictions(ctx.out, examples, texts, generations, scored, gen_tokens, finish)
-    timing = {
+def _timing(engine: Engine, gen: _Generations, prompt_ids: list[list[int]]) -> dict[str, Any]:
+    return {
         "startup_s": round(engine.startup_s, 3),
         "import_s": round(engine.import_s, 3),
-        "generate_s": round(generate_s, 3),
-        "generated_tokens": total_tokens,
+        "generate_s": round(gen.seconds, 3),
+        "generated_tokens": gen.total_tokens,
         "prompt_tokens": sum(len(p) for p in prompt_ids),
-        "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s": round(gen.tokens_per_s, 1),
     }
-    rates = {m.name: metrics[m.name] for m in METRICS.values()}
-    report = {
-        "stage": ctx.stage,
-        **rates,
+
+
+def _metrics_report(
+    stage: str,
+    cfg: EvaluateConfig,
+    engine: Engine,
+    examples: list[Example],
+    metrics: dict[str, Any],
+    answer_pattern: str,
+    timing: dict[str, Any],
+) -> dict[str, Any]:
+    """metrics.json, less its ``files``: the scores, the per-example lists, timings and settings."""
+    return {
+        "stage": stage,
+        **{m.name: metrics[m.name] for m in METRICS.values()},
         "n": metrics["n"],
         **{f"n_{m.column}": metrics[f"n_{m.column}"] for m in METRICS.values()},
-        "answer_pattern": pattern.pattern,
+        "answer_pattern": answer_pattern,
         "ids": [ex.id for ex in examples],
         **{m.column: metrics[m.column] for m in METRICS.values()},
         "timing": timing,
@@ -364,18 +427,6 @@ def _evaluate(
         "engine": {k: v for k, v in engine.kwargs.items() if k not in ("model", "tokenizer")},
         "device": engine.device,
         "vllm_version": engine.vllm_version,
-        "files": [*written, METRICS_JSON],
-    }
-    (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
-    ctx.progress(
-        ", ".join(f"{name} {value:.4f}" for name, value in rates.items())
-        + f" over n={metrics['n']}; {total_tokens} tokens at {tokens_per_s:.0f} tok/s"
-    )
-    return {
-        **rates,
-        "n": metrics["n"],
-        "tokens_per_s": round(tokens_per_s, 1),
-        "seconds": round(time.monotonic() - started, 2),
     }
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
@@ -187,59 +188,124 @@ def run(ctx: StepContext) -> dict[str, Any]:
     cfg = resolve_config(
         dict(ctx.config), has_model_input=ctx.input_manifests.get("model") is not None, output_uri=ctx.output_uri
     )
-    if "decision" not in ctx.inputs:
-        raise LoraflowError(f"{STAGE}: input 'decision' is missing; give --input decision=gs://.../gate/_MANIFEST.json")
-    decision_path = ctx.inputs["decision"] / "decision.json"
-    if not decision_path.exists():
-        raise LoraflowError(f"{STAGE}: {decision_path.name} is missing from the decision input; re-run the gate")
-    decision = json.loads(decision_path.read_text())
-    model_uri = artifacts.manifest_uri(cfg.model_manifest) if cfg.model_manifest else None
+    decision = _read_decision(ctx)
     models = Registry(cfg.registry_uri, cfg.pipeline)
-    run_id = str(cfg.run_id)
-
     if not decision.get("promote"):
-        record = {
-            "promoted": False,
-            "version": None,
-            "model_manifest": model_uri or getattr(ctx.input_manifests.get("model"), "uri", None),
-            "registry": models.uri,
-            "reason": decision.get("reason", "the gate did not promote this model"),
-            "run_id": run_id,
-        }
-        (ctx.out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
-        ctx.progress(f"not promoted, nothing registered: {record['reason']}")
-        return {"promoted": False, "version": None, "model_manifest": record["model_manifest"]}
+        return _not_promoted(ctx, cfg, models, decision)
 
     manifest = _model_manifest(ctx, cfg)
     ctx.progress(f"model {manifest.uri} verified (fingerprint {manifest.fingerprint[:12]})")
     vertex_target = None
     if cfg.vertex_model_registry:  # checked before anything is registered
         vertex_target = vertex_registry.Target.from_config(cfg.vertex_model_registry.model_dump(), cfg.pipeline)
+    number, entry = _register_version(ctx, cfg, models, manifest, decision)
+    moved = _move_alias(ctx, models, number, entry)
+    record = _promoted_record(cfg, models, manifest, decision, number, moved)
+    summary: dict[str, Any] = {"promoted": True, "version": number, "model_manifest": manifest.uri}
+    if vertex_target is not None:
+        vertex = _publish_to_vertex(ctx, cfg, vertex_target, manifest, number, moved)
+        record["vertex_model_registry"] = vertex
+        summary["vertex_model"] = f"{vertex['model']}@{vertex['version_id']}"
+    _write_record(ctx.out, record)
+    return summary
+
+
+def _publish_to_vertex(
+    ctx: StepContext,
+    cfg: PublishConfig,
+    target: vertex_registry.Target,
+    manifest: artifacts.Manifest,
+    number: int,
+    champion: bool,
+) -> dict[str, Any]:
+    """Mirror registry version ``number`` (and whether it is the champion) in Vertex AI Model Registry."""
+    return vertex_registry.VertexModelRegistry(target, cfg.pipeline).publish(
+        version=number,
+        champion=champion,
+        artifact_uri=manifest.prefix,
+        run_id=str(cfg.run_id),
+        fingerprint=manifest.fingerprint,
+        manifest_uri=manifest.uri,
+        progress=ctx.progress,
+    )
+
+
+def _read_decision(ctx: StepContext) -> dict[str, Any]:
+    """The gate's decision.json from the ``decision`` input."""
+    if "decision" not in ctx.inputs:
+        raise LoraflowError(f"{STAGE}: input 'decision' is missing; give --input decision=gs://.../gate/_MANIFEST.json")
+    decision_path = ctx.inputs["decision"] / "decision.json"
+    if not decision_path.exists():
+        raise LoraflowError(f"{STAGE}: {decision_path.name} is missing from the decision input; re-run the gate")
+    decision: dict[str, Any] = json.loads(decision_path.read_text())
+    return decision
+
+
+def _write_record(out: Path, record: dict[str, Any]) -> None:
+    (out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def _not_promoted(ctx: StepContext, cfg: PublishConfig, models: Registry, decision: dict[str, Any]) -> dict[str, Any]:
+    """Record why nothing was registered; the registry is left as it is."""
+    model_uri = artifacts.manifest_uri(cfg.model_manifest) if cfg.model_manifest else None
+    record = {
+        "promoted": False,
+        "version": None,
+        "model_manifest": model_uri or getattr(ctx.input_manifests.get("model"), "uri", None),
+        "registry": models.uri,
+        "reason": decision.get("reason", "the gate did not promote this model"),
+        "run_id": str(cfg.run_id),
+    }
+    _write_record(ctx.out, record)
+    ctx.progress(f"not promoted, nothing registered: {record['reason']}")
+    return {"promoted": False, "version": None, "model_manifest": record["model_manifest"]}
+
+
+def _register_version(
+    ctx: StepContext, cfg: PublishConfig, models: Registry, manifest: artifacts.Manifest, decision: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    """The version this run registered before (a retried publish), else a new one."""
+    run_id = str(cfg.run_id)
     existing = models.find(run_id, manifest.uri)
     if existing is not None:
-        number, entry = existing
-        ctx.progress(f"this run already registered {models.version_uri(number)}; reusing it")
-    else:
-        entry = {
-            "format": VERSION_FORMAT,
-            "pipeline": cfg.pipeline,
-            "model_manifest": manifest.uri,
-            "model_fingerprint": manifest.fingerprint,
-            "metrics": eval_metrics(decision),
-            "eval_set_fingerprint": decision.get("eval_set_fingerprint"),
-            "decision": decision,
-            "run_id": run_id,
-            "created_at": _now(),
-        }
-        number, entry = models.register(entry)
-        ctx.progress(f"registered version {number} at {models.version_uri(number)}")
+        ctx.progress(f"this run already registered {models.version_uri(existing[0])}; reusing it")
+        return existing
+    entry = {
+        "format": VERSION_FORMAT,
+        "pipeline": cfg.pipeline,
+        "model_manifest": manifest.uri,
+        "model_fingerprint": manifest.fingerprint,
+        "metrics": eval_metrics(decision),
+        "eval_set_fingerprint": decision.get("eval_set_fingerprint"),
+        "decision": decision,
+        "run_id": run_id,
+        "created_at": _now(),
+    }
+    number, entry = models.register(entry)
+    ctx.progress(f"registered version {number} at {models.version_uri(number)}")
+    return number, entry
+
+
+def _move_alias(ctx: StepContext, models: Registry, number: int, entry: dict[str, Any]) -> bool:
     moved = models.move_alias(number, entry)
     ctx.progress(
         f"alias {ALIAS} now points at version {number}"
         if moved
         else f"alias {ALIAS} already points at a newer version; left as is"
     )
-    record = {
+    return moved
+
+
+def _promoted_record(
+    cfg: PublishConfig,
+    models: Registry,
+    manifest: artifacts.Manifest,
+    decision: dict[str, Any],
+    number: int,
+    moved: bool,
+) -> dict[str, Any]:
+    """registry_entry.json of a promoted model (the Vertex AI part is added when there is one)."""
+    return {
         "promoted": True,
         "version": number,
         "version_uri": models.version_uri(number),
@@ -248,24 +314,9 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "model_manifest": manifest.uri,
         "model_fingerprint": manifest.fingerprint,
         "registry": models.uri,
-        "run_id": run_id,
+        "run_id": str(cfg.run_id),
         "reason": decision.get("reason"),
     }
-    summary: dict[str, Any] = {"promoted": True, "version": number, "model_manifest": manifest.uri}
-    if vertex_target is not None:
-        vertex = vertex_registry.VertexModelRegistry(vertex_target, cfg.pipeline).publish(
-            version=number,
-            champion=moved,
-            artifact_uri=manifest.prefix,
-            run_id=run_id,
-            fingerprint=manifest.fingerprint,
-            manifest_uri=manifest.uri,
-            progress=ctx.progress,
-        )
-        record["vertex_model_registry"] = vertex
-        summary["vertex_model"] = f"{vertex['model']}@{vertex['version_id']}"
-    (ctx.out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
-    return summary
 
 
 if __name__ == "__main__":

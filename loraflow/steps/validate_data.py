@@ -37,12 +37,13 @@ nothing, so a rejected dataset can never be an input of a later stage.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,17 +193,31 @@ def build_frame(data: ds.Dataset, counter: TokenCounter) -> Any:
 # ------------------------------------------------------------------------------ the expectations
 
 
+Describe = Callable[[str, dict[str, Any], Callable[[Sequence[int]], str]], str]
+"""(split, GX result dict, where) -> the plain-words finding with its fix; ``where(rows)`` names the rows."""
+
+
 @dataclass(frozen=True)
 class Check:
     rule: str  # the data.expectations rule it belongs to (its level decides fail or warn)
     name: str
     expectation: Any
-    describe: Any  # (split, result dict, context) -> plain-words finding with its fix
+    describe: Describe
+
+
+_KEY = "data.expectations"
+_FRAME_COLUMNS = ("id", "prompt", "completion", "roles", "n_tokens")
+_TEXT_COLUMNS = ("prompt", "completion")
+_ROW_HAS = ("row has", "rows have")
 
 
 def _n(count: int, one: str, many: str) -> str:
     """``_n(1, "row has", "rows have")`` -> "1 row has"; plural otherwise."""
     return f"{count} {one if count == 1 else many}"
+
+
+def _count(result: dict[str, Any]) -> int:
+    return int(result.get("unexpected_count") or 0)
 
 
 def _rows(result: dict[str, Any]) -> list[int]:
@@ -213,169 +228,230 @@ def _where(rows: Sequence[int], unit: str, filename: str) -> str:
     if not rows:
         return ""
     shown = ", ".join(str(r) for r in rows[:ROWS_IN_MESSAGE])
-    more = f" and {len(rows) - ROWS_IN_MESSAGE} more" if len(rows) > ROWS_IN_MESSAGE else ""
-    return f" ({unit}{'s' if len(rows) > 1 else ''} {shown}{more} of {filename})"
+    return f" ({unit}{'s' if len(rows) > 1 else ''} {shown}{_and_more(rows)} of {filename})"
 
 
-def build_checks(split: str, cfg: contract.DataExpectations, train_prompt_keys: Sequence[str] | None) -> list[Check]:
-    import great_expectations.expectations as gxe
+def _and_more(items: Sequence[Any]) -> str:
+    return f" and {len(items) - ROWS_IN_MESSAGE} more" if len(items) > ROWS_IN_MESSAGE else ""
 
-    min_rows = cfg.row_count.min if split == "train" else 1
-    tokens_cfg, dup_cfg, near_cfg, leak_cfg = cfg.token_length, cfg.duplicates, cfg.near_empty, cfg.leakage
-    key = "data.expectations"
 
-    def count(r: dict[str, Any]) -> int:
-        return int(r.get("unexpected_count") or 0)
+# --------------------------------------------------------------------- findings, in plain words
 
-    def nulls(what: str):  # type: ignore[no-untyped-def]
-        return lambda s, r, w: (
-            f"{s}: {_n(count(r), 'row has', 'rows have')} no {what} (null){w(_rows(r))}; fill them in or drop those rows"
+
+def _about_rows(subject: tuple[str, str], finding: str, fix: str) -> Describe:
+    """A finding about the rows a check flagged: ``<split>: N rows have <finding> (rows ...); <fix>``."""
+
+    def describe(split: str, result: dict[str, Any], where: Callable[[Sequence[int]], str]) -> str:
+        return f"{split}: {_n(_count(result), *subject)} {finding}{where(_rows(result))}; {fix}"
+
+    return describe
+
+
+def _missing_column(column: str) -> Describe:
+    return lambda split, result, where: (
+        f"{split}: column {column!r} is missing from the validation frame (an internal error; report it)"
+    )
+
+
+def _too_few_rows(min_rows: int) -> Describe:
+    def describe(split: str, result: dict[str, Any], where: Callable[[Sequence[int]], str]) -> str:
+        fix = (
+            f"add examples or lower {_KEY}.row_count.min"
+            if split == "train"
+            else "give at least one evaluation example"
         )
+        return f"{split}: {result.get('observed_value')} rows, fewer than the {min_rows} required; {fix}"
 
-    def blanks(what: str):  # type: ignore[no-untyped-def]
-        return lambda s, r, w: (
-            f"{s}: {_n(count(r), 'row has', 'rows have')} an empty {what}{w(_rows(r))}; write the text or drop those rows"
-        )
+    return describe
 
-    def tokens(s: str, r: dict[str, Any], w: Any) -> str:
-        items = r.get("unexpected_index_list") or []
-        long = [int(i["row"]) for i in items if int(i["n_tokens"]) > tokens_cfg.max]
-        short = [int(i["row"]) for i in items if int(i["n_tokens"]) < tokens_cfg.min]
+
+def _token_length_outside(bounds: contract.TokenLengthRule) -> Describe:
+    def describe(split: str, result: dict[str, Any], where: Callable[[Sequence[int]], str]) -> str:
+        items = result.get("unexpected_index_list") or []
+        long = [int(i["row"]) for i in items if int(i["n_tokens"]) > bounds.max]
+        short = [int(i["row"]) for i in items if int(i["n_tokens"]) < bounds.min]
         parts = []
         if long:
             top = max(int(i["n_tokens"]) for i in items)
             parts.append(
-                f"{s}: {_n(len(long), 'row has', 'rows have')} more than {tokens_cfg.max} tokens{w(long)}, the longest {top}; "
-                f"raise {key}.token_length.max or shorten them"
+                f"{split}: {_n(len(long), *_ROW_HAS)} more than {bounds.max} tokens{where(long)}, the longest {top}; "
+                f"raise {_KEY}.token_length.max or shorten them"
             )
         if short:
             parts.append(
-                f"{s}: {_n(len(short), 'row has', 'rows have')} fewer than {tokens_cfg.min} tokens{w(short)}; "
-                f"lower {key}.token_length.min or drop them"
+                f"{split}: {_n(len(short), *_ROW_HAS)} fewer than {bounds.min} tokens{where(short)}; "
+                f"lower {_KEY}.token_length.min or drop them"
             )
-        return (
-            "; ".join(parts)
-            or f"{s}: {_n(count(r), 'row has', 'rows have')} a token length outside [{tokens_cfg.min}, {tokens_cfg.max}]"
-        )
+        outside = f"{split}: {_n(_count(result), *_ROW_HAS)} a token length outside [{bounds.min}, {bounds.max}]"
+        return "; ".join(parts) or outside
 
-    def duplicates(s: str, r: dict[str, Any], w: Any) -> str:
-        items = r.get("unexpected_index_list") or []
+    return describe
+
+
+def _repeated_examples(max_fraction: float) -> Describe:
+    def describe(split: str, result: dict[str, Any], where: Callable[[Sequence[int]], str]) -> str:
+        items = result.get("unexpected_index_list") or []
         pairs = ", ".join(f"{int(i['row'])} = {int(i['duplicate_of'])}" for i in items[:ROWS_IN_MESSAGE])
-        more = f" and {len(items) - ROWS_IN_MESSAGE} more" if len(items) > ROWS_IN_MESSAGE else ""
-        share = float(r.get("unexpected_percent") or 0.0) / 100
+        share = float(result.get("unexpected_percent") or 0.0) / 100
         return (
-            f"{s}: {_n(count(r), 'row repeats', 'rows repeat')} an earlier example exactly ({pairs}{more}), a share of {share:.3f} "
-            f"> max_fraction {dup_cfg.max_fraction}; drop the repeats or raise {key}.duplicates.max_fraction"
+            f"{split}: {_n(_count(result), 'row repeats', 'rows repeat')} an earlier example exactly "
+            f"({pairs}{_and_more(items)}), a share of {share:.3f} > max_fraction {max_fraction}; "
+            f"drop the repeats or raise {_KEY}.duplicates.max_fraction"
         )
 
-    def near_empty(s: str, r: dict[str, Any], w: Any) -> str:
-        return (
-            f"{s}: {_n(count(r), 'row has', 'rows have')} a prompt or completion with fewer than {near_cfg.min_chars} "
-            f"letter(s) or digit(s){w(_rows(r))}; write real text, drop those rows or lower {key}.near_empty.min_chars"
-        )
+    return describe
 
-    def row_count(s: str, r: dict[str, Any], w: Any) -> str:
-        fix = f"add examples or lower {key}.row_count.min" if s == "train" else "give at least one evaluation example"
-        return f"{s}: {r.get('observed_value')} rows, fewer than the {min_rows} required; {fix}"
 
-    def overlap(s: str, r: dict[str, Any], w: Any) -> str:
-        sample = next(iter(r.get("partial_unexpected_list") or []), "")
-        return (
-            f"{s}: {_n(count(r), 'prompt also appears', 'prompts also appear')} in train{w(_rows(r))}, e.g. {str(sample)[:60]!r}; "
-            "evaluation on seen prompts flatters the model: remove them from eval (or train)"
-        )
+def _prompts_seen_in_train(split: str, result: dict[str, Any], where: Callable[[Sequence[int]], str]) -> str:
+    sample = next(iter(result.get("partial_unexpected_list") or []), "")
+    return (
+        f"{split}: {_n(_count(result), 'prompt also appears', 'prompts also appear')} in train{where(_rows(result))}, "
+        f"e.g. {str(sample)[:60]!r}; evaluation on seen prompts flatters the model: remove them from eval (or train)"
+    )
 
-    checks = [
-        Check(
-            "format",
-            f"column {c} present",
-            gxe.ExpectColumnToExist(column=c),
-            lambda s, r, w, c=c: (
-                f"{s}: column {c!r} is missing from the validation frame (an internal error; report it)"
-            ),
+
+# ------------------------------------------------------------- the checks, one builder per rule
+
+
+@dataclass(frozen=True)
+class _Suite:
+    """What the check builders of one dataset's suite look at."""
+
+    split: str
+    cfg: contract.DataExpectations
+    train_prompt_keys: Sequence[str] | None  # for eval: the prompts train has (leakage)
+
+    @property
+    def min_rows(self) -> int:
+        return self.cfg.row_count.min if self.split == "train" else 1
+
+
+_Spec = tuple[str, Any, Describe]  # a check without its rule: (name, expectation, describe)
+
+
+def _gxe() -> Any:
+    import great_expectations.expectations as gxe  # imported late: Great Expectations is slow to import
+
+    return gxe
+
+
+def _columns_present(suite: _Suite) -> list[_Spec]:
+    return [(f"column {c} present", _gxe().ExpectColumnToExist(column=c), _missing_column(c)) for c in _FRAME_COLUMNS]
+
+
+def _row_count(suite: _Suite) -> list[_Spec]:
+    expectation = _gxe().ExpectTableRowCountToBeBetween(min_value=suite.min_rows)
+    return [("row count", expectation, _too_few_rows(suite.min_rows))]
+
+
+def _no_nulls(suite: _Suite) -> list[_Spec]:
+    return [
+        (
+            f"{c} not null",
+            _gxe().ExpectColumnValuesToNotBeNull(column=c),
+            _about_rows(_ROW_HAS, f"no {c} (null)", "fill them in or drop those rows"),
         )
-        for c in ("id", "prompt", "completion", "roles", "n_tokens")
+        for c in _TEXT_COLUMNS
     ]
-    checks += [
-        Check("row_count", "row count", gxe.ExpectTableRowCountToBeBetween(min_value=min_rows), row_count),
-        Check("no_nulls", "prompt not null", gxe.ExpectColumnValuesToNotBeNull(column="prompt"), nulls("prompt")),
-        Check(
-            "no_nulls",
-            "completion not null",
-            gxe.ExpectColumnValuesToNotBeNull(column="completion"),
-            nulls("completion"),
-        ),
-        Check(
-            "no_empty_strings",
-            "prompt not empty",
-            gxe.ExpectColumnValuesToNotMatchRegex(column="prompt", regex=r"^\s*$"),
-            blanks("prompt"),
-        ),
-        Check(
-            "no_empty_strings",
-            "completion not empty",
-            gxe.ExpectColumnValuesToNotMatchRegex(column="completion", regex=r"^\s*$"),
-            blanks("completion"),
-        ),
-        Check(
-            "near_empty",
-            "prompt and completion hold text",
-            gxe.ExpectColumnValuesToBeBetween(column="word_chars", min_value=near_cfg.min_chars),
-            near_empty,
-        ),
-        Check(
-            "token_length",
-            "token length",
-            gxe.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=tokens_cfg.min, max_value=tokens_cfg.max),
-            tokens,
-        ),
-        Check(
-            "unique_ids",
-            "ids unique",
-            gxe.ExpectColumnValuesToBeUnique(column="id"),
-            lambda s, r, w: (
-                f"{s}: {_n(count(r), 'row shares its', 'rows share their')} id with another row{w(_rows(r))}; make ids unique or drop the id column"
-            ),
-        ),
-        Check(
-            "duplicates",
-            "no duplicate examples",
-            gxe.ExpectColumnValuesToBeNull(column="duplicate_of", mostly=1.0 - dup_cfg.max_fraction),
-            duplicates,
-        ),
-        Check(
-            "format",
-            "ends with an assistant turn",
-            gxe.ExpectColumnValuesToMatchRegex(column="roles", regex=r"^(?:(?:system|user|assistant),)*assistant$"),
-            lambda s, r, w: (
-                f"{s}: {_n(count(r), 'row does', 'rows do')} not end with an assistant turn{w(_rows(r))}; every example needs its answer last"
-            ),
-        ),
+
+
+def _no_empty_strings(suite: _Suite) -> list[_Spec]:
+    return [
+        (
+            f"{c} not empty",
+            _gxe().ExpectColumnValuesToNotMatchRegex(column=c, regex=r"^\s*$"),
+            _about_rows(_ROW_HAS, f"an empty {c}", "write the text or drop those rows"),
+        )
+        for c in _TEXT_COLUMNS
     ]
-    for role in cfg.format.required_roles:
-        checks.append(
-            Check(
-                "format",
-                f"has a turn with role {role}",
-                gxe.ExpectColumnValuesToMatchRegex(column="roles", regex=rf"(?:^|,){role}(?:,|$)"),
-                lambda s, r, w, role=role: (
-                    f"{s}: {_n(count(r), 'row has', 'rows have')} no {role} turn{w(_rows(r))}; "
-                    f"add one or remove {role!r} from {key}.format.required_roles"
-                ),
-            )
+
+
+def _near_empty(suite: _Suite) -> list[_Spec]:
+    min_chars = suite.cfg.near_empty.min_chars
+    describe = _about_rows(
+        _ROW_HAS,
+        f"a prompt or completion with fewer than {min_chars} letter(s) or digit(s)",
+        f"write real text, drop those rows or lower {_KEY}.near_empty.min_chars",
+    )
+    expectation = _gxe().ExpectColumnValuesToBeBetween(column="word_chars", min_value=min_chars)
+    return [("prompt and completion hold text", expectation, describe)]
+
+
+def _token_length(suite: _Suite) -> list[_Spec]:
+    bounds = suite.cfg.token_length
+    expectation = _gxe().ExpectColumnValuesToBeBetween(column="n_tokens", min_value=bounds.min, max_value=bounds.max)
+    return [("token length", expectation, _token_length_outside(bounds))]
+
+
+def _unique_ids(suite: _Suite) -> list[_Spec]:
+    describe = _about_rows(
+        ("row shares its", "rows share their"), "id with another row", "make ids unique or drop the id column"
+    )
+    return [("ids unique", _gxe().ExpectColumnValuesToBeUnique(column="id"), describe)]
+
+
+def _duplicates(suite: _Suite) -> list[_Spec]:
+    max_fraction = suite.cfg.duplicates.max_fraction
+    expectation = _gxe().ExpectColumnValuesToBeNull(column="duplicate_of", mostly=1.0 - max_fraction)
+    return [("no duplicate examples", expectation, _repeated_examples(max_fraction))]
+
+
+def _answer_last(suite: _Suite) -> list[_Spec]:
+    regex = r"^(?:(?:system|user|assistant),)*assistant$"
+    describe = _about_rows(
+        ("row does", "rows do"), "not end with an assistant turn", "every example needs its answer last"
+    )
+    return [
+        ("ends with an assistant turn", _gxe().ExpectColumnValuesToMatchRegex(column="roles", regex=regex), describe)
+    ]
+
+
+def _required_roles(suite: _Suite) -> list[_Spec]:
+    return [
+        (
+            f"has a turn with role {role}",
+            _gxe().ExpectColumnValuesToMatchRegex(column="roles", regex=rf"(?:^|,){role}(?:,|$)"),
+            _about_rows(_ROW_HAS, f"no {role} turn", f"add one or remove {role!r} from {_KEY}.format.required_roles"),
         )
-    if train_prompt_keys is not None:
-        checks.append(
-            Check(
-                "leakage",
-                "no prompt shared with train",
-                gxe.ExpectColumnValuesToNotBeInSet(
-                    column="prompt_key", value_set=list(train_prompt_keys), mostly=1.0 - leak_cfg.max_fraction
-                ),
-                overlap,
-            )
-        )
-    return checks
+        for role in suite.cfg.format.required_roles
+    ]
+
+
+def _leakage(suite: _Suite) -> list[_Spec]:
+    if suite.train_prompt_keys is None:
+        return []
+    expectation = _gxe().ExpectColumnValuesToNotBeInSet(
+        column="prompt_key",
+        value_set=list(suite.train_prompt_keys),
+        mostly=1.0 - suite.cfg.leakage.max_fraction,
+    )
+    return [("no prompt shared with train", expectation, _prompts_seen_in_train)]
+
+
+_CHECK_BUILDERS: tuple[tuple[str, Callable[[_Suite], list[_Spec]]], ...] = (
+    # rule -> its checks, in the order the suite runs them (and the report and the error list them)
+    ("format", _columns_present),
+    ("row_count", _row_count),
+    ("no_nulls", _no_nulls),
+    ("no_empty_strings", _no_empty_strings),
+    ("near_empty", _near_empty),
+    ("token_length", _token_length),
+    ("unique_ids", _unique_ids),
+    ("duplicates", _duplicates),
+    ("format", _answer_last),
+    ("format", _required_roles),
+    ("leakage", _leakage),
+)
+
+
+def build_checks(split: str, cfg: contract.DataExpectations, train_prompt_keys: Sequence[str] | None) -> list[Check]:
+    """Every check of one dataset's suite: the checks of each rule, in ``_CHECK_BUILDERS``' order."""
+    suite = _Suite(split, cfg, train_prompt_keys)
+    return [
+        Check(rule, name, expectation, describe)
+        for rule, checks_of in _CHECK_BUILDERS
+        for name, expectation, describe in checks_of(suite)
+    ]
 
 
 def _gx_context(docs_dir: Path) -> Any:
@@ -478,13 +554,30 @@ def _result_entry(split: str, check: Check, res: Any, level: str, message: str |
 def run(ctx: StepContext) -> dict[str, Any]:
     cfg = resolve_config(dict(ctx.config))
     report: dict[str, Any] = {"config": {"expectations": cfg.model_dump(mode="json")}}
-    report_path = ctx.out / "data_report.json"
+    loaded = _load_splits(ctx, report)
+    counter = TokenCounter(ctx.inputs["tokenizer"])
+    report["token_length"] = counter.method
+    frames = {split: build_frame(loaded[split], counter) for split in SPLITS}
+    suites = _run_suites(ctx.out / DATA_DOCS, cfg, frames)
+    findings = _judge(ctx, cfg, loaded, suites.results)
+    docs_seconds = _write_data_docs(ctx, suites.context)
+    stats = {split: _split_statistics(loaded[split], frames[split]) for split in SPLITS}
+    report |= _report_outcome(findings, suites, docs_seconds, stats)
+    _write_report(ctx.out, report)
+    if findings.failures:
+        raise DataValidationError(contract.contract_broken_message(findings.failures))
+    _write_accepted_data(ctx.out, loaded)
+    return _accepted_summary(ctx, suites, findings, stats)
 
-    def write_report() -> None:
-        report_path.write_text(json.dumps(_jsonable(report), indent=2, sort_keys=True, ensure_ascii=False))
 
+def _write_report(out: Path, report: dict[str, Any]) -> None:
+    (out / "data_report.json").write_text(json.dumps(_jsonable(report), indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def _load_splits(ctx: StepContext, report: dict[str, Any]) -> dict[str, ds.Dataset]:
+    """Both datasets, loaded; if either cannot be read, the report says why and the stage fails."""
     loaded: dict[str, ds.Dataset] = {}
-    load_problems: list[str] = []
+    problems: list[str] = []
     for split in SPLITS:
         if split not in ctx.inputs:
             raise LoraflowError(f"{STAGE}: input {split!r} is missing; give --input {split}=gs://...")
@@ -492,121 +585,161 @@ def run(ctx: StepContext) -> dict[str, Any]:
             path = ds.find_dataset_file(ctx.inputs[split])
             loaded[split] = ds.load(path, id_prefix=f"{split}-")
         except DataValidationError as exc:
-            load_problems.append(f"{split}: {exc}")
+            problems.append(f"{split}: {exc}")
             continue
-        data = loaded[split]
-        ctx.progress(f"{split}: {len(data.rows)} rows loaded from {path.name} ({data.format} format)")
-    if load_problems:
-        report["load_problems"] = load_problems
-        report["success"] = False
-        write_report()
-        raise DataValidationError("the dataset cannot be read:\n" + "\n".join(load_problems))
+        ctx.progress(f"{split}: {len(loaded[split].rows)} rows loaded from {path.name} ({loaded[split].format} format)")
+    if problems:
+        report |= {"load_problems": problems, "success": False}
+        _write_report(ctx.out, report)
+        raise DataValidationError("the dataset cannot be read:\n" + "\n".join(problems))
+    return loaded
 
-    counter = TokenCounter(ctx.inputs["tokenizer"])
-    report["token_length"] = counter.method
-    frames = {split: build_frame(loaded[split], counter) for split in SPLITS}
 
+@dataclass(frozen=True)
+class _SuiteRuns:
+    """Both suites run by Great Expectations: each check's result, and how long it took."""
+
+    context: Any
+    results: list[tuple[str, Check, Any]]  # (split, check, GX result), train's then eval's
+    context_seconds: float  # making the GX context (mostly importing Great Expectations)
+    validate_seconds: dict[str, float]
+    seconds: float  # all of it
+
+
+def _run_suites(docs_dir: Path, cfg: contract.DataExpectations, frames: dict[str, Any]) -> _SuiteRuns:
     started = time.monotonic()
-    context = _gx_context(ctx.out / DATA_DOCS)
-    gx_import_seconds = time.monotonic() - started
+    context = _gx_context(docs_dir)
+    context_seconds = time.monotonic() - started
     results: list[tuple[str, Check, Any]] = []
     validate_seconds: dict[str, float] = {}
     for split in SPLITS:
-        train_keys = None
-        if split == "eval":
-            train_keys = sorted({k for k in frames["train"]["prompt_key"] if k})
+        train_keys = sorted({k for k in frames["train"]["prompt_key"] if k}) if split == "eval" else None
         checks = build_checks(split, cfg, train_keys)
         t0 = time.monotonic()
         results += [(split, c, r) for c, r in validate(context, split, frames[split], checks)]
         validate_seconds[split] = round(time.monotonic() - t0, 3)
-    gx_seconds = time.monotonic() - started
+    return _SuiteRuns(context, results, context_seconds, validate_seconds, time.monotonic() - started)
 
-    failures: list[tuple[str, str]] = []  # (rule, message) of fail-level findings
-    warnings: list[tuple[str, str]] = []
-    entries = []
+
+@dataclass(frozen=True)
+class _Findings:
+    entries: list[dict[str, Any]]  # the report's line of every check
+    failures: list[tuple[str, str]]  # (rule, message) of fail-level findings
+    warnings: list[tuple[str, str]]  # (rule, message) of warn-level findings
+
+
+def _judge(
+    ctx: StepContext,
+    cfg: contract.DataExpectations,
+    loaded: dict[str, ds.Dataset],
+    results: list[tuple[str, Check, Any]],
+) -> _Findings:
+    """Each check's outcome at its rule's level, logged as it is judged."""
+    findings = _Findings([], [], [])
     for split, check, res in results:
         level = cfg.level(check.rule)
-        if res.success:
-            entries.append(_result_entry(split, check, res, level, None))
-            ctx.progress(f"{split}: [{check.rule}] {check.name}: ok")
-            continue
-        data = loaded[split]
+        message = None if res.success else _finding(split, check, res, loaded[split])
+        findings.entries.append(_result_entry(split, check, res, level, message))
+        if message is not None:
+            (findings.warnings if level == "warn" else findings.failures).append((check.rule, message))
+        ctx.progress(f"{split}: [{check.rule}] {check.name}: {_verdict(level, message)}")
+    return findings
 
-        def where(rows: Sequence[int], data: ds.Dataset = data) -> str:
-            return _where(rows, data.unit, data.path.name)
 
-        message = check.describe(split, res.result or {}, where)
-        entries.append(_result_entry(split, check, res, level, message))
-        if level == "warn":
-            warnings.append((check.rule, message))
-            ctx.progress(
-                f"{split}: [{check.rule}] {check.name}: WARNING (rule level warn, the run continues): {message}"
-            )
-        else:
-            failures.append((check.rule, message))
-            ctx.progress(f"{split}: [{check.rule}] {check.name}: FAILED: {message}")
+def _finding(split: str, check: Check, res: Any, data: ds.Dataset) -> str:
+    """What a failed check found, in plain words, naming the rows of the dataset's file."""
+    return check.describe(split, res.result or {}, functools.partial(_where, unit=data.unit, filename=data.path.name))
 
+
+def _verdict(level: str, message: str | None) -> str:
+    if message is None:
+        return "ok"
+    if level == "warn":
+        return f"WARNING (rule level warn, the run continues): {message}"
+    return f"FAILED: {message}"
+
+
+def _write_data_docs(ctx: StepContext, context: Any) -> float:
     t0 = time.monotonic()
     build_data_docs(context)
-    docs_seconds = round(time.monotonic() - t0, 3)
-    ctx.progress(f"Great Expectations data docs written to {DATA_DOCS}/index.html ({docs_seconds:.2f} s)")
+    seconds = round(time.monotonic() - t0, 3)
+    ctx.progress(f"Great Expectations data docs written to {DATA_DOCS}/index.html ({seconds:.2f} s)")
+    return seconds
 
-    stats: dict[str, dict[str, Any]] = {
-        split: {
-            "rows": len(frames[split]),
-            "format": loaded[split].format,
-            "file": loaded[split].path.name,
-            "tokens_min": int(frames[split]["n_tokens"].min()) if len(frames[split]) else 0,
-            "tokens_mean": round(float(frames[split]["n_tokens"].mean()), 2) if len(frames[split]) else 0.0,
-            "tokens_max": int(frames[split]["n_tokens"].max()) if len(frames[split]) else 0,
-        }
-        for split in SPLITS
+
+def _split_statistics(data: ds.Dataset, frame: Any) -> dict[str, Any]:
+    tokens = frame["n_tokens"]
+    return {
+        "rows": len(frame),
+        "format": data.format,
+        "file": data.path.name,
+        "tokens_min": int(tokens.min()) if len(frame) else 0,
+        "tokens_mean": round(float(tokens.mean()), 2) if len(frame) else 0.0,
+        "tokens_max": int(tokens.max()) if len(frame) else 0,
     }
-    max_seen = max(int(s["tokens_max"]) for s in stats.values())
-    unsuccessful = sum(1 for e in entries if not e["success"])
-    report |= {
+
+
+def _report_outcome(
+    findings: _Findings, suites: _SuiteRuns, docs_seconds: float, stats: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The report's verdict, every check's line and the statistics."""
+    failures, warnings = findings.failures, findings.warnings
+    unsuccessful = sum(1 for e in findings.entries if not e["success"])
+    return {
         "success": not failures,
         "failures": [m for _, m in failures],
-        "failed_rules": list(dict.fromkeys(r for r, _ in failures)),
+        "failed_rules": _rules_of(failures),
         "warnings": [m for _, m in warnings],
-        "warned_rules": list(dict.fromkeys(r for r, _ in warnings)),
-        "expectations": entries,
+        "warned_rules": _rules_of(warnings),
+        "expectations": findings.entries,
         "data_docs": f"{DATA_DOCS}/index.html",
         "statistics": {
-            "evaluated_expectations": len(results),
-            "successful_expectations": len(results) - unsuccessful,
+            "evaluated_expectations": len(suites.results),
+            "successful_expectations": len(suites.results) - unsuccessful,
             "unsuccessful_expectations": unsuccessful,
             "warned_expectations": len(warnings),
             "failed_expectations": len(failures),
-            "gx_seconds": round(gx_seconds, 3),
-            "gx_context_seconds": round(gx_import_seconds, 3),
-            "gx_validate_seconds": validate_seconds,
+            "gx_seconds": round(suites.seconds, 3),
+            "gx_context_seconds": round(suites.context_seconds, 3),
+            "gx_validate_seconds": suites.validate_seconds,
             "gx_data_docs_seconds": docs_seconds,
             **stats,
         },
     }
-    write_report()
-    if failures:
-        raise DataValidationError(contract.contract_broken_message(failures))
 
-    ds.write_jsonl(loaded["train"].rows, ctx.out / "train.jsonl")
+
+def _rules_of(findings: list[tuple[str, str]]) -> list[str]:
+    """The rules of ``(rule, message)`` findings, each once, in order."""
+    return list(dict.fromkeys(rule for rule, _ in findings))
+
+
+def _write_accepted_data(out: Path, loaded: dict[str, ds.Dataset]) -> None:
+    """train.jsonl as loaded; eval.jsonl split into the prompt turns and the reference answer."""
+    ds.write_jsonl(loaded["train"].rows, out / "train.jsonl")
     eval_rows = []
     for row in loaded["eval"].rows:
         prompt, reference = ds.prompt_and_reference(row["messages"])
         eval_rows.append({"id": row["id"], "messages": prompt, "reference": reference})
-    ds.write_jsonl(eval_rows, ctx.out / "eval.jsonl")
-    passed = len(results) - len(warnings)
+    ds.write_jsonl(eval_rows, out / "eval.jsonl")
+
+
+def _accepted_summary(
+    ctx: StepContext, suites: _SuiteRuns, findings: _Findings, stats: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Log the closing line; return the manifest summary of an accepted dataset."""
+    evaluated, warned = len(suites.results), len(findings.warnings)
+    max_seen = max(int(s["tokens_max"]) for s in stats.values())
     ctx.progress(
-        f"{passed} of {len(results)} expectations passed, {len(warnings)} warning(s), in {gx_seconds:.2f} s "
-        f"({gx_import_seconds:.2f} s of it importing Great Expectations); longest example {max_seen} tokens"
+        f"{evaluated - warned} of {evaluated} expectations passed, {warned} warning(s), in {suites.seconds:.2f} s "
+        f"({suites.context_seconds:.2f} s of it importing Great Expectations); longest example {max_seen} tokens"
     )
     return {
         "train_rows": stats["train"]["rows"],
         "eval_rows": stats["eval"]["rows"],
-        "expectations": len(results),
+        "expectations": evaluated,
         "failed": 0,
-        "warnings": len(warnings),
-        "warned_rules": report["warned_rules"],
+        "warnings": warned,
+        "warned_rules": _rules_of(findings.warnings),
         "max_tokens_seen": max_seen,
         "data_docs": f"{DATA_DOCS}/index.html",
     }
