@@ -43,12 +43,10 @@ import numpy as np
 
 from loraflow.errors import LoraflowError
 from loraflow.lora import merge_kernel
+from loraflow.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from loraflow.lora.safetensors_io import INDEX_FILE, Checkpoint, ShardedWriter, TensorInfo, pwrite_all
 from loraflow.pipeline import faults
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-PEFT_PREFIX = "base_model.model."
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 # Weight formats other than safetensors are never copied into a merged checkpoint: they would hold
 # the *unmerged* base weights next to the merged ones.
