@@ -98,6 +98,7 @@ def maxtext_kernel_key(mpath: tuple[str, ...]) -> str:
 def lora_out_shape(mpath: tuple[str, ...], mt_config: Any, out_flat: int) -> tuple[int, ...]:
     """The MaxText kernel's output axes for a LoRA module (qwix flattens them row-major into lora_b)."""
     name = mpath[-1]
+    shape: tuple[int, ...]
     if name == "query":
         shape = (mt_config.num_query_heads, mt_config.head_dim)
     elif name in ("key", "value"):
