@@ -25,6 +25,7 @@ OVERRIDES = tinymodel.MAXTEXT_OVERRIDES
 if __name__ == "__main__":
     mode, hf_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     from loraflow.steps import convert_checkpoint as cc
+    from loraflow.steps._maxtext import overrides_args
 
     t = time.perf_counter()
     res: dict = {"mode": mode}
@@ -38,7 +39,7 @@ if __name__ == "__main__":
             cc.register_hf_config(MODEL, hf_dir)
             args = [
                 "to_maxtext",
-                *cc.overrides_args(MODEL, OVERRIDES),
+                *overrides_args(MODEL, OVERRIDES),
                 "hardware=cpu",
                 "skip_jax_distributed_system=true",
                 "attention=dot_product",

@@ -42,6 +42,7 @@ CONFIG = {
 
 def prepare(root: Path, hf_dir: Path) -> None:
     from loraflow.steps import convert_checkpoint as cc
+    from loraflow.steps._maxtext import CHECKPOINT_JSON
 
     ckpt = root / "ckpt"
     cc.convert(hf_dir, ckpt, MODEL, OVERRIDES, True, {}, "float32")
@@ -53,7 +54,7 @@ def prepare(root: Path, hf_dir: Path) -> None:
         "scan_layers": True,
         "save_dtype": "float32",
     }
-    (ckpt / cc.CHECKPOINT_JSON).write_text(json.dumps(meta))
+    (ckpt / CHECKPOINT_JSON).write_text(json.dumps(meta))
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
     src = Path(__file__).resolve().parents[1] / "pipelines" / "data" / "parity" / "train.jsonl"

@@ -17,6 +17,8 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from loraflow.models import llama
+
 # The tiny Llama's dimensions.
 DIMS = {
     "hidden_size": 128,
@@ -28,17 +30,9 @@ DIMS = {
     "vocab_size": 512,
 }
 # The MaxText model and command-line overrides that give it exactly these dimensions (the tiny
-# spec's base_model section says the same).
+# spec's base_model section says the same); the Llama family knows which override sets which dimension.
 MAXTEXT_MODEL = "llama3.1-8b"
-MAXTEXT_OVERRIDES = {
-    "base_emb_dim": DIMS["hidden_size"],
-    "base_num_query_heads": DIMS["num_attention_heads"],
-    "base_num_kv_heads": DIMS["num_key_value_heads"],
-    "head_dim": DIMS["head_dim"],
-    "base_mlp_dim": DIMS["intermediate_size"],
-    "base_num_decoder_layers": DIMS["num_hidden_layers"],
-    "vocab_size": DIMS["vocab_size"],
-}
+MAXTEXT_OVERRIDES = llama.maxtext_overrides(DIMS)
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 

@@ -43,12 +43,10 @@ import numpy as np
 
 from loraflow.errors import LoraflowError
 from loraflow.lora import merge_kernel
+from loraflow.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from loraflow.lora.safetensors_io import INDEX_FILE, Checkpoint, ShardedWriter, TensorInfo, pwrite_all
 from loraflow.pipeline import faults
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-PEFT_PREFIX = "base_model.model."
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 # Weight formats other than safetensors are never copied into a merged checkpoint: they would hold
 # the *unmerged* base weights next to the merged ones.
@@ -297,11 +295,8 @@ def _merge_rows(
     k = min(rows, stop - start)
     block = np.empty((k, n_cols), a.dtype)
     merged = np.empty((k, n_cols), weight.dtype)
-    bf16 = weight.dtype.name == "bfloat16"
-    if bf16:  # bf16 <-> f32 by bit operations: exact, and far faster than an element-wise cast
-        w_bits, out_bits = weight.view(np.uint16), merged.view(np.uint16)
-        w32 = np.empty((k, n_cols), np.uint32)
-        rounding = np.empty((k, n_cols), np.uint32)
+    # bf16 <-> f32 by bit operations (exact, and far faster than an element-wise cast) need two scratch buffers.
+    bf16 = [np.empty((k, n_cols), np.uint32) for _ in range(2)] if weight.dtype.name == "bfloat16" else None
     bits = np.dtype(f"u{weight.dtype.itemsize}")
     # OpenBLAS runs a GEMM of at most SMALL_GEMM multiply-adds on the calling thread: the product is
     # computed in pieces that small, which never start (or wait for) its own thread pool; at rank
@@ -311,37 +306,54 @@ def _merge_rows(
     for lo in range(start, stop, rows):
         hi = min(lo + rows, stop)
         blk, out = block[: hi - lo], merged[: hi - lo]
-        for g in range(lo, hi, gemm_rows):
-            np.matmul(b[g : min(g + gemm_rows, hi)], a, out=blk[g - lo : min(g + gemm_rows, hi) - lo])
-        blk *= scale
+        _scaled_product(b, a, scale, lo, hi, gemm_rows, blk)
         if blk.size:
             max_update = max(max_update, float(blk.max()), -float(blk.min()))
-        if bf16:
-            wk = w32[: hi - lo]
-            np.left_shift(w_bits[lo:hi], 16, out=wk, dtype=np.uint32)  # bf16 bits are f32's upper half
-            blk += wk.view(np.float32)
-        else:
-            blk += weight[lo:hi]
+        _add_weight(blk, weight, lo, hi, bf16)
         if not (math.isfinite(blk.max()) and math.isfinite(blk.min())):  # NaN propagates through max/min
             raise MergeError(f"non-finite merged values in rows {lo}..{hi}: the base weight holds NaN/Inf")
-        if bf16:
-            # f32 -> bf16, round to nearest even (finite values): add 0x7FFF + the kept lowest bit, drop 16 bits
-            u, rk = blk.view(np.uint32), rounding[: hi - lo]
-            np.right_shift(u, 16, out=rk)
-            rk &= 1
-            rk += 0x7FFF
-            rk += u
-            out_bits[: hi - lo] = rk.view(np.uint16)[:, _UPPER_HALF::2]
-        else:
-            with np.errstate(over="ignore"):
-                out[...] = blk  # rounds to the weight's dtype (nearest even)
-            if weight.dtype == np.float16 and not np.isfinite(out).all():
-                raise MergeError(
-                    f"merged values overflow float16 in rows {lo}..{hi}: merge into a bf16/f32 copy of the base"
-                )
+        _round_into(out, blk, weight.dtype, lo, hi, bf16)
         changed = changed or not np.array_equal(out.view(bits), weight[lo:hi].view(bits))
         emit(lo, out)
     return max_update, changed
+
+
+def _scaled_product(
+    b: np.ndarray, a: np.ndarray, scale: float, lo: int, hi: int, gemm_rows: int, blk: np.ndarray
+) -> None:
+    """``blk = scale · b[lo:hi] @ a``, ``gemm_rows`` rows per GEMM."""
+    for g in range(lo, hi, gemm_rows):
+        np.matmul(b[g : min(g + gemm_rows, hi)], a, out=blk[g - lo : min(g + gemm_rows, hi) - lo])
+    blk *= scale
+
+
+def _add_weight(blk: np.ndarray, weight: np.ndarray, lo: int, hi: int, bf16: list[np.ndarray] | None) -> None:
+    """``blk += weight[lo:hi]``; a BF16 weight is widened to f32 exactly, by bits (``bf16``: its scratch)."""
+    if bf16 is None:
+        blk += weight[lo:hi]
+        return
+    wk = bf16[0][: hi - lo]
+    np.left_shift(weight.view(np.uint16)[lo:hi], 16, out=wk, dtype=np.uint32)  # bf16 bits are f32's upper half
+    blk += wk.view(np.float32)
+
+
+def _round_into(
+    out: np.ndarray, blk: np.ndarray, dtype: np.dtype, lo: int, hi: int, bf16: list[np.ndarray] | None
+) -> None:
+    """``out = blk`` rounded to the weight's dtype (nearest even); refuses a float16 overflow."""
+    if bf16 is not None:
+        # f32 -> bf16, round to nearest even (finite values): add 0x7FFF + the kept lowest bit, drop 16 bits
+        u, rk = blk.view(np.uint32), bf16[1][: hi - lo]
+        np.right_shift(u, 16, out=rk)
+        rk &= 1
+        rk += 0x7FFF
+        rk += u
+        out.view(np.uint16)[...] = rk.view(np.uint16)[:, _UPPER_HALF::2]
+        return
+    with np.errstate(over="ignore"):
+        out[...] = blk  # rounds to the weight's dtype (nearest even)
+    if dtype == np.float16 and not np.isfinite(out).all():
+        raise MergeError(f"merged values overflow float16 in rows {lo}..{hi}: merge into a bf16/f32 copy of the base")
 
 
 def peft_module(key: str) -> tuple[str, str]:
@@ -397,6 +409,25 @@ def plan_merge(
             ``target_modules``.
     """
     problems: list[str] = []
+    pairs = _pair_keys(adapter, problems)
+    targets: dict[str, LoraTarget] = {}
+    for module, slot in pairs.items():
+        target = _plan_target(module, slot, adapter, base, cfg)
+        if isinstance(target, str):
+            problems.append(target)
+        else:
+            targets[target.base] = target
+    if not pairs and not problems:
+        problems.append("the adapter holds no lora_A/lora_B tensors")
+    if problems:
+        raise MergeError(
+            f"cannot merge this adapter ({len(problems)} problem(s)):\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return targets
+
+
+def _pair_keys(adapter: Mapping[str, TensorInfo], problems: list[str]) -> dict[str, dict[str, str]]:
+    """``{module: {"A": key, "B": key}}`` from the adapter's keys; unparsable or doubled keys go to ``problems``."""
     pairs: dict[str, dict[str, str]] = {}
     for key in adapter:
         try:
@@ -408,58 +439,64 @@ def plan_merge(
         if ab in slot:
             problems.append(f"adapter keys {slot[ab]!r} and {key!r} both give lora_{ab} of {module}: keep one adapter")
         slot[ab] = key
-    targets: dict[str, LoraTarget] = {}
-    for module, slot in pairs.items():
-        if set(slot) != {"A", "B"}:
-            have = next(iter(slot.values()))
-            problems.append(
-                f"adapter key {have!r} has no lora_{'B' if 'A' in slot else 'A'} partner: the export is incomplete"
-            )
-            continue
-        name = module + ".weight"
-        a, b = adapter[slot["A"]], adapter[slot["B"]]
-        if name not in base:
-            import difflib
+    return pairs
 
-            close = difflib.get_close_matches(name, list(base), n=1)
-            problems.append(
-                f"adapter key {slot['A']!r} targets base tensor {name!r}, which the base checkpoint does not hold"
-                + (f" (closest: {close[0]!r})" if close else "")
-                + f": the adapter belongs to another model, or its keys need the form {PEFT_PREFIX}<HF module>.lora_A.weight"
-            )
-            continue
-        w = base[name]
-        bad_dtype = [
-            f"{n} is {t.dtype}" for n, t in ((slot["A"], a), (slot["B"], b), (name, w)) if t.dtype not in FLOAT_DTYPES
-        ]
-        if bad_dtype:
-            problems.append(
-                f"{'; '.join(bad_dtype)}: only F16/BF16/F32/F64 tensors can be merged (dequantise the base first)"
-            )
-            continue
-        rank, alpha = cfg.rank_alpha(module)
-        n_out, n_in = (w.shape[::-1] if cfg.fan_in_fan_out else w.shape) if len(w.shape) == 2 else ("out", "in")
-        if len(w.shape) != 2 or a.shape != (rank, n_in) or b.shape != (n_out, rank):
-            problems.append(
-                f"adapter key {slot['A']!r}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit base {name} "
-                f"{list(w.shape)} at rank {rank} (need A [{rank}, {n_in}], B [{n_out}, {rank}]): the adapter was trained on "
-                "another model size, or adapter_config.json's r / rank_pattern is wrong"
-            )
-            continue
-        if not cfg.targets(module):
-            problems.append(
-                f"adapter key {slot['A']!r}: module {module} is not in target_modules {cfg.target_modules!r}: "
-                "the config does not belong to these weights"
-            )
-            continue
-        targets[name] = LoraTarget(name, slot["A"], slot["B"], rank, lora_scale(rank, alpha, cfg.use_rslora))
-    if not pairs and not problems:
-        problems.append("the adapter holds no lora_A/lora_B tensors")
-    if problems:
-        raise MergeError(
-            f"cannot merge this adapter ({len(problems)} problem(s)):\n" + "\n".join(f"  - {p}" for p in problems)
+
+def _plan_target(
+    module: str,
+    slot: dict[str, str],
+    adapter: Mapping[str, TensorInfo],
+    base: Mapping[str, TensorInfo],
+    cfg: LoraConfig,
+) -> LoraTarget | str:
+    """One module's :class:`LoraTarget`, or the problem that keeps it from being merged."""
+    if set(slot) != {"A", "B"}:
+        have = next(iter(slot.values()))
+        return f"adapter key {have!r} has no lora_{'B' if 'A' in slot else 'A'} partner: the export is incomplete"
+    name = module + ".weight"
+    if name not in base:
+        return _missing_base(slot["A"], name, base)
+    a, b, w = adapter[slot["A"]], adapter[slot["B"]], base[name]
+    bad_dtype = [
+        f"{n} is {t.dtype}" for n, t in ((slot["A"], a), (slot["B"], b), (name, w)) if t.dtype not in FLOAT_DTYPES
+    ]
+    if bad_dtype:
+        return f"{'; '.join(bad_dtype)}: only F16/BF16/F32/F64 tensors can be merged (dequantise the base first)"
+    rank, alpha = cfg.rank_alpha(module)
+    problem = _shape_problem(slot["A"], name, a, b, w, rank, cfg.fan_in_fan_out)
+    if problem:
+        return problem
+    if not cfg.targets(module):
+        return (
+            f"adapter key {slot['A']!r}: module {module} is not in target_modules {cfg.target_modules!r}: "
+            "the config does not belong to these weights"
         )
-    return targets
+    return LoraTarget(name, slot["A"], slot["B"], rank, lora_scale(rank, alpha, cfg.use_rslora))
+
+
+def _missing_base(key: str, name: str, base: Mapping[str, TensorInfo]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(base), n=1)
+    return (
+        f"adapter key {key!r} targets base tensor {name!r}, which the base checkpoint does not hold"
+        + (f" (closest: {close[0]!r})" if close else "")
+        + f": the adapter belongs to another model, or its keys need the form {PEFT_PREFIX}<HF module>.lora_A.weight"
+    )
+
+
+def _shape_problem(
+    key: str, name: str, a: TensorInfo, b: TensorInfo, w: TensorInfo, rank: int, fan_in_fan_out: bool
+) -> str | None:
+    """Why lora_A / lora_B do not fit the base weight at this rank (None when they do)."""
+    n_out, n_in = (w.shape[::-1] if fan_in_fan_out else w.shape) if len(w.shape) == 2 else ("out", "in")
+    if len(w.shape) != 2 or a.shape != (rank, n_in) or b.shape != (n_out, rank):
+        return (
+            f"adapter key {key!r}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit base {name} "
+            f"{list(w.shape)} at rank {rank} (need A [{rank}, {n_in}], B [{n_out}, {rank}]): the adapter was trained on "
+            "another model size, or adapter_config.json's r / rank_pattern is wrong"
+        )
+    return None
 
 
 def check_finite(adapter: Checkpoint) -> None:
@@ -501,6 +538,15 @@ class MergeReport:
     copied: list[str] = field(default_factory=list)  # other files copied from the base
     skipped: list[str] = field(default_factory=list)  # non-safetensors weight files not copied
     unchanged_targets: list[str] = field(default_factory=list)  # merged but rounded back to the base
+
+    def add_merged(self, name: str, delta: float, changed: bool) -> None:
+        """Count one merged tensor (its max |update| and whether its stored values changed)."""
+        self.merged += 1
+        self.max_delta = max(self.max_delta, delta)
+        if changed:
+            self.changed += 1
+        else:
+            self.unchanged_targets.append(name)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -571,12 +617,7 @@ def merge_checkpoint(
     """
     say = progress or (lambda _msg: None)
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    if out_dir.resolve().is_relative_to(base_dir.resolve()):
-        raise MergeError(f"out_dir {out_dir} lies inside base_dir {base_dir}: write the merged checkpoint elsewhere")
-    if not (base_dir / "config.json").is_file():
-        raise MergeError(f"{base_dir} is not a Hugging Face checkpoint (no config.json)")
-    if not list(base_dir.glob("*.safetensors")):
-        raise MergeError(f"{base_dir} holds no *.safetensors weights: convert the base checkpoint to safetensors first")
+    _check_dirs(base_dir, out_dir)
     base = Checkpoint.open(base_dir)
     weights_file, config_file = find_adapter(adapter_dir)
     cfg = load_adapter_config(config_file)
@@ -587,75 +628,124 @@ def merge_checkpoint(
         f"{len(targets)} of {len(base)} base tensors get a LoRA update ({_scales(targets.values())}); "
         f"writing shards of <= {shard_bytes / 2**20:g} MiB; " + merge_kernel.status()
     )
+    report = _stream_merge(base, adapter, targets, cfg.fan_in_fan_out, out_dir, shard_bytes, say)
+    report.copied, report.skipped = copy_side_files(base_dir, out_dir)
+    _say_done(report, say)
+    return report
 
-    report = MergeReport()
-    group, g_tensors, g_merged, g_delta = None, 0, 0, 0.0
 
-    def flush() -> None:
-        if group is not None:
-            say(f"{group}: {g_tensors} tensor(s), {g_merged} merged, max |update| {g_delta:.3g}")
+def _check_dirs(base_dir: Path, out_dir: Path) -> None:
+    """Refuse an output inside the base, and a base that is not an HF safetensors checkpoint."""
+    if out_dir.resolve().is_relative_to(base_dir.resolve()):
+        raise MergeError(f"out_dir {out_dir} lies inside base_dir {base_dir}: write the merged checkpoint elsewhere")
+    if not (base_dir / "config.json").is_file():
+        raise MergeError(f"{base_dir} is not a Hugging Face checkpoint (no config.json)")
+    if not list(base_dir.glob("*.safetensors")):
+        raise MergeError(f"{base_dir} holds no *.safetensors weights: convert the base checkpoint to safetensors first")
 
-    # Two things overlap: paging in the next base tensor (mapped, not copied) and merging this
-    # one (the native kernel, numpy and file I/O release the GIL). The merge threads write each
-    # block of merged rows straight to its place in the output file while it is still in cache;
-    # tensors without an update are copied file to file. Memory: two mapped tensors and a few
-    # blocks per thread, whatever the model size.
+
+def _stream_merge(
+    base: Checkpoint,
+    adapter: Checkpoint,
+    targets: dict[str, LoraTarget],
+    fan_in_fan_out: bool,
+    out_dir: Path,
+    shard_bytes: int,
+    say: Callable[[str], None],
+) -> MergeReport:
+    """Write every base tensor, merged where it has a target, in file order; the report of what was done.
+
+    Two things overlap: paging in the next base tensor (mapped, not copied) and merging this
+    one (the native kernel, numpy and file I/O release the GIL). The merge threads write each
+    block of merged rows straight to its place in the output file while it is still in cache;
+    tensors without an update are copied file to file. Memory: two mapped tensors and a few
+    blocks per thread, whatever the model size.
+    """
+    report, groups = MergeReport(), _GroupProgress(say)
     order = [t for path in base.files for t in base.tensors.values() if t.file == path]
     plan = [t.spec for t in base.tensors.values()]
+    load = functools.partial(_load, base, adapter, targets)
     with (
         ShardedWriter(out_dir, plan, shard_bytes, base.metadata) as writer,
         ThreadPoolExecutor(1, thread_name_prefix="loraflow-merge-read") as reader,
     ):
-
-        def load(info: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-            target = targets.get(info.name)
-            if target is None:
-                return None
-            return base.map(info.name), adapter.read(target.lora_a), adapter.read(target.lora_b)
-
         ahead = reader.submit(load, order[0]) if order else None
         for i, info in enumerate(order):
             assert ahead is not None
             loaded = ahead.result()
             ahead = reader.submit(load, order[i + 1]) if i + 1 < len(order) else None
-            if _group(info.name) != group:
-                flush()
-                group, g_tensors, g_merged, g_delta = _group(info.name), 0, 0, 0.0
-            g_tensors += 1
+            groups.tensor(info.name)
             report.tensors += 1
             report.bytes += info.nbytes
             if loaded is None:
                 writer.copy_tensor(info.name, base)
                 continue
-            target = targets[info.name]
-            weight, lora_a, lora_b = loaded
-            del loaded
-            fd, offset = writer.reserve(info.name)
-            row_bytes = info.nbytes // max(1, weight.shape[0])
-
-            def to_file(
-                lo: int, block: np.ndarray, fd: int = fd, offset: int = offset, row_bytes: int = row_bytes
-            ) -> None:
-                pwrite_all(fd, block, offset + lo * row_bytes)
-
-            try:
-                delta, changed = _merge_blocks(weight, lora_a, lora_b, target.scale, cfg.fan_in_fan_out, to_file)
-            except MergeError as exc:
-                raise MergeError(f"{info.name} (adapter key {target.lora_a!r}): {exc}") from None
-            del weight
+            delta, changed = _merge_tensor(info, loaded, targets[info.name], fan_in_fan_out, writer)
+            del loaded  # the mapped base tensor: at most two are held
             faults.point("mid_merge")
-            report.merged += 1
-            g_merged += 1
-            g_delta = max(g_delta, delta)
-            report.max_delta = max(report.max_delta, delta)
-            if changed:
-                report.changed += 1
-            else:
-                report.unchanged_targets.append(info.name)
-        flush()
+            groups.merged(delta)
+            report.add_merged(info.name, delta, changed)
+        groups.flush()
     assert writer.result is not None
     report.files = [p.name for p in writer.result.files]
-    report.copied, report.skipped = copy_side_files(base_dir, out_dir)
+    return report
+
+
+def _load(
+    base: Checkpoint, adapter: Checkpoint, targets: dict[str, LoraTarget], info: TensorInfo
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(base weight mapped, lora_A, lora_B) of a tensor to merge; None for one to copy."""
+    target = targets.get(info.name)
+    if target is None:
+        return None
+    return base.map(info.name), adapter.read(target.lora_a), adapter.read(target.lora_b)
+
+
+def _merge_tensor(
+    info: TensorInfo,
+    loaded: tuple[np.ndarray, np.ndarray, np.ndarray],
+    target: LoraTarget,
+    fan_in_fan_out: bool,
+    writer: ShardedWriter,
+) -> tuple[float, bool]:
+    """Merge one tensor, each block of merged rows written to its place in the output; (max |update|, changed)."""
+    weight, lora_a, lora_b = loaded
+    fd, offset = writer.reserve(info.name)
+    row_bytes = info.nbytes // max(1, weight.shape[0])
+
+    def to_file(lo: int, block: np.ndarray) -> None:
+        pwrite_all(fd, block, offset + lo * row_bytes)
+
+    try:
+        return _merge_blocks(weight, lora_a, lora_b, target.scale, fan_in_fan_out, to_file)
+    except MergeError as exc:
+        raise MergeError(f"{info.name} (adapter key {target.lora_a!r}): {exc}") from None
+
+
+class _GroupProgress:
+    """One progress line per tensor group (a transformer layer): its tensors, how many merged, max |update|."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.group: str | None = None
+        self.tensors, self.n_merged, self.delta = 0, 0, 0.0
+
+    def tensor(self, name: str) -> None:
+        if _group(name) != self.group:
+            self.flush()
+            self.group, self.tensors, self.n_merged, self.delta = _group(name), 0, 0, 0.0
+        self.tensors += 1
+
+    def merged(self, delta: float) -> None:
+        self.n_merged += 1
+        self.delta = max(self.delta, delta)
+
+    def flush(self) -> None:
+        if self.group is not None:
+            self.say(f"{self.group}: {self.tensors} tensor(s), {self.n_merged} merged, max |update| {self.delta:.3g}")
+
+
+def _say_done(report: MergeReport, say: Callable[[str], None]) -> None:
     say(
         f"merged {report.merged} tensor(s), {report.changed} changed, of {report.tensors}; "
         f"{report.bytes / 2**20:.1f} MiB in {len(report.files)} file(s); copied {len(report.copied)} other file(s)"
@@ -667,4 +757,3 @@ def merge_checkpoint(
         )
     if report.skipped:
         say(f"not copied (unmerged weights in another format): {report.skipped}")
-    return report

@@ -34,7 +34,7 @@ CACHE_ENV = "LORAFLOW_SPEC_CACHE_DIR"
 _FORMAT = 1  # bump when CompiledSpec's fields change
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The packages whose modules validation and planning may import (a test checks that they import no other).
-_FINGERPRINTED = ("", "spec", "pipeline", "launchers", "data", "evaluation")
+_FINGERPRINTED = ("", "spec", "pipeline", "launchers", "data", "evaluation", "models")
 log = logging.getLogger(__name__)
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
+from loraflow import models
 from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
@@ -63,6 +64,12 @@ class BaseModelSpec(_Model):
     )
 
     _uris = field_validator("hf_checkpoint", "tokenizer")(lambda v: v if v is None else _gs_uri(v))
+
+    @field_validator("maxtext_model")
+    @classmethod
+    def _supported_family(cls, v: str) -> str:
+        models.family_for(v)  # a ValueError naming the supported models (loraflow/models/)
+        return v
 
     @field_validator("model_overrides")
     @classmethod

@@ -8,7 +8,8 @@ base_model.maxtext_model); internal: ``save_dtype`` (float32), ``hardware`` (fro
 Uses MaxText's own converter, ``maxtext.checkpoint_conversion.to_maxtext.main``, in-process, with
 its snags handled:
 
-* the model key must be one MaxText knows; its HF config is taken from
+* the model must be of a family loraflow supports (``loraflow.models``: the dimension check is the
+  family's) and its key one MaxText knows; its HF config is taken from
   ``HF_MODEL_CONFIGS[model_name]``, which for ``llama3.1-8b`` is the real 8B config. We register
   the checkpoint's own config.json under the key, so the parameter mapping and hooks see the
   dimensions of the weights actually being converted.
@@ -26,44 +27,21 @@ what to pass as ``load_parameters_path`` (relative to the artifact), the model n
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from loraflow import models
 from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import ConvertCheckpointConfig, parse
 from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
-CHECKPOINT_JSON = "loraflow_checkpoint.json"
 CKPT_SUBDIR = "maxtext"
 PARAMS_RELPATH = f"{CKPT_SUBDIR}/0/items"
-
-
-def overrides_args(model_name: str, overrides: dict[str, Any]) -> list[str]:
-    """MaxText command-line ``key=value`` args for a model and its overrides."""
-    args = [f"model_name={model_name}"]
-    if overrides:
-        args.append("override_model_config=True")
-    for key, value in overrides.items():
-        if isinstance(value, bool):
-            value = str(value).lower()
-        args.append(f"{key}={value}")
-    return args
-
-
-def hardware_args(config: dict[str, Any]) -> list[str]:
-    """The hardware MaxText runs on: config ``hardware`` or ``LORAFLOW_HARDWARE``; CPU when JAX has only CPUs."""
-    hardware = config.get("hardware") or os.environ.get("LORAFLOW_HARDWARE")
-    if not hardware:
-        import jax
-
-        hardware = "cpu" if jax.default_backend() == "cpu" else "tpu"
-    args = [f"hardware={hardware}"]
-    if hardware == "cpu":
-        args += ["skip_jax_distributed_system=true", "attention=dot_product"]
-    return args
 
 
 def register_hf_config(model_name: str, hf_dir: Path) -> Any:
@@ -77,28 +55,6 @@ def register_hf_config(model_name: str, hf_dir: Path) -> Any:
     cfg = transformers.AutoConfig.from_pretrained(str(hf_dir))
     hf_model_configs.HF_MODEL_CONFIGS[model_name] = cfg
     return cfg
-
-
-def check_dims(hf_cfg: Any, maxtext_cfg: Any) -> None:
-    """Refuse a MaxText config whose dimensions disagree with the HF checkpoint (clear error, not a reshape failure)."""
-    pairs = [
-        ("hidden_size", "emb_dim"),
-        ("intermediate_size", "mlp_dim"),
-        ("num_hidden_layers", "num_decoder_layers"),
-        ("num_attention_heads", "num_query_heads"),
-        ("num_key_value_heads", "num_kv_heads"),
-        ("head_dim", "head_dim"),
-        ("vocab_size", "vocab_size"),
-    ]
-    bad = []
-    for hf_key, mt_key in pairs:
-        hv, mv = getattr(hf_cfg, hf_key, None), getattr(maxtext_cfg, mt_key, None)
-        if hv is not None and mv is not None and hv != mv:
-            bad.append(f"{hf_key}={hv} vs MaxText {mt_key}={mv}")
-    if bad:
-        raise LoraflowError(
-            "HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)"
-        )
 
 
 def _materialising_save(original):
@@ -115,6 +71,42 @@ def _materialising_save(original):
     return save
 
 
+@contextlib.contextmanager
+def _counting_materialising_save(to_maxtext: Any, captured: dict[str, Any]) -> Iterator[None]:
+    """While converting, to_maxtext's save counts the parameters into ``captured`` and materialises the leaves."""
+    import jax
+    import numpy as np
+
+    original = to_maxtext.save_weights_to_checkpoint
+    materialise = _materialising_save(original)
+
+    def save(path, weights, *a, **kw):
+        captured["parameters"] = int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(weights)))
+        return materialise(path, weights, *a, **kw)
+
+    to_maxtext.save_weights_to_checkpoint = save
+    try:
+        yield
+    finally:
+        to_maxtext.save_weights_to_checkpoint = original
+
+
+def _converter_args(
+    out_dir: Path, model_name: str, overrides: dict[str, Any], scan_layers: bool, config: dict[str, Any]
+) -> list[str]:
+    """to_maxtext's command line."""
+    return [
+        "to_maxtext",
+        *overrides_args(model_name, overrides),
+        *hardware_args(config),
+        f"scan_layers={str(bool(scan_layers)).lower()}",
+        f"base_output_directory={out_dir / CKPT_SUBDIR}",
+        "run_name=convert",
+        "checkpoint_storage_use_ocdbt=true",
+        "checkpoint_storage_use_zarr3=true",
+    ]
+
+
 def convert(
     hf_dir: Path,
     out_dir: Path,
@@ -125,34 +117,16 @@ def convert(
     save_dtype: str = "float32",
 ) -> dict[str, Any]:
     """Convert ``hf_dir`` into ``out_dir/maxtext`` (Orbax); returns facts for the summary."""
-    import jax
-    import numpy as np
     from maxtext.checkpoint_conversion import to_maxtext
     from maxtext.configs import pyconfig
 
+    family = models.family_for(model_name)
     hf_cfg = register_hf_config(model_name, hf_dir)
-    args = [
-        "to_maxtext",
-        *overrides_args(model_name, overrides),
-        *hardware_args(config or {}),
-        f"scan_layers={str(bool(scan_layers)).lower()}",
-        f"base_output_directory={out_dir / CKPT_SUBDIR}",
-        "run_name=convert",
-        "checkpoint_storage_use_ocdbt=true",
-        "checkpoint_storage_use_zarr3=true",
-    ]
-    check_dims(hf_cfg, pyconfig.initialize(list(args)))
+    args = _converter_args(out_dir, model_name, overrides, scan_layers, config or {})
+    family.check_dims(hf_cfg, pyconfig.initialize(list(args)))
 
     captured: dict[str, Any] = {}
-    original = to_maxtext.save_weights_to_checkpoint
-    materialise = _materialising_save(original)
-
-    def save(path, weights, *a, **kw):
-        captured["parameters"] = int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(weights)))
-        return materialise(path, weights, *a, **kw)
-
-    to_maxtext.save_weights_to_checkpoint = save
-    try:
+    with _counting_materialising_save(to_maxtext, captured):
         to_maxtext.main(
             args,
             lazy_load_tensors=True,
@@ -160,11 +134,22 @@ def convert(
             save_dtype=save_dtype,
             simulated_cpu_devices_count=1,
         )
-    finally:
-        to_maxtext.save_weights_to_checkpoint = original
     if not (out_dir / PARAMS_RELPATH).is_dir():
         raise LoraflowError(f"MaxText's converter wrote no checkpoint at {PARAMS_RELPATH}")
     return captured
+
+
+def _checkpoint_meta(cfg: ConvertCheckpointConfig, parameters: int | None) -> dict[str, Any]:
+    """``loraflow_checkpoint.json``: what lora_sft needs to load the converted checkpoint."""
+    return {
+        "format": "loraflow.maxtext_checkpoint/1",
+        "load_parameters_path": PARAMS_RELPATH,
+        "model_name": cfg.model_name,
+        "model_overrides": cfg.model_overrides,
+        "scan_layers": cfg.scan_layers,
+        "save_dtype": cfg.save_dtype,
+        "parameters": parameters,
+    }
 
 
 def run(ctx: StepContext) -> dict[str, Any]:
@@ -181,16 +166,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         hf_dir, ctx.out, cfg.model_name, cfg.model_overrides, cfg.scan_layers, cfg.model_dump(), cfg.save_dtype
     )
     seconds = round(time.monotonic() - started, 1)
-    meta = {
-        "format": "loraflow.maxtext_checkpoint/1",
-        "load_parameters_path": PARAMS_RELPATH,
-        "model_name": cfg.model_name,
-        "model_overrides": cfg.model_overrides,
-        "scan_layers": cfg.scan_layers,
-        "save_dtype": cfg.save_dtype,
-        "parameters": facts.get("parameters"),
-    }
-    (ctx.out / CHECKPOINT_JSON).write_text(json.dumps(meta, indent=2))
+    (ctx.out / CHECKPOINT_JSON).write_text(json.dumps(_checkpoint_meta(cfg, facts.get("parameters")), indent=2))
     ctx.progress(f"converted {facts.get('parameters')} parameters in {seconds}s -> {PARAMS_RELPATH}")
     return {"parameters": facts.get("parameters"), "path": PARAMS_RELPATH, "convert_seconds": seconds}
 

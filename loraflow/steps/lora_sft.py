@@ -52,17 +52,20 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraflow import models
 from loraflow.data.epochs import write_epochs
 from loraflow.errors import LoraflowError
 from loraflow.launchers import multihost
+from loraflow.lora import peft
 from loraflow.pipeline import checkpoint_sync, faults, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, run_step
-from loraflow.steps.convert_checkpoint import CHECKPOINT_JSON, hardware_args, overrides_args
+from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
 ADAPTER_JSON = "loraflow_adapter.json"
 RUN_NAME = "sft"
@@ -95,11 +98,27 @@ def _resolve_config(ctx: StepContext) -> dict[str, Any]:
 def _maxtext_argv(
     cfg: dict[str, Any], train_file: Path, tokenizer_dir: Path, base_output: str, n_rows: int
 ) -> list[str]:
-    import jax
+    """MaxText's ``train_sft`` command line; first writes the examples in training order beside ``train_file``."""
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
 
-    devices = jax.device_count()
-    per_device = cfg["batch_size"] / devices
+    ordered = _write_training_order(cfg, train_file, tokenizer_dir, n_rows)
+    return [
+        "lora_sft",
+        os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
+        *overrides_args(cfg["model_name"], cfg["model_overrides"]),
+        *hardware_args(cfg),
+        f"scan_layers={str(bool(cfg['scan_layers'])).lower()}",
+        f"load_parameters_path={cfg['load_parameters_path']}",
+        *_data_args(ordered, tokenizer_dir),
+        *_batch_args(cfg),
+        *_optimizer_args(cfg),
+        *_output_args(cfg, base_output),
+        *_target_args(cfg),
+    ]
+
+
+def _write_training_order(cfg: dict[str, Any], train_file: Path, tokenizer_dir: Path, n_rows: int) -> Path:
+    """``train.ordered.jsonl``: enough epochs of the examples for ``steps`` batches, in training order."""
     # Packing puts several short examples in one row, and MaxText stops training when the iterator
     # runs dry: repeat the data enough epochs for `steps` batches of the shortest examples.
     per_row = (
@@ -110,16 +129,12 @@ def _maxtext_argv(
     # same file on every host) and shuffles nothing itself: its own shuffle depends on the host count.
     ordered = train_file.with_name("train.ordered.jsonl")
     write_epochs(train_file, ordered, num_epoch, cfg["seed"], cfg["shuffle"])
-    target = cfg["target_modules"]
-    if isinstance(target, (list, tuple)):
-        target = "|".join(f"(?:{t})" for t in target)
-    args = [
-        "lora_sft",
-        os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
-        *overrides_args(cfg["model_name"], cfg["model_overrides"]),
-        *hardware_args(cfg),
-        f"scan_layers={str(bool(cfg['scan_layers'])).lower()}",
-        f"load_parameters_path={cfg['load_parameters_path']}",
+    return ordered
+
+
+def _data_args(ordered: Path, tokenizer_dir: Path) -> list[str]:
+    """Read the ordered examples once, as they are, with the HF tokenizer."""
+    return [
         "dataset_type=hf",
         "hf_path=json",
         f"hf_train_files={ordered}",
@@ -129,11 +144,25 @@ def _maxtext_argv(
         "grain_worker_count=0",
         "tokenizer_type=huggingface",
         f"tokenizer_path={tokenizer_dir}",
+    ]
+
+
+def _batch_args(cfg: dict[str, Any]) -> list[str]:
+    """The global batch split over every device of every process; rows packed or padded; no shuffle."""
+    import jax
+
+    return [
         f"dtype={cfg['dtype']}",
-        f"per_device_batch_size={per_device}",
+        f"per_device_batch_size={cfg['batch_size'] / jax.device_count()}",
         f"max_target_length={cfg['max_length']}",
         f"packing={str(bool(cfg['packing'])).lower()}",
         "enable_data_shuffling=false",
+    ]
+
+
+def _optimizer_args(cfg: dict[str, Any]) -> list[str]:
+    """Steps, learning rate and seeds, and LoRA on at the spec's rank and alpha."""
+    return [
         f"steps={cfg['steps']}",
         f"learning_rate={cfg['learning_rate']}",
         f"warmup_steps_fraction={cfg['warmup_fraction']}",
@@ -142,6 +171,12 @@ def _maxtext_argv(
         "lora.enable_lora=True",
         f"lora.lora_rank={cfg['rank']}",
         f"lora.lora_alpha={float(cfg['alpha'])}",
+    ]
+
+
+def _output_args(cfg: dict[str, Any], base_output: str) -> list[str]:
+    """Checkpoints every ``checkpoint_period`` steps under ``base_output``; no evaluation, goodput or tensorboard."""
+    return [
         f"base_output_directory={base_output}",
         f"run_name={RUN_NAME}",
         "enable_checkpointing=true",
@@ -151,9 +186,14 @@ def _maxtext_argv(
         "monitor_goodput=false",
         "enable_tensorboard=false",
     ]
-    if target:
-        args.append(f"lora.lora_module_path={target}")
-    return args
+
+
+def _target_args(cfg: dict[str, Any]) -> list[str]:
+    """``lora.lora_module_path``: the target_modules regexes as one alternation (none: MaxText's default)."""
+    target = cfg["target_modules"]
+    if isinstance(target, (list, tuple)):
+        target = "|".join(f"(?:{t})" for t in target)
+    return [f"lora.lora_module_path={target}"] if target else []
 
 
 def _shortest_example(train_file: Path, tokenizer_dir: Path, sample: int = 512) -> int:
@@ -320,55 +360,20 @@ def _shared_checkpoint_dir(ctx: StepContext, dist: multihost.DistributedConfig) 
 
 def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConfig | None = None) -> dict[str, Any]:
     from absl import flags
-    from flax import nnx
     from maxtext.configs import pyconfig
-    from maxtext.trainers.post_train.sft import hooks as sft_hooks
     from maxtext.trainers.post_train.sft import train_sft
 
     if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
         flags.FLAGS.mark_as_parsed()
-
-    train_file = ctx.inputs["dataset"] / "train.jsonl"
-    if not train_file.is_file():
-        raise LoraflowError(f"dataset input has no train.jsonl ({ctx.inputs['dataset']})")
-    n_rows = sum(1 for line in train_file.open() if line.strip())
-    tokenizer_dir = ctx.inputs["tokenizer"]
-
-    remote = ctx.output_uri.rstrip("/") + "/_checkpoints"
-    direct = cfg["checkpoint_storage"] == "direct"
-    if direct:
-        gcs.route_native_clients()  # Orbax's own GCS clients: at the emulator when there is one
-        ctx.progress(f"checkpoints: Orbax writes them to {remote} (direct)")
-        base_output = remote
-    elif dist is not None:
-        base_output = str(_shared_checkpoint_dir(ctx, dist) / "maxtext")
-    else:
-        base_output = str(ctx.work / "maxtext")
-    local_ckpt = Path(base_output) / RUN_NAME / "checkpoints"
-    syncer = None
-    if not direct and ctx.commits:  # process 0 fetches and persists checkpoints for every process
-        local_ckpt.mkdir(parents=True, exist_ok=True)
-        restored = checkpoint_sync.download_latest(remote, local_ckpt)
-        if restored is not None:
-            ctx.progress(f"found checkpoint step {restored} under {remote}: resuming from it")
-        syncer = checkpoint_sync.Syncer(local_ckpt, remote, ctx.progress)
-    if dist is not None:
-        _barrier("checkpoint directory ready")
-
-    argv = _maxtext_argv(cfg, train_file, tokenizer_dir, base_output, n_rows)
+    train_file, n_rows = _training_data(ctx)
+    store = _checkpoint_storage(ctx, cfg, dist)
+    argv = _maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], store.base_output, n_rows)
     mt_config = pyconfig.initialize_pydantic(argv)
     train_sft.validate_config(mt_config)
 
     rows: list[tuple[int, float, float]] = []
-    hooks_cls = _make_hooks(sft_hooks.SFTTrainingHooks, ctx, cfg, syncer, rows)
-    original_cls = sft_hooks.SFTTrainingHooks
-    sft_hooks.SFTTrainingHooks = hooks_cls  # setup_trainer_state builds hooks.SFTTrainingHooks(...)
     started = time.monotonic()
-    try:
-        ctx.progress(f"building the MaxText model and data pipeline ({n_rows} rows)")
-        trainer, mesh = train_sft.setup_trainer_state(mt_config)
-    finally:
-        sft_hooks.SFTTrainingHooks = original_cls
+    trainer, mesh = _setup_trainer(ctx, cfg, mt_config, store.syncer, rows, n_rows)
     start_step = int(trainer.train_steps)
     if dist is not None:
         ctx.progress(_sharding_note(trainer.model, mesh))
@@ -379,11 +384,98 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     t_train = time.monotonic()
     train_sft.train_model(mt_config, trainer, mesh)
     train_seconds = time.monotonic() - t_train
-    if syncer is not None:
-        syncer.poll()
+    if store.syncer is not None:
+        store.syncer.poll()
+    return {
+        "mt_config": mt_config,
+        "lora_tree": _trained_adapter(trainer, dist),
+        "rows": rows,
+        "start_step": start_step,
+        "final_step": int(trainer.train_steps),
+        "local_ckpt": store.local_ckpt,
+        "shared_dir": store.shared_dir,
+        "setup_seconds": t_train - started,
+        "train_seconds": train_seconds,
+    }
 
-    lora_state = nnx.state(trainer.model, nnx.LoRAParam)
-    lora_dict = lora_state.to_pure_dict()
+
+def _training_data(ctx: StepContext) -> tuple[Path, int]:
+    """The dataset's ``train.jsonl`` and its number of examples."""
+    train_file = ctx.inputs["dataset"] / "train.jsonl"
+    if not train_file.is_file():
+        raise LoraflowError(f"dataset input has no train.jsonl ({ctx.inputs['dataset']})")
+    return train_file, sum(1 for line in train_file.open() if line.strip())
+
+
+@dataclass(frozen=True)
+class _Checkpoints:
+    """Where this run's checkpoints go."""
+
+    base_output: str  # MaxText's base_output_directory: a local directory, or the gs:// prefix (direct)
+    local_ckpt: Path  # where Orbax writes them, when local
+    syncer: checkpoint_sync.Syncer | None  # process 0 with staged checkpoints: persists each to GCS
+    shared_dir: Path | None  # the directory several processes share (staged, multi-process): removed at the end
+
+
+def _checkpoint_storage(
+    ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConfig | None
+) -> _Checkpoints:
+    """Where Orbax writes checkpoints; with staged ones, process 0 first fetches the newest from GCS to resume."""
+    remote = ctx.output_uri.rstrip("/") + "/_checkpoints"
+    direct = cfg["checkpoint_storage"] == "direct"
+    base_output = _checkpoint_base(ctx, dist, remote, direct)
+    local_ckpt = Path(base_output) / RUN_NAME / "checkpoints"
+    syncer = None
+    if not direct and ctx.commits:  # process 0 fetches and persists checkpoints for every process
+        syncer = _staged_syncer(ctx, local_ckpt, remote)
+    if dist is not None:
+        _barrier("checkpoint directory ready")
+    shared_dir = Path(base_output).parent if dist is not None and not direct else None
+    return _Checkpoints(base_output, local_ckpt, syncer, shared_dir)
+
+
+def _checkpoint_base(ctx: StepContext, dist: multihost.DistributedConfig | None, remote: str, direct: bool) -> str:
+    """MaxText's base_output_directory: the GCS prefix (direct), a directory the processes share, or the work dir."""
+    if direct:
+        gcs.route_native_clients()  # Orbax's own GCS clients: at the emulator when there is one
+        ctx.progress(f"checkpoints: Orbax writes them to {remote} (direct)")
+        return remote
+    if dist is not None:
+        return str(_shared_checkpoint_dir(ctx, dist) / "maxtext")
+    return str(ctx.work / "maxtext")
+
+
+def _staged_syncer(ctx: StepContext, local_ckpt: Path, remote: str) -> checkpoint_sync.Syncer:
+    """Download the newest complete checkpoint (a restarted run resumes from it); then persist each new one."""
+    local_ckpt.mkdir(parents=True, exist_ok=True)
+    restored = checkpoint_sync.download_latest(remote, local_ckpt)
+    if restored is not None:
+        ctx.progress(f"found checkpoint step {restored} under {remote}: resuming from it")
+    return checkpoint_sync.Syncer(local_ckpt, remote, ctx.progress)
+
+
+def _setup_trainer(
+    ctx: StepContext, cfg: dict[str, Any], mt_config: Any, syncer, rows: list[tuple[int, float, float]], n_rows: int
+) -> tuple[Any, Any]:
+    """MaxText's ``setup_trainer_state`` with loraflow's hooks in place of its SFT hooks: (trainer, mesh)."""
+    from maxtext.trainers.post_train.sft import hooks as sft_hooks
+    from maxtext.trainers.post_train.sft import train_sft
+
+    hooks_cls = _make_hooks(sft_hooks.SFTTrainingHooks, ctx, cfg, syncer, rows)
+    original_cls = sft_hooks.SFTTrainingHooks
+    sft_hooks.SFTTrainingHooks = hooks_cls  # setup_trainer_state builds hooks.SFTTrainingHooks(...)
+    try:
+        ctx.progress(f"building the MaxText model and data pipeline ({n_rows} rows)")
+        return train_sft.setup_trainer_state(mt_config)
+    finally:
+        sft_hooks.SFTTrainingHooks = original_cls
+
+
+def _trained_adapter(trainer: Any, dist: multihost.DistributedConfig | None) -> Any:
+    """The trained LoRA params as a tree of numpy arrays (the whole adapter, on every process)."""
+    from flax import nnx
+
+    lora_dict = nnx.state(trainer.model, nnx.LoRAParam).to_pure_dict()
     if dist is not None:
         # Sharded across processes: every process gathers the whole adapter (a collective), and
         # nobody goes on before every process's checkpoint writes are done.
@@ -391,18 +483,7 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
 
         lora_dict = multihost_utils.process_allgather(lora_dict, tiled=True)
         _barrier("training done")
-    lora_tree = _to_numpy_tree(lora_dict)
-    return {
-        "mt_config": mt_config,
-        "lora_tree": lora_tree,
-        "rows": rows,
-        "start_step": start_step,
-        "final_step": int(trainer.train_steps),
-        "local_ckpt": local_ckpt,
-        "shared_dir": Path(base_output).parent if dist is not None and not direct else None,
-        "setup_seconds": t_train - started,
-        "train_seconds": train_seconds,
-    }
+    return _to_numpy_tree(lora_dict)
 
 
 def _sharding_note(model: Any, mesh: Any) -> str:
@@ -450,162 +531,79 @@ def export_peft(
 ) -> dict[str, Any]:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT, HF layout).
 
-    Uses MaxText's own parameter mapping and its MaxText->HF hooks (query scaling, RoPE layout,
-    reshape/transpose), applied to the output side of each LoRA factor (lora_B); lora_A needs only
-    a transpose for the hooks this supports. Every (module, layer) is then checked: the PEFT delta
-    (alpha/r) B@A must equal MaxText's hooks applied to the MaxText-space delta (alpha/r) a@b.
+    The model's family (``loraflow.models``) turns the MaxText LoRA factors into PEFT's: its parameter
+    mapping names the HF modules, MaxText's own MaxText->HF hooks lay out lora_B, and every (module,
+    layer) is checked against those hooks applied to the full MaxText-space delta.
     """
-    import numpy as np
-    from maxtext.checkpoint_conversion.utils.param_mapping import HOOK_FNS, PARAM_MAPPING
-    from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns
-    from safetensors.numpy import save_file
-
-    model_key = mt_config.model_name
-    hf_dict = hf_config.to_dict()
-    scan = bool(mt_config.scan_layers)
-    param_map = PARAM_MAPPING[model_key](hf_dict, mt_config, scan)
-    hook_map = HOOK_FNS[model_key](hf_dict, mt_config, scan, saving_to_hf=True)
-    supported = {"scale_query_layer", "adjust_rope", "reshape_kernel"}
-    scale = float(alpha) / float(rank)
-
-    flat = _flatten(lora_tree)
-    modules: dict[tuple[str, ...], dict[str, Any]] = {}
-    for path, arr in flat.items():
-        if path[-1] == "value":
-            path = path[:-1]
-        if path[-1] in ("kernel_lora_a", "kernel_lora_b"):
-            modules.setdefault(path[:-1], {})[path[-1]] = np.asarray(arr, np.float32)
-
-    tensors: dict[str, np.ndarray] = {}
-    target_modules: set[str] = set()
-    max_err = 0.0
-    for mpath, ab in sorted(modules.items()):
-        mt_key = "params-" + "-".join(mpath) + "-kernel"
-        if mt_key not in param_map:
-            raise LoraflowError(f"no MaxText->HF mapping for LoRA module {'/'.join(mpath)} ({mt_key})")
-        hooks = hook_map.get(mt_key)
-        hook_list = hooks if isinstance(hooks, list) else ([hooks] if hooks else [])
-        names = {getattr(h, "__name__", str(h)) for h in hook_list}
-        if not names <= supported:
-            raise LoraflowError(f"{mt_key}: MaxText->HF hooks {names - supported} not supported for adapters")
-        hf_paths = param_map[mt_key]
-        hf_paths = hf_paths if isinstance(hf_paths, list) else [hf_paths]
-        a_all, b_all = ab["kernel_lora_a"], ab["kernel_lora_b"]
-        out_shape = _maxtext_out_shape(mpath, mt_config, b_all.shape[-1])
-        for layer, hf_path in enumerate(hf_paths):
-            if len(hf_paths) > 1 or a_all.ndim == 3:
-                axis = mt_config.param_scan_axis
-                a, b = np.take(a_all, layer, axis=axis), np.take(b_all, layer, axis=axis)
-            else:
-                a, b = a_all, b_all
-            r = a.shape[-1]
-            b_kernel = b.reshape((r, *out_shape))  # as if the "input" axis were the rank axis
-            lora_b = np.asarray(apply_hook_fns(b_kernel, (b.shape[-1], r), hooks), np.float32)  # (out, r)
-            lora_a = np.ascontiguousarray(a.T)  # (r, in)
-            name = hf_path[: -len(".weight")] if hf_path.endswith(".weight") else hf_path
-            tensors[f"base_model.model.{name}.lora_A.weight"] = lora_a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
-            target_modules.add(name.split(".")[-1])
-            # Check against MaxText's own hooks applied to the full MaxText-space delta.
-            delta_mt = (scale * (a @ b)).reshape((a.shape[0], *out_shape))
-            ref = np.asarray(apply_hook_fns(delta_mt, (b.shape[-1], a.shape[0]), hooks), np.float32)
-            mine = scale * (lora_b @ lora_a)
-            err = float(np.max(np.abs(ref - mine))) if ref.size else 0.0
-            tol = 1e-5 * max(1.0, float(np.max(np.abs(ref))))
-            if ref.shape != mine.shape or err > tol:
-                raise LoraflowError(
-                    f"PEFT export check failed for {hf_path}: max |diff| {err} (shape {ref.shape} vs {mine.shape})"
-                )
-            max_err = max(max_err, err)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": int(rank),
-        "lora_alpha": float(alpha),
-        "lora_dropout": 0.0,
-        "target_modules": sorted(target_modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "use_rslora": False,
-        "modules_to_save": None,
-    }
-    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-    return {"tensors": len(tensors), "target_modules": sorted(target_modules), "check_max_abs_diff": max_err}
-
-
-def _maxtext_out_shape(mpath: tuple[str, ...], mt_config: Any, out_flat: int) -> tuple[int, ...]:
-    """The MaxText kernel's output axes for a LoRA module (qwix flattens them row-major into lora_b)."""
-    name = mpath[-1]
-    if name == "query":
-        shape = (mt_config.num_query_heads, mt_config.head_dim)
-    elif name in ("key", "value"):
-        shape = (mt_config.num_kv_heads, mt_config.head_dim)
-    else:
-        shape = (out_flat,)
-    if math.prod(shape) != out_flat:
-        raise LoraflowError(f"LoRA module {'/'.join(mpath)}: lora_b has {out_flat} outputs, expected {shape}")
-    return shape
+    family = models.family_for(mt_config.model_name)
+    modules, max_err = family.peft_modules(_flatten(lora_tree), mt_config, hf_config, float(alpha) / float(rank))
+    tensors = peft.adapter_tensors(modules)
+    targets = peft.target_modules(modules)
+    peft.write_adapter(out_dir, tensors, peft.adapter_config(base_model, rank, alpha, targets))
+    return {"tensors": len(tensors), "target_modules": targets, "check_max_abs_diff": max_err}
 
 
 # ------------------------------------------------------------------------------------ the step
 
+_LOGGED = ("model_name", "rank", "alpha", "steps", "batch_size", "learning_rate", "max_length", "target_modules")
+
 
 def run(ctx: StepContext) -> dict[str, Any]:
-    import transformers
-
     cfg = _resolve_config(ctx)
-    ctx.progress(
-        "LoRA SFT: "
-        + ", ".join(
-            f"{k}={cfg[k]}"
-            for k in (
-                "model_name",
-                "rank",
-                "alpha",
-                "steps",
-                "batch_size",
-                "learning_rate",
-                "max_length",
-                "target_modules",
-            )
-        )
-    )
+    ctx.progress("LoRA SFT: " + ", ".join(f"{k}={cfg[k]}" for k in _LOGGED))
     started = time.monotonic()
     dist = start_distributed(ctx)
     res = train(ctx, cfg, dist)
     if not ctx.commits:
         ctx.progress("training done; process 0 writes the outputs and commits them")
         return {}
-    rows = res["rows"]
     if res["final_step"] < cfg["steps"]:
         raise LoraflowError(f"training stopped at step {res['final_step']} of {cfg['steps']} (data ran out?)")
+    _write_loss_csv(ctx.out / "loss.csv", res["rows"])
+    _write_adapter(ctx.out / "adapter", cfg, res, dist)
+    if res["shared_dir"] is not None:
+        shutil.rmtree(res["shared_dir"], ignore_errors=True)  # every process is past training: nobody writes it
+    exported = _export_peft(ctx, cfg, res)
+    norm = _lora_b_norm(res["lora_tree"])
+    summary = _summary(res, exported, norm, started, dist)
+    ctx.progress(f"done: loss {summary['first_loss']} -> {summary['final_loss']} in {summary['steps']} steps")
+    return summary
 
-    # loss.csv: this attempt's steps, plus those of earlier attempts if they left one behind.
-    with (ctx.out / "loss.csv").open("w", newline="") as f:
+
+def _write_loss_csv(path: Path, rows: list[tuple[int, float, float]]) -> None:
+    """loss.csv: this attempt's steps, plus those of earlier attempts if they left one behind."""
+    with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "loss", "tokens_per_s"])
         for step, loss, tps in rows:
             w.writerow([step, f"{loss:.6f}", f"{tps:.1f}"])
 
-    # adapter/: the final LoRA params exactly as Tunix checkpointed them (lora.lora_restore_path).
-    adapter_dir = ctx.out / "adapter"
+
+def _write_adapter(
+    adapter_dir: Path, cfg: dict[str, Any], res: dict[str, Any], dist: multihost.DistributedConfig | None
+) -> None:
+    """adapter/: the final LoRA params exactly as Tunix checkpointed them (lora.lora_restore_path)."""
     final_dir = res["local_ckpt"] / str(res["final_step"]) / "model_params"
     if final_dir.is_dir():
         shutil.copytree(final_dir, adapter_dir / "model_params")
     else:  # direct mode or an unexpected layout: save the params ourselves
-        import orbax.checkpoint as ocp
+        _save_params(adapter_dir / "model_params", res["lora_tree"], dist)
+    (adapter_dir / ADAPTER_JSON).write_text(json.dumps(_adapter_meta(cfg, res), indent=2))
 
-        # Only this process writes (the others are done): Orbax must not wait for them at its barriers.
-        alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}) if dist is not None else None
-        handler = ocp.PyTreeCheckpointHandler(**({"multiprocessing_options": alone} if alone else {}))
-        checkpointer = ocp.Checkpointer(handler, **({"multiprocessing_options": alone} if alone else {}))
-        checkpointer.save(str((adapter_dir / "model_params").resolve()), _with_value(res["lora_tree"]))
-    meta = {
+
+def _save_params(path: Path, lora_tree: Any, dist: multihost.DistributedConfig | None) -> None:
+    import orbax.checkpoint as ocp
+
+    # Only this process writes (the others are done): Orbax must not wait for them at its barriers.
+    alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}) if dist is not None else None
+    handler = ocp.PyTreeCheckpointHandler(**({"multiprocessing_options": alone} if alone else {}))
+    checkpointer = ocp.Checkpointer(handler, **({"multiprocessing_options": alone} if alone else {}))
+    checkpointer.save(str(path.resolve()), _with_value(lora_tree))
+
+
+def _adapter_meta(cfg: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """``loraflow_adapter.json``: how to restore the adapter into MaxText, and what it was trained for."""
+    return {
         "format": "loraflow.lora_adapter/1",
         "lora_restore_path": "model_params",
         "rank": int(cfg["rank"]),
@@ -617,12 +615,14 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "scan_layers": cfg["scan_layers"],
         "steps": res["final_step"],
     }
-    (adapter_dir / ADAPTER_JSON).write_text(json.dumps(meta, indent=2))
-    if res["shared_dir"] is not None:
-        shutil.rmtree(res["shared_dir"], ignore_errors=True)  # every process is past training: nobody writes it
+
+
+def _export_peft(ctx: StepContext, cfg: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """peft/: the adapter in PEFT's HF layout, for the tokenizer input's HF config."""
+    import transformers
 
     hf_config = transformers.AutoConfig.from_pretrained(str(ctx.inputs["tokenizer"]))
-    peft = export_peft(
+    exported = export_peft(
         res["lora_tree"],
         res["mt_config"],
         hf_config,
@@ -632,21 +632,32 @@ def run(ctx: StepContext) -> dict[str, Any]:
         base_model=cfg["model_name"],
     )
     ctx.progress(
-        f"PEFT export: {peft['tensors']} tensors for {peft['target_modules']}; "
-        f"matches MaxText's own MaxText->HF mapping (max |diff| {peft['check_max_abs_diff']:.2e})"
+        f"PEFT export: {exported['tensors']} tensors for {exported['target_modules']}; "
+        f"matches MaxText's own MaxText->HF mapping (max |diff| {exported['check_max_abs_diff']:.2e})"
     )
+    return exported
 
+
+def _lora_b_norm(lora_tree: Any) -> float:
+    """The norm of every lora_b together; refuses an all-zero adapter."""
     norm = math.sqrt(
-        sum(
-            float((v.astype("float64") ** 2).sum())
-            for k, v in _flatten(res["lora_tree"]).items()
-            if "lora_b" in "/".join(k)
-        )
+        sum(float((v.astype("float64") ** 2).sum()) for k, v in _flatten(lora_tree).items() if "lora_b" in "/".join(k))
     )
     if norm == 0.0:
         raise LoraflowError("the trained adapter is all zeros (lora_b never moved)")
+    return norm
+
+
+def _summary(
+    res: dict[str, Any],
+    exported: dict[str, Any],
+    norm: float,
+    started: float,
+    dist: multihost.DistributedConfig | None,
+) -> dict[str, Any]:
+    rows = res["rows"]
     trained = [r for r in rows if r[0] > 1]  # step 1 includes compilation
-    summary = {
+    return {
         "first_loss": rows[0][1] if rows else None,
         "final_loss": rows[-1][1] if rows else None,
         "steps": res["final_step"],
@@ -656,12 +667,10 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "step_seconds": round(res["train_seconds"] / max(1, len(rows)), 3),
         "tokens_per_s": round(sum(r[2] for r in trained) / len(trained), 1) if trained else None,
         "lora_b_norm": round(norm, 4),
-        "peft_tensors": peft["tensors"],
+        "peft_tensors": exported["tensors"],
         "total_seconds": round(time.monotonic() - started, 1),
         "processes": dist.num_processes if dist is not None else 1,
     }
-    ctx.progress(f"done: loss {summary['first_loss']} -> {summary['final_loss']} in {summary['steps']} steps")
-    return summary
 
 
 def _module_path(mt_config: Any) -> str:

@@ -1,0 +1,34 @@
+"""What the trainer steps (convert_checkpoint, lora_sft) share: MaxText's command line and the
+converted checkpoint's metadata file. Model-family knowledge is not here: :mod:`loraflow.models`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+CHECKPOINT_JSON = "loraflow_checkpoint.json"  # convert_checkpoint's output, read by lora_sft
+
+
+def overrides_args(model_name: str, overrides: dict[str, Any]) -> list[str]:
+    """MaxText command-line ``key=value`` args for a model and its overrides."""
+    args = [f"model_name={model_name}"]
+    if overrides:
+        args.append("override_model_config=True")
+    for key, value in overrides.items():
+        if isinstance(value, bool):
+            value = str(value).lower()
+        args.append(f"{key}={value}")
+    return args
+
+
+def hardware_args(config: dict[str, Any]) -> list[str]:
+    """The hardware MaxText runs on: config ``hardware`` or ``LORAFLOW_HARDWARE``; CPU when JAX has only CPUs."""
+    hardware = config.get("hardware") or os.environ.get("LORAFLOW_HARDWARE")
+    if not hardware:
+        import jax
+
+        hardware = "cpu" if jax.default_backend() == "cpu" else "tpu"
+    args = [f"hardware={hardware}"]
+    if hardware == "cpu":
+        args += ["skip_jax_distributed_system=true", "attention=dot_product"]
+    return args
