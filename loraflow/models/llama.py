@@ -48,6 +48,13 @@ OVERRIDES: dict[str, str] = {
     "num_hidden_layers": "base_num_decoder_layers",
     "vocab_size": "vocab_size",
 }
+# Each MaxText model's architecture (its configs/models/<name>.yml) as far as QLoRA's tile must know it.
+_ARCHITECTURE: dict[str, dict[str, int]] = {
+    "llama3.1-8b": {"base_emb_dim": 4096, "head_dim": 128, "base_mlp_dim": 14336},
+    "llama3.1-8b-Instruct": {"base_emb_dim": 4096, "head_dim": 128, "base_mlp_dim": 14336},
+    "llama3.1-70b": {"base_emb_dim": 8192, "head_dim": 128, "base_mlp_dim": 28672},
+    "llama3.1-405b": {"base_emb_dim": 16384, "head_dim": 128, "base_mlp_dim": 53248},
+}
 # The MaxText->HF hooks whose effect on a LoRA factor pair loraflow knows (lora_B takes them, lora_A a transpose).
 EXPORT_HOOKS = frozenset({"scale_query_layer", "adjust_rope", "reshape_kernel"})
 
@@ -66,6 +73,19 @@ def check_dims(hf_cfg: Any, maxtext_cfg: Any) -> None:
         raise LoraflowError(
             "HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)"
         )
+
+
+def contracted_dims(maxtext_model: str, overrides: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
+    """The dimension each kind of LoRA-targeted kernel contracts over, as ``{name: (size, kernels)}``:
+    qwix quantizes in tiles along a kernel's last contracted axis, so a QLoRA tile must divide each.
+    Attention's query/key/value and the MLP's wi_0/wi_1 contract the embedding, attention's out the
+    head dimension (its last of heads x head_dim), the MLP's wo the MLP dimension."""
+    arch = {**_ARCHITECTURE[maxtext_model], **{k: v for k, v in overrides.items() if k in _ARCHITECTURE[maxtext_model]}}
+    return {
+        "emb_dim": (int(arch["base_emb_dim"]), "query, key, value, wi_0, wi_1"),
+        "head_dim": (int(arch["head_dim"]), "out"),
+        "mlp_dim": (int(arch["base_mlp_dim"]), "wo"),
+    }
 
 
 def maxtext_overrides(hf_dims: Mapping[str, int]) -> dict[str, int]:

@@ -354,6 +354,12 @@ def _training_section(data: Mapping[str, Any]) -> str:
         for k in ("steps", "first_loss", "final_loss", "tokens_per_s", "lora_b_norm")
         if k in summary
     )
+    if "train_state_bytes" in summary:
+        facts += (
+            f"; {_e(summary.get('quantization') or 'none')} base weights, training state "
+            f"{summary['train_state_bytes'] / 2**20:.1f} MiB (adapter {summary['adapter_bytes'] / 2**20:.2f} MiB, "
+            f"optimizer {summary['optimizer_bytes'] / 2**20:.2f} MiB)"
+        )
     body = f"<p>{facts}</p>" if facts else ""
     return body + (loss_svg(loss) if loss else '<p class="muted">no loss curve (training did not run)</p>')
 

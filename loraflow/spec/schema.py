@@ -132,6 +132,30 @@ class LoraSpec(_Model):
     target_modules: list[str] | None = Field(
         None, description="regexes over MaxText parameter paths; null = MaxText's default (all projections)"
     )
+    quantization: Literal["none", "int8", "int4", "nf4", "float8_e4m3fn"] = Field(
+        "none",
+        description="QLoRA: while training, the base weights of the kernels LoRA targets are held in this type "
+        "(qwix); the adapter is merged into the full-precision base (docs/qlora.md); none = LoRA",
+    )
+    tile_size: int | None = Field(
+        None,
+        ge=1,
+        description="QLoRA: one scale per tile of this many weights along each kernel's contracted dimension, "
+        "which it must divide (checked against the model); null = one scale per output channel",
+    )
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _qtype_name(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.lower() == "fp8":
+            raise ValueError("'fp8' is not a type qwix knows; write float8_e4m3fn")
+        return v
+
+    @model_validator(mode="after")
+    def _tile_needs_quantization(self) -> LoraSpec:
+        if self.tile_size is not None and self.quantization == "none":
+            raise ValueError("tile_size applies to QLoRA only; set quantization (e.g. nf4) or remove tile_size")
+        return self
 
 
 class TrainingSpec(_Model):
@@ -431,6 +455,23 @@ class PipelineSpec(_Model):
             raise ValueError(
                 f"training.checkpoint_storage: staged keeps checkpoints on one host's disk, but compute.lora_sft "
                 f"runs on {hosts} hosts, which share no disk; set training.checkpoint_storage: direct"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tile_fits_the_model(self) -> PipelineSpec:
+        tile = self.lora.tile_size
+        if tile is None:
+            return self
+        family = models.family_for(self.base_model.maxtext_model)
+        dims = family.contracted_dims(self.base_model.maxtext_model, self.base_model.model_overrides)
+        misfits = [f"{name} {size} ({kernels})" for name, (size, kernels) in dims.items() if size % tile]
+        if misfits:
+            fits = [t for t in (256, 128, 64, 32, 16) if all(size % t == 0 for size, _ in dims.values())]
+            raise ValueError(
+                f"lora.tile_size {tile} must divide the dimension each quantized kernel contracts over, but not "
+                f"{'; '.join(misfits)}; set lora.tile_size to "
+                + (f"one that divides them all, e.g. {fits[0]}" if fits else "null (one scale per channel)")
             )
         return self
 

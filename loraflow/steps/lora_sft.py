@@ -114,6 +114,7 @@ def _maxtext_argv(
         *_optimizer_args(cfg),
         *_output_args(cfg, base_output),
         *_target_args(cfg),
+        *_quantization_args(cfg),
     ]
 
 
@@ -194,6 +195,14 @@ def _target_args(cfg: dict[str, Any]) -> list[str]:
     if isinstance(target, (list, tuple)):
         target = "|".join(f"(?:{t})" for t in target)
     return [f"lora.lora_module_path={target}"] if target else []
+
+
+def _quantization_args(cfg: dict[str, Any]) -> list[str]:
+    """QLoRA: the targeted kernels' base weights held in ``quantization`` (qwix), tiled when asked."""
+    if cfg["quantization"] == "none":
+        return []
+    tile = [f"lora.lora_tile_size={cfg['tile_size']}"] if cfg["tile_size"] is not None else []
+    return [f"lora.lora_weight_qtype={cfg['quantization']}", *tile]
 
 
 def _shortest_example(train_file: Path, tokenizer_dir: Path, sample: int = 512) -> int:
@@ -377,6 +386,8 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     start_step = int(trainer.train_steps)
     if dist is not None:
         ctx.progress(_sharding_note(trainer.model, mesh))
+    memory = _state_bytes(trainer)
+    ctx.progress(_quantization_note(cfg, trainer.model) + "; " + _memory_note(memory))
     _skip_trained_batches(trainer, start_step, ctx)
     ctx.progress(
         f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {cfg['steps']} (compiling first)"
@@ -396,6 +407,7 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
         "shared_dir": store.shared_dir,
         "setup_seconds": t_train - started,
         "train_seconds": train_seconds,
+        "memory": memory,
     }
 
 
@@ -486,6 +498,68 @@ def _trained_adapter(trainer: Any, dist: multihost.DistributedConfig | None) -> 
     return _to_numpy_tree(lora_dict)
 
 
+def _quantized_kernels(model: Any) -> dict[str, str]:
+    """``{kernel path: stored dtype}`` of the kernels qwix holds quantized (QLoRA); empty for LoRA."""
+    import jax
+    from flax import nnx
+
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
+        name = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        if "/qvalue" in name:
+            found[name.split("/kernel/")[0]] = str(leaf.dtype)
+    return found
+
+
+def _quantization_note(cfg: dict[str, Any], model: Any) -> str:
+    """Which kernels hold their base weights quantized, to what (the task log's QLoRA line)."""
+    kernels = _quantized_kernels(model)
+    if cfg["quantization"] == "none":
+        return "LoRA: base weights in full precision"
+    if not kernels:
+        raise LoraflowError(
+            f"lora.quantization {cfg['quantization']} was asked for, but no kernel was quantized: check "
+            "lora.target_modules matches the model's projections"
+        )
+    tile = f"tiles of {cfg['tile_size']}" if cfg["tile_size"] is not None else "one scale per channel"
+    stored = ", ".join(sorted(set(kernels.values())))
+    return (
+        f"QLoRA: {len(kernels)} kernel stacks hold their base weights as {cfg['quantization']} ({stored}, {tile}): "
+        f"{', '.join(sorted(kernels))}; embeddings, LM head and norms stay full precision"
+    )
+
+
+def _state_bytes(trainer: Any) -> dict[str, int]:
+    """Device bytes of the training state: the model (base weights, quantized or not, and the adapter),
+    the adapter alone, and the optimizer's state (measured with ``on_device_size_in_bytes``: ``nbytes``
+    misreports packed 4-bit arrays)."""
+    import jax
+    from flax import nnx
+
+    def size(tree: Any) -> int:
+        return sum(x.on_device_size_in_bytes() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array))
+
+    model, adapter, optimizer = (
+        nnx.state(trainer.model),
+        nnx.state(trainer.model, nnx.LoRAParam),
+        nnx.state(trainer.optimizer),
+    )
+    return {
+        "train_state_bytes": size(model) + size(optimizer),
+        "model_bytes": size(model),
+        "adapter_bytes": size(adapter),
+        "optimizer_bytes": size(optimizer),
+    }
+
+
+def _memory_note(memory: dict[str, int]) -> str:
+    mib = {k: v / 2**20 for k, v in memory.items()}
+    return (
+        f"training state {mib['train_state_bytes']:.2f} MiB (model {mib['model_bytes']:.2f} MiB of which adapter "
+        f"{mib['adapter_bytes']:.2f} MiB, optimizer {mib['optimizer_bytes']:.2f} MiB)"
+    )
+
+
 def _sharding_note(model: Any, mesh: Any) -> str:
     """How the model's arrays lie across the processes (what a multi-host run logs once)."""
     import jax
@@ -545,7 +619,17 @@ def export_peft(
 
 # ------------------------------------------------------------------------------------ the step
 
-_LOGGED = ("model_name", "rank", "alpha", "steps", "batch_size", "learning_rate", "max_length", "target_modules")
+_LOGGED = (
+    "model_name",
+    "rank",
+    "alpha",
+    "quantization",
+    "steps",
+    "batch_size",
+    "learning_rate",
+    "max_length",
+    "target_modules",
+)
 
 
 def run(ctx: StepContext) -> dict[str, Any]:
@@ -565,7 +649,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         shutil.rmtree(res["shared_dir"], ignore_errors=True)  # every process is past training: nobody writes it
     exported = _export_peft(ctx, cfg, res)
     norm = _lora_b_norm(res["lora_tree"])
-    summary = _summary(res, exported, norm, started, dist)
+    summary = _summary(cfg, res, exported, norm, started, dist)
     ctx.progress(f"done: loss {summary['first_loss']} -> {summary['final_loss']} in {summary['steps']} steps")
     return summary
 
@@ -613,6 +697,8 @@ def _adapter_meta(cfg: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
         "model_name": cfg["model_name"],
         "model_overrides": cfg["model_overrides"],
         "scan_layers": cfg["scan_layers"],
+        "quantization": cfg["quantization"],
+        "tile_size": cfg["tile_size"],
         "steps": res["final_step"],
     }
 
@@ -649,6 +735,7 @@ def _lora_b_norm(lora_tree: Any) -> float:
 
 
 def _summary(
+    cfg: dict[str, Any],
     res: dict[str, Any],
     exported: dict[str, Any],
     norm: float,
@@ -670,6 +757,8 @@ def _summary(
         "peft_tensors": exported["tensors"],
         "total_seconds": round(time.monotonic() - started, 1),
         "processes": dist.num_processes if dist is not None else 1,
+        "quantization": cfg["quantization"],
+        **res["memory"],
     }
 
 

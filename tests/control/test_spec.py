@@ -70,6 +70,17 @@ def test_every_problem_is_reported_at_once() -> None:
         (lambda d: d["params"].append({"path": "lora"}), "(top level)", "is a section"),
         (lambda d: d["training"].update(dtype="float16"), "training.dtype", "float32"),
         (lambda d: d["training"].update(checkpoint_storage="sync"), "training.checkpoint_storage", "'direct'"),
+        (lambda d: d["lora"].update(quantization="fp8"), "lora.quantization", "write float8_e4m3fn"),
+        (lambda d: d["lora"].update(quantization="int3"), "lora.quantization", "'nf4'"),
+        (lambda d: d["lora"].update(tile_size=64), "lora", "set quantization"),
+        # the tiny model: emb 128, head_dim 64, mlp 256 (loraflow.dev.tinymodel)
+        (
+            lambda d: d["lora"].update(quantization="nf4", tile_size=128),
+            "(top level)",
+            "lora.tile_size 128 must divide the dimension each quantized kernel contracts over, but not head_dim 64 "
+            "(out); set lora.tile_size to one that divides them all, e.g. 64",
+        ),
+        (lambda d: d["lora"].update(quantization="int8", tile_size=48), "(top level)", "emb_dim 128 (query, key"),
     ],
 )
 def test_broken_spec_names_key_and_fix(change, where: str, says: str) -> None:

@@ -133,6 +133,44 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
     assert acc >= 0.8 and base_acc <= 0.2, (acc, base_acc)
 
 
+def test_qlora_nf4_trains_exports_and_merges_into_the_full_precision_base(base, trained, tmp_path):
+    """QLoRA (issue 15): the targeted kernels' base weights held as nf4 while training; the adapter,
+    exported as PEFT and merged into the full-precision HF base (what loraflow publishes), answers
+    held-out parity prompts as the LoRA one does; the training state is smaller; the merge changes
+    every targeted module (QLoRA renames the quantized kernels: a merge looking for them by name
+    would change nothing)."""
+    import llama_numpy
+
+    from loraflow.lora.merge import merge_checkpoint
+    from loraflow.steps import lora_sft
+
+    lines: list[str] = []
+    ctx = _ctx(
+        tmp_path,
+        "lora_sft",
+        trained["inputs"],
+        {**SFT, "quantization": "nf4", "tile_size": 64},
+        str(tmp_path / "remote"),
+    )
+    ctx.progress = lines.append  # type: ignore[method-assign]
+    s = lora_sft.run(ctx)
+    note = next(line for line in lines if line.startswith("QLoRA: "))
+    assert "7 kernel stacks hold their base weights as nf4" in note and "tiles of 64" in note, note
+    for kernel in ("self_attention/query", "self_attention/out", "mlp/wi_0", "mlp/wo"):
+        assert f"decoder/layers/{kernel}" in note
+    assert s["quantization"] == "nf4" and s["lora_b_norm"] > 0
+    lora = trained["summary"]
+    assert s["adapter_bytes"] == lora["adapter_bytes"]  # the same adapter, in full precision
+    assert s["model_bytes"] < lora["model_bytes"] and s["train_state_bytes"] < lora["train_state_bytes"]
+    meta = json.loads((ctx.out / "adapter" / "loraflow_adapter.json").read_text())
+    assert (meta["quantization"], meta["tile_size"]) == ("nf4", 64)
+
+    acc = llama_numpy.parity_accuracy(base["hf"], PARITY / "eval.jsonl", ctx.out / "peft", n=40)
+    assert acc >= 0.8, acc
+    report = merge_checkpoint(base["hf"], ctx.out / "peft", tmp_path / "merged")
+    assert report.changed == report.merged == 2 * 7, (report.changed, report.merged)
+
+
 def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
     """A second attempt of the same stage (fresh scratch dirs, as on a new host) resumes."""
     from loraflow.pipeline import checkpoint_sync
