@@ -159,3 +159,15 @@ def test_a_spec_gating_on_a_default_metric_scores_the_defaults() -> None:
     cfg = EvaluateConfig.from_spec(load_spec(SPEC))
     assert cfg.metrics == ["accuracy", "format_rate"]
     assert [m.name for m in metrics.Scoring.of(cfg).chosen] == ["accuracy", "format_rate"]
+
+
+@pytest.mark.parametrize("metric", list(METRICS.values()), ids=list(METRICS))
+def test_the_report_samples_are_fixed_or_broken_by_the_gated_metric(metric: metrics.Metric) -> None:
+    def row(i: int, ok: bool, generation: str) -> dict:
+        others = {m.column: not ok for m in METRICS.values()}  # every other metric says the opposite
+        return {"id": f"e{i}", "prompt": "p", "reference": "r", "generation": generation, **others, metric.column: ok}
+
+    base = [row(0, False, "a"), row(1, True, "b")]
+    tuned = [row(0, True, "c"), row(1, False, "d")]
+    samples = report.sample_outputs(base, tuned, column=metric.column)
+    assert [s["id"] for s in samples["fixed"]] == ["e0"] and [s["id"] for s in samples["broken"]] == ["e1"]
