@@ -66,11 +66,16 @@ def data_docs_uri(stage_prefix: str, rejected: bool = False) -> str:
 
 
 def sample_outputs(
-    base: Iterable[Mapping[str, Any]], tuned: Iterable[Mapping[str, Any]], per_kind: int = SAMPLES_PER_KIND
+    base: Iterable[Mapping[str, Any]],
+    tuned: Iterable[Mapping[str, Any]],
+    per_kind: int = SAMPLES_PER_KIND,
+    column: str = "correct",
 ) -> dict[str, list[dict[str, Any]]]:
     """Outputs before and after on the same examples: a few fixed, broken and unchanged ones.
 
-    ``base`` and ``tuned`` are evaluate's prediction rows (id, prompt, reference, generation, correct).
+    ``base`` and ``tuned`` are evaluate's prediction rows (id, prompt, reference, generation and the
+    metric columns); ``column`` (the gated metric's, accuracy's ``correct`` by default) says which
+    examples are right.
     """
     tuned_by_id = {str(r["id"]): r for r in tuned}
     out: dict[str, list[dict[str, Any]]] = {"fixed": [], "broken": [], "changed": [], "unchanged": []}
@@ -78,7 +83,7 @@ def sample_outputs(
         t = tuned_by_id.get(str(b["id"]))
         if t is None:
             continue
-        bc, tc = bool(b.get("correct")), bool(t.get("correct"))
+        bc, tc = bool(b.get(column)), bool(t.get(column))
         if not bc and tc:
             kind = "fixed"
         elif bc and not tc:

@@ -181,6 +181,30 @@ class EvaluationSpec(_Model):
     answer_pattern: str = Field(r"^\s*([^\s<]+)", description="regex; group 1 is the answer compared to the reference")
     max_examples: int | None = Field(None, ge=1, description="evaluate only the first N examples")
     max_model_len: int = Field(1024, ge=16)
+    answer_format: Literal["pattern", "tagged"] = Field(
+        "pattern",
+        description="where the answer is read: pattern (answer_pattern's group 1) or tagged (the "
+        "<answer>...</answer> tags of <reasoning>...</reasoning><answer>...</answer>; a reference holding "
+        "<answer> tags is then compared by their content)",
+    )
+    relative_tolerance: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="approx_accuracy's tolerance: |answer - reference| <= this * |reference| (last numbers)",
+    )
+    metrics: list[Annotated[str, AfterValidator(metric_table.check_name)]] = Field(
+        default_factory=lambda: list(metric_table.DEFAULT_METRICS),
+        min_length=1,
+        description="the metrics the evaluate stages score (gate.metric is always scored too), of: "
+        + ", ".join(metric_table.METRICS),
+        json_schema_extra={"items": {"enum": list(metric_table.METRICS)}},
+    )
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_once(cls, v: list[str]) -> list[str]:
+        return metric_table.check_names(v)
 
     @field_validator("answer_pattern")
     @classmethod

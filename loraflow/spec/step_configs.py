@@ -188,7 +188,11 @@ class EvaluateConfig(EvaluationSpec, StepConfig):
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> EvaluateConfig:
-        return cls(**spec.evaluation.model_dump(), dtype=spec.training.dtype)
+        evaluation = spec.evaluation.model_dump()
+        # The gate's metric is scored whatever evaluation.metrics says: the gate reads its column.
+        if spec.gate.metric not in evaluation["metrics"]:
+            evaluation["metrics"] = [*evaluation["metrics"], spec.gate.metric]
+        return cls(**evaluation, dtype=spec.training.dtype)
 
 
 class GateConfig(GateSpec, StepConfig):

@@ -13,7 +13,8 @@ Inputs
 Config (``loraflow.spec.step_configs.EvaluateConfig``; defaults the spec's ``evaluation`` and
 ``training.dtype``)
     ``max_new_tokens``, ``batch_size``, ``seed``, ``answer_pattern`` (see :mod:`loraflow.evaluation.scoring`),
-    ``max_examples`` (first N rows; null = all), ``max_model_len``, ``dtype``; internal (not spec
+    ``max_examples`` (first N rows; null = all), ``max_model_len``, ``answer_format``, ``relative_tolerance``,
+    ``metrics`` (the metrics scored; the planner adds ``gate.metric``), ``dtype``; internal (not spec
     keys): ``temperature`` (0 = greedy) and engine keys for serving hosts: ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (null: "uni" for one device, vLLM's choice otherwise),
     ``enforce_eager`` (null: true on CPU), ``kv_cache_memory_bytes`` (null: 256 MiB on CPU, vLLM's
@@ -26,9 +27,9 @@ the same argv runs on a laptop CPU, a GPU host or a TPU host.
 
 Output
     ``predictions.jsonl`` (and ``predictions.parquet`` when pyarrow or fastparquet is installed):
-    one row per example with id, prompt, reference, generation, answer and each metric's column
-    (correct, format_ok, ...: loraflow/evaluation/metrics.py).
-    ``metrics.json``: every metric (accuracy, format_rate, ...), n, the per-example ``ids`` and
+    one row per example with id, prompt, reference, generation, answer and each scored metric's
+    column (correct, format_ok, ...: loraflow/evaluation/metrics.py).
+    ``metrics.json``: every scored metric (accuracy, format_rate, ...), n, the per-example ``ids`` and
     metric columns in eval-set order (for the gate's paired comparison), timings, settings.
 """
 
@@ -40,6 +41,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,6 @@ from typing import Any
 from loraflow.errors import LoraflowError
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import scoring
-from loraflow.evaluation.metrics import METRICS
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
@@ -298,13 +299,14 @@ def _evaluate(
     gen = _generate(ctx, engine, sampling, prompt_ids, cfg.batch_size)
 
     pattern = scoring.compile_pattern(cfg.answer_pattern)
-    scored = metric_table.score_all(gen.texts, [ex.reference for ex in examples], pattern)
-    metrics = metric_table.aggregate(scored)
-    rates = {m.name: metrics[m.name] for m in METRICS.values()}
+    settings = metric_table.Scoring.of(cfg)  # the metrics the spec chooses, the answer's source, the tolerance
+    scored = metric_table.score_all(gen.texts, [ex.reference for ex in examples], settings=settings)
+    metrics = metric_table.aggregate(scored, settings.metrics)
+    rates = {m.name: metrics[m.name] for m in settings.chosen}
 
     written = _write_predictions(ctx.out, examples, texts, gen.texts, scored, gen.tokens, gen.finish)
     report = _metrics_report(
-        ctx.stage, cfg, engine, examples, metrics, pattern.pattern, _timing(engine, gen, prompt_ids)
+        ctx.stage, cfg, engine, examples, metrics, settings.chosen, pattern.pattern, _timing(engine, gen, prompt_ids)
     )
     report["files"] = [*written, METRICS_JSON]
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
@@ -410,18 +412,19 @@ def _metrics_report(
     engine: Engine,
     examples: list[Example],
     metrics: dict[str, Any],
+    chosen: Sequence[metric_table.Metric],
     answer_pattern: str,
     timing: dict[str, Any],
 ) -> dict[str, Any]:
     """metrics.json, less its ``files``: the scores, the per-example lists, timings and settings."""
     return {
         "stage": stage,
-        **{m.name: metrics[m.name] for m in METRICS.values()},
+        **{m.name: metrics[m.name] for m in chosen},
         "n": metrics["n"],
-        **{f"n_{m.column}": metrics[f"n_{m.column}"] for m in METRICS.values()},
+        **{f"n_{m.column}": metrics[f"n_{m.column}"] for m in chosen},
         "answer_pattern": answer_pattern,
         "ids": [ex.id for ex in examples],
-        **{m.column: metrics[m.column] for m in METRICS.values()},
+        **{m.column: metrics[m.column] for m in chosen},
         "timing": timing,
         "config": cfg.model_dump(mode="json"),
         "engine": {k: v for k, v in engine.kwargs.items() if k not in ("model", "tokenizer")},
@@ -448,7 +451,7 @@ def _write_predictions(
             "reference": [ex.reference for ex in examples],
             "generation": generations,
             "answer": [s.answer for s in scored],
-            **{m.column: [s.outcomes[m.column] for s in scored] for m in METRICS.values()},
+            **{column: [s.outcomes[column] for s in scored] for column in scored[0].outcomes},
             "generated_tokens": gen_tokens,
             "finish_reason": finish,
         }

@@ -108,7 +108,9 @@ def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
         "data_docs": docs,
         "data_docs_url": report.site_url(docs, os.environ.get("STORAGE_EMULATOR_HOST")) if docs else None,
         "failure": failure(table, rejected_report),
-        "samples": report.sample_outputs(_predictions(local, "evaluate_base"), _predictions(local, "evaluate_tuned")),
+        "samples": report.sample_outputs(
+            _predictions(local, "evaluate_base"), _predictions(local, "evaluate_tuned"), column=_gated_column(local)
+        ),
         "publish": _publish_entry(ctx, run_prefix),
     }
 
@@ -177,6 +179,13 @@ def _decision(local: dict[str, Path]) -> dict[str, Any] | None:
     if not decision:
         return decision
     return {k: v for k, v in decision.items() if k not in ("base_metrics", "tuned_metrics")}
+
+
+def _gated_column(local: dict[str, Path]) -> str:
+    """The per-example column of the metric the gate compared (the samples are fixed or broken by it);
+    accuracy's when there is no decision."""
+    metric = (_decision(local) or {}).get("metric")
+    return METRICS[metric].column if metric in METRICS else METRICS["accuracy"].column
 
 
 def _data_docs(ctx: StepContext, run_prefix: str, data_report: dict[str, Any] | None) -> str | None:

@@ -15,6 +15,7 @@ from loraflow.evaluation.metrics import METRICS
 from loraflow.reporting import report
 from loraflow.spec.reference import render
 from loraflow.spec.schema import load_spec, validate_spec
+from loraflow.spec.step_configs import EvaluateConfig
 from loraflow.steps import gate
 
 SPEC = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"
@@ -43,8 +44,10 @@ def test_the_spec_reference_lists_every_metric_with_what_it_measures() -> None:
 
 
 def test_an_evaluation_scores_every_metric_of_the_table() -> None:
-    scored = metrics.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"])
-    aggregated = metrics.aggregate(scored)
+    # Every row can be scored and aggregated (an evaluation scores the ones its spec chooses).
+    everything = metrics.Scoring(tuple(METRICS))
+    scored = metrics.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"], settings=everything)
+    aggregated = metrics.aggregate(scored, everything.metrics)
     for m in METRICS.values():
         per_example = aggregated[m.column]
         assert len(per_example) == 4 and aggregated[f"n_{m.column}"] == sum(per_example)
@@ -106,3 +109,65 @@ def test_the_report_shows_every_metric_of_the_table() -> None:
     for name in METRICS:
         assert f"<td>{name}</td>" in section
     assert section.count("+0.500") == len(METRICS)
+
+
+# ------------------------------------------------------------------ the scoring keys of the spec
+
+
+def test_the_scoring_keys_default_to_the_old_behaviour() -> None:
+    evaluation = load_spec(SPEC).evaluation
+    assert evaluation.metrics == ["accuracy", "format_rate"] == list(metrics.DEFAULT_METRICS)
+    assert evaluation.answer_format == "pattern" and evaluation.relative_tolerance == 0.1
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("relative_tolerance", 1.5, "evaluation.relative_tolerance"),
+        ("relative_tolerance", -0.1, "evaluation.relative_tolerance"),
+        ("answer_format", "xml", "evaluation.answer_format"),
+        ("metrics", ["accuracy", "acuracy"], "unknown metric 'acuracy'"),
+        ("metrics", ["accuracy", "accuracy"], "named twice: accuracy"),
+        ("metrics", [], "evaluation.metrics"),
+    ],
+)
+def test_a_bad_scoring_key_is_refused(key: str, value: object, message: str) -> None:
+    data = load_spec(SPEC).model_dump(mode="json")
+    data["evaluation"][key] = value
+    with pytest.raises(SpecError, match=message):
+        validate_spec(data, "spec")
+
+
+def test_the_scoring_keys_reach_the_scorer_through_the_evaluate_config() -> None:
+    data = load_spec(SPEC).model_dump(mode="json")
+    data["evaluation"].update(
+        {"metrics": ["numeric_accuracy", "tagged_format_rate"], "answer_format": "tagged", "relative_tolerance": 0.25}
+    )
+    data["gate"]["metric"] = "approx_accuracy"
+    cfg = EvaluateConfig.from_spec(validate_spec(data, "spec"))
+    # The gate's metric is scored too, whatever evaluation.metrics says.
+    assert cfg.metrics == ["numeric_accuracy", "tagged_format_rate", "approx_accuracy"]
+    settings = metrics.Scoring.of(cfg)
+    assert [m.name for m in settings.chosen] == ["numeric_accuracy", "approx_accuracy", "tagged_format_rate"]
+    reference = "<reasoning>2 + 2 = 4</reasoning><answer>4</answer>"
+    got = metrics.score("<reasoning>2 + 2 = 5</reasoning><answer>5</answer>", reference, settings=settings)
+    assert got.answer == "5"
+    assert got.outcomes == {"numeric_correct": False, "approx_correct": True, "tagged_format_ok": True}
+
+
+def test_a_spec_gating_on_a_default_metric_scores_the_defaults() -> None:
+    cfg = EvaluateConfig.from_spec(load_spec(SPEC))
+    assert cfg.metrics == ["accuracy", "format_rate"]
+    assert [m.name for m in metrics.Scoring.of(cfg).chosen] == ["accuracy", "format_rate"]
+
+
+@pytest.mark.parametrize("metric", list(METRICS.values()), ids=list(METRICS))
+def test_the_report_samples_are_fixed_or_broken_by_the_gated_metric(metric: metrics.Metric) -> None:
+    def row(i: int, ok: bool, generation: str) -> dict:
+        others = {m.column: not ok for m in METRICS.values()}  # every other metric says the opposite
+        return {"id": f"e{i}", "prompt": "p", "reference": "r", "generation": generation, **others, metric.column: ok}
+
+    base = [row(0, False, "a"), row(1, True, "b")]
+    tuned = [row(0, True, "c"), row(1, False, "d")]
+    samples = report.sample_outputs(base, tuned, column=metric.column)
+    assert [s["id"] for s in samples["fixed"]] == ["e0"] and [s["id"] for s in samples["broken"]] == ["e1"]

@@ -303,6 +303,29 @@ def test_deterministic_same_engine(
     assert json.loads((ctx.out / evaluate.METRICS_JSON).read_text())["stage"] == "evaluate_tuned"
 
 
+def test_the_spec_chosen_metrics_are_scored_and_written(
+    baseline: tuple[dict[str, Any], Path], engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    """evaluation.metrics/answer_format/relative_tolerance reach the scorers; only the chosen metrics are written."""
+    chosen = ["numeric_accuracy", "approx_accuracy", "tagged_format_rate", "format_rate"]
+    config = CONFIG | {"metrics": chosen, "answer_format": "tagged", "relative_tolerance": 0.5}
+    ctx = make_ctx(tmp_path, tiny_model, eval_set, config)
+    summary = evaluate.evaluate(ctx, engine)
+    names = ["format_rate", "numeric_accuracy", "approx_accuracy", "tagged_format_rate"]  # table order
+    assert set(summary) == {*names, "n", "tokens_per_s", "seconds"}
+    metrics = json.loads((ctx.out / evaluate.METRICS_JSON).read_text())
+    columns = ["format_ok", "numeric_correct", "approx_correct", "tagged_format_ok"]
+    assert all(len(metrics[c]) == N_ROWS for c in columns) and "correct" not in metrics
+    assert metrics["config"]["answer_format"] == "tagged" and metrics["config"]["relative_tolerance"] == 0.5
+    preds = read_predictions(ctx.out)
+    assert set(columns) <= set(preds[0]) and "correct" not in preds[0]
+    # A random model writes no <answer> tags: no answer is found.
+    assert all(p["answer"] is None for p in preds) and summary["format_rate"] == 0.0
+    # The same generations as the default evaluation: only the scoring differs.
+    _, out1 = baseline
+    assert [p["generation"] for p in preds] == [p["generation"] for p in read_predictions(out1)]
+
+
 def test_prompt_longer_than_max_model_len(
     engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
 ) -> None:

@@ -129,3 +129,187 @@ def test_scoring_imports_no_heavy_modules() -> None:
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------ numbers, tags, the numeric scorers
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("42", "42"),
+        ("The answer is 12 apples.", "12"),
+        ("3 + 4 = 7.", "7"),  # several numbers: the last
+        ("-5", "-5"),
+        ("\u22127", "-7"),  # the Unicode minus
+        ("+3", "3"),
+        ("is -3.", "-3"),
+        ("10-3", "3"),  # a dash glued to a number is no sign
+        ("5 - -2 = 7", "7"),
+        ("3.50", "3.5"),
+        (".5", "0.5"),
+        ("1,000", "1000"),
+        ("$1,234,567.25 in total", "1234567.25"),
+        ("1,2,3", "3"),  # commas of a list are no thousands separators
+        ("12kg", "12"),
+        ("x3", "3"),
+        ("7.", "7"),
+    ],
+)
+def test_last_number(text: str, expected: str) -> None:
+    from decimal import Decimal
+
+    assert scoring.last_number(text) == Decimal(expected)
+
+
+@pytest.mark.parametrize("text", ["", None, "no number here", "-", "e", "..."])
+def test_last_number_none(text: str | None) -> None:
+    assert scoring.last_number(text) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("<reasoning>3 + 4 = 7</reasoning><answer>7</answer>", "7"),
+        ("<answer> 12 apples \n</answer>", "12 apples"),
+        ("<answer>1</answer><answer>2</answer>", "1"),  # duplicated: the first
+        ("<answer><answer>5</answer></answer>", "5"),  # nested: the innermost
+        ("<answer></answer>", None),
+        ("<answer>  </answer>", None),
+        ("<answer>7", None),  # not closed
+        ("7</answer>", None),
+        ("7", None),
+        ("</answer>7<answer>", None),  # wrong order
+    ],
+)
+def test_tagged_answer(text: str, expected: str | None) -> None:
+    assert scoring.tagged_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("generation", "ok"),
+    [
+        ("<reasoning>3 + 4 = 7</reasoning><answer>7</answer>", True),
+        ("  <reasoning>\nadd\n</reasoning>\n<answer>7</answer>\n", True),
+        ("<reasoning>add</reasoning> so: <answer>7</answer>", True),  # anything between, as the notebook
+        ("<answer>7</answer>", False),  # missing reasoning
+        ("<reasoning>add</reasoning>", False),  # missing answer
+        ("<reasoning>add</reasoning><answer>7", False),  # answer not closed
+        ("<answer>7</answer><reasoning>add</reasoning>", False),  # wrong order
+        ("</reasoning>add<reasoning><answer>7</answer>", False),  # tags reversed
+        ("<reasoning>a</reasoning><answer>7</answer><answer>8</answer>", False),  # duplicated
+        ("<reasoning>a<reasoning>b</reasoning></reasoning><answer>7</answer>", False),  # nested
+        ("<reasoning> </reasoning><answer>7</answer>", False),  # blank reasoning
+        ("<reasoning>a</reasoning><answer> </answer>", False),  # blank answer
+        ("So: <reasoning>a</reasoning><answer>7</answer>", False),  # text before
+        ("<reasoning>a</reasoning><answer>7</answer> and more", False),  # text after
+        ("", False),
+    ],
+)
+def test_tagged_format_ok(generation: str, ok: bool) -> None:
+    assert scoring.tagged_format_ok(scoring.Outputs.of(generation, "7")) is ok
+
+
+def _numeric(generation: str, reference: str, tolerance: float = 0.1, fmt: str = "pattern") -> tuple[bool, bool]:
+    outputs = scoring.Outputs.of(generation, reference, r"(.*)", fmt, tolerance)
+    return scoring.numeric_match(outputs), scoring.numeric_close(outputs)
+
+
+@pytest.mark.parametrize(
+    ("generation", "reference", "exact", "close"),
+    [
+        ("7", "7", True, True),
+        ("The total is 1,000 apples.", "1000", True, True),
+        ("7.0", "7", True, True),
+        ("-4", "-4", True, True),
+        ("4", "-4", False, False),
+        ("8", "7", False, False),  # 14% off
+        ("105", "100", False, True),  # 5% off
+        ("110", "100", False, True),  # exactly 10%: within
+        ("111", "100", False, False),
+        ("-95", "-100", False, True),  # negative reference: relative to |reference|
+        ("0", "0", True, True),
+        ("0.001", "0", False, False),  # a reference of 0 needs exactly 0
+        ("no number", "7", False, False),
+        ("7", "seven", False, False),  # a reference without a number matches nothing
+        ("", "7", False, False),
+    ],
+)
+def test_numeric_match_and_close(generation: str, reference: str, exact: bool, close: bool) -> None:
+    assert _numeric(generation, reference) == (exact, close)
+
+
+def test_numeric_close_tolerance() -> None:
+    assert _numeric("120", "100", tolerance=0.2) == (False, True)
+    assert _numeric("101", "100", tolerance=0.0) == (False, False)
+    assert _numeric("100", "100", tolerance=0.0) == (True, True)
+    assert _numeric("200", "100", tolerance=1.0) == (False, True)
+
+
+def test_tagged_answer_is_the_source_and_the_reference_is_unwrapped() -> None:
+    reference = "<reasoning>3 + 4 = 7</reasoning><answer>7</answer>"
+    outputs = scoring.Outputs.of(
+        "<reasoning>3 + 4 is 7</reasoning><answer>7 apples</answer>", reference, None, "tagged"
+    )
+    assert outputs.answer == "7 apples" and outputs.expected == "7"
+    assert scoring.numeric_match(outputs) and not scoring.exact_match(outputs)
+    # A plain reference stays as it is.
+    assert scoring.Outputs.of("<answer>7</answer>", "7", None, "tagged").expected == "7"
+    # Untagged generation: no answer, every answer metric wrong.
+    missing = scoring.Outputs.of("7", reference, None, "tagged")
+    assert missing.answer is None and not scoring.answer_found(missing) and not scoring.numeric_match(missing)
+
+
+def test_unknown_answer_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown answer_format 'xml'"):
+        scoring.Outputs.of("a", "a", None, "xml")
+
+
+def test_score_with_settings_scores_the_chosen_metrics() -> None:
+    settings = metrics.Scoring(
+        ("accuracy", "numeric_accuracy", "approx_accuracy", "tagged_format_rate"), answer_format="tagged"
+    )
+    got = metrics.score(
+        "<reasoning>2 + 3 = 5</reasoning><answer>5.0</answer>",
+        "<reasoning>x</reasoning><answer>5</answer>",
+        settings=settings,
+    )
+    assert got == ScoredExample(
+        "5.0", {"correct": False, "numeric_correct": True, "approx_correct": True, "tagged_format_ok": True}
+    )
+
+
+def test_aggregate_chosen_metrics() -> None:
+    chosen = ("numeric_accuracy", "approx_accuracy")
+    settings = metrics.Scoring(chosen, relative_tolerance=0.5)
+    scored = metrics.score_all(["10", "14", "x", "-2"], ["10", "10", "10", "-1"], settings=settings)
+    m = metrics.aggregate(scored, chosen)
+    assert m == {
+        "n": 4,
+        "n_numeric_correct": 1,
+        "n_approx_correct": 2,
+        "numeric_accuracy": 0.25,
+        "approx_accuracy": 0.5,
+        "numeric_correct": [True, False, False, False],
+        "approx_correct": [True, True, False, False],
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"metrics": ("acuracy",)}, "unknown metric 'acuracy'"),
+        ({"metrics": ("accuracy", "accuracy")}, "named twice: accuracy"),
+        ({"answer_format": "xml"}, "unknown answer_format"),
+        ({"relative_tolerance": 1.5}, r"relative_tolerance must lie in \[0, 1\]"),
+        ({"relative_tolerance": -0.1}, r"relative_tolerance must lie in \[0, 1\]"),
+    ],
+)
+def test_scoring_settings_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        metrics.Scoring(**kwargs)
+
+
+def test_pattern_and_settings_together_are_refused() -> None:
+    with pytest.raises(ValueError, match="not beside them"):
+        metrics.score("a", "a", r"(a)", settings=metrics.Scoring())
