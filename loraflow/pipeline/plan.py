@@ -79,47 +79,51 @@ def output_prefix(spec: PipelineSpec, run_id: str, stage: str) -> str:
 
 def describe(spec: PipelineSpec, run_id: str = "RUN_ID") -> dict[str, Any]:
     """The resolved plan as data: what ``loraflow plan`` prints."""
-    stages = []
-    for sp in stage_plans(spec).values():
-        inputs = {
-            name: ref.uri if isinstance(ref, Source) else artifacts.manifest_uri(output_prefix(spec, run_id, ref.stage))
-            for name, ref in sp.inputs.items()
-        }
-        compute = spec.compute_for(sp.stage)
-        identity = JobIdentity(spec.name, run_id, sp.stage, "CACHE_KEY")
-        launcher = registry.launcher_for(compute, identity, output_prefix(spec, run_id, sp.stage))
-        placeholders = {name: "FINGERPRINT" for name in inputs}
-        python = launcher.python(sp.env, installed=False)
-        argv = sp.argv(python, output_prefix(spec, run_id, sp.stage), inputs, "LOCK", "CACHE_KEY", placeholders)
-        entry = {
-            "stage": sp.stage,
-            "after": list(sp.upstream),
-            "environment": sp.env.name,
-            "launcher": compute.model_dump(mode="json", exclude_defaults=True) or {"launcher": "local"},
-            "output": output_prefix(spec, run_id, sp.stage),
-            "cached": sp.cacheable,
-            "argv": argv,
-            **launcher.describe(argv),
-        }
-        stages.append(entry)
     described: dict[str, Any] = {
         "pipeline": spec.name,
         "run_id": run_id,
         "artifact_root": spec.artifact_root,
-        "stages": stages,
+        "stages": [_describe_stage(spec, sp, run_id) for sp in stage_plans(spec).values()],
     }
     if spec.handoff is not None:
-        # Two control tasks around the stages (operators/handoff.py): not stages, they commit no
-        # artifact; they claim the data team's dataset version and write the verdict beside it.
-        from loraflow.data import handoff
-
-        base = f"{spec.handoff.prefix}/{{version}}"
-        described["handoff"] = {
-            "first": {"task": handoff.PICK_TASK, "takes": f"{base}/ with {handoff.READY}, claims {handoff.CLAIM}"},
-            "last": {
-                "task": handoff.VERDICT_TASK,
-                "writes": f"{base}/{handoff.RESULT}",
-                "asset": handoff.verdict_asset_uri(spec.name),
-            },
-        }
+        described["handoff"] = _describe_handoff(spec.name, spec.handoff.prefix)
     return described
+
+
+def _describe_stage(spec: PipelineSpec, sp: StagePlan, run_id: str) -> dict[str, Any]:
+    """One stage as it would run: its place, environment, launcher, output, argv and remote request."""
+    prefix = output_prefix(spec, run_id, sp.stage)
+    inputs = {
+        name: ref.uri if isinstance(ref, Source) else artifacts.manifest_uri(output_prefix(spec, run_id, ref.stage))
+        for name, ref in sp.inputs.items()
+    }
+    compute = spec.compute_for(sp.stage)
+    launcher = registry.launcher_for(compute, JobIdentity(spec.name, run_id, sp.stage, "CACHE_KEY"), prefix)
+    placeholders = {name: "FINGERPRINT" for name in inputs}
+    argv = sp.argv(launcher.python(sp.env, installed=False), prefix, inputs, "LOCK", "CACHE_KEY", placeholders)
+    return {
+        "stage": sp.stage,
+        "after": list(sp.upstream),
+        "environment": sp.env.name,
+        "launcher": compute.model_dump(mode="json", exclude_defaults=True) or {"launcher": "local"},
+        "output": prefix,
+        "cached": sp.cacheable,
+        "argv": argv,
+        **launcher.describe(argv),
+    }
+
+
+def _describe_handoff(pipeline: str, prefix: str) -> dict[str, Any]:
+    """Two control tasks around the stages (operators/handoff.py): not stages, they commit no artifact;
+    they claim the data team's dataset version and write the verdict beside it."""
+    from loraflow.data import handoff
+
+    base = f"{prefix}/{{version}}"
+    return {
+        "first": {"task": handoff.PICK_TASK, "takes": f"{base}/ with {handoff.READY}, claims {handoff.CLAIM}"},
+        "last": {
+            "task": handoff.VERDICT_TASK,
+            "writes": f"{base}/{handoff.RESULT}",
+            "asset": handoff.verdict_asset_uri(pipeline),
+        },
+    }
