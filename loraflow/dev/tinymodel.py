@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from loraflow.models import llama
@@ -49,11 +49,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def hf_config() -> dict[str, object]:
+def hf_config(dims: Mapping[str, int] = DIMS) -> dict[str, object]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        **DIMS,
+        **dims,
         "hidden_act": "silu",
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
@@ -76,12 +76,12 @@ def hf_config() -> dict[str, object]:
     }
 
 
-def _weights(seed: int) -> dict[str, object]:
+def _weights(seed: int, dims: Mapping[str, int]) -> dict[str, object]:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    d, f, v = DIMS["hidden_size"], DIMS["intermediate_size"], DIMS["vocab_size"]
-    hd, nq, nkv = DIMS["head_dim"], DIMS["num_attention_heads"], DIMS["num_key_value_heads"]
+    d, f, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    hd, nq, nkv = dims["head_dim"], dims["num_attention_heads"], dims["num_key_value_heads"]
 
     def normal(*shape: int) -> object:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
@@ -91,7 +91,7 @@ def _weights(seed: int) -> dict[str, object]:
         "model.norm.weight": np.ones(d, np.float32),
         "lm_head.weight": normal(v, d),
     }
-    for i in range(DIMS["num_hidden_layers"]):
+    for i in range(dims["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {
             p + "input_layernorm.weight": np.ones(d, np.float32),
@@ -120,7 +120,7 @@ def _corpus_lines(paths: Iterable[Path]) -> Iterator[str]:
                 yield row.get("completion", "")
 
 
-def _tokenizer(corpus: list[str]) -> object:
+def _tokenizer(corpus: list[str], vocab_size: int) -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -130,7 +130,7 @@ def _tokenizer(corpus: list[str]) -> object:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=DIMS["vocab_size"],
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -139,12 +139,13 @@ def _tokenizer(corpus: list[str]) -> object:
     return tok
 
 
-def create(out: Path, corpus_files: Iterable[Path] = (), seed: int = 0) -> Path:
-    """Write a complete HF checkpoint directory (config, weights, tokenizer) into ``out``."""
+def create(out: Path, corpus_files: Iterable[Path] = (), seed: int = 0, dims: Mapping[str, int] = DIMS) -> Path:
+    """Write a complete HF checkpoint directory (config, weights, tokenizer) into ``out``; ``dims``
+    (the keys of ``DIMS``) makes a larger model of the same architecture (the benchmarks do)."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(list(_corpus_lines(corpus_files)))
+    tok = _tokenizer(list(_corpus_lines(corpus_files)), dims["vocab_size"])
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -166,11 +167,11 @@ def create(out: Path, corpus_files: Iterable[Path] = (), seed: int = 0) -> Path:
     (out / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}, indent=2)
     )
-    (out / "config.json").write_text(json.dumps(hf_config(), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2)
     )
-    save_file(_weights(seed), str(out / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
+    save_file(_weights(seed, dims), str(out / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
     return out
 
 

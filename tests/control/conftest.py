@@ -31,7 +31,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraflow.dev import tinymodel
 
     out = tmp_path_factory.mktemp("tokenizer")
-    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([PARITY / "train.jsonl"])))
+    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([PARITY / "train.jsonl"])), tinymodel.DIMS["vocab_size"])
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     config = {
         "bos_token": "<|bos|>",

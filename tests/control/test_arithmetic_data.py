@@ -69,7 +69,7 @@ def test_every_completion_is_tagged_right_and_scores_against_itself() -> None:
 def arithmetic_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer trained on this task's text (as tinymodel.create --corpus would)."""
     out = tmp_path_factory.mktemp("arithmetic-tokenizer")
-    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([DATA / "train.jsonl"])))
+    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([DATA / "train.jsonl"])), tinymodel.DIMS["vocab_size"])
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     config = {"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}
     (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": tinymodel.CHAT_TEMPLATE}))
