@@ -10,13 +10,13 @@ train    the lora_sft stage function with ``lora.quantization`` QUANTIZATION (no
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _sft_inputs import PARITY, prepare_sft_inputs  # noqa: E402
 from common import emit  # noqa: E402
 
 from loraflow.dev import tinymodel  # noqa: E402
@@ -46,7 +46,6 @@ CONFIG = {
     "checkpoint_period": 1000,
     "dtype": "float32",
 }
-PARITY = Path(__file__).resolve().parents[1] / "pipelines" / "data" / "parity" / "train.jsonl"
 
 
 def parameters() -> int:
@@ -57,28 +56,8 @@ def parameters() -> int:
 
 
 def prepare(root: Path) -> dict:
-    from loraflow.steps import convert_checkpoint as cc
-    from loraflow.steps._maxtext import CHECKPOINT_JSON
-
     hf = tinymodel.create(root / "hf", [PARITY], dims=DIMS)
-    ckpt = root / "ckpt"
-    cc.convert(hf, ckpt, tinymodel.MAXTEXT_MODEL, OVERRIDES, True, {}, "float32")
-    meta = {
-        "format": "loraflow.maxtext_checkpoint/1",
-        "load_parameters_path": cc.PARAMS_RELPATH,
-        "model_name": tinymodel.MAXTEXT_MODEL,
-        "model_overrides": OVERRIDES,
-        "scan_layers": True,
-        "save_dtype": "float32",
-    }
-    (ckpt / CHECKPOINT_JSON).write_text(json.dumps(meta))
-    data = root / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    with (data / "train.jsonl").open("w") as out:
-        for i, line in enumerate(PARITY.read_text().splitlines()):
-            row = json.loads(line)
-            messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
-            out.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
+    prepare_sft_inputs(root, hf, tinymodel.MAXTEXT_MODEL, OVERRIDES)
     return {"parameters": parameters(), "dims": DIMS}
 
 

@@ -14,13 +14,13 @@ and of the set-up before it; tokens per second = steps x batch_size x max_length
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _sft_inputs import prepare_sft_inputs  # noqa: E402
 from common import emit  # noqa: E402
 
 from loraflow.dev import tinymodel  # noqa: E402
@@ -41,28 +41,7 @@ CONFIG = {
 
 
 def prepare(root: Path, hf_dir: Path) -> None:
-    from loraflow.steps import convert_checkpoint as cc
-    from loraflow.steps._maxtext import CHECKPOINT_JSON
-
-    ckpt = root / "ckpt"
-    cc.convert(hf_dir, ckpt, MODEL, OVERRIDES, True, {}, "float32")
-    meta = {
-        "format": "loraflow.maxtext_checkpoint/1",
-        "load_parameters_path": cc.PARAMS_RELPATH,
-        "model_name": MODEL,
-        "model_overrides": OVERRIDES,
-        "scan_layers": True,
-        "save_dtype": "float32",
-    }
-    (ckpt / CHECKPOINT_JSON).write_text(json.dumps(meta))
-    data = root / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    src = Path(__file__).resolve().parents[1] / "pipelines" / "data" / "parity" / "train.jsonl"
-    with (data / "train.jsonl").open("w") as out:
-        for i, line in enumerate(src.read_text().splitlines()):
-            row = json.loads(line)
-            messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
-            out.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
+    prepare_sft_inputs(root, hf_dir, MODEL, OVERRIDES)
 
 
 def context(root: Path, hf_dir: Path, mode: str, steps: int):
