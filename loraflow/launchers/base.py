@@ -20,7 +20,7 @@ from loraflow.errors import LoraflowError, StepError
 if TYPE_CHECKING:
     from loraflow.launchers.environments import Environment
     from loraflow.launchers.identity import JobIdentity
-    from loraflow.spec.compute import AnyCompute
+    from loraflow.spec.compute import AnyCompute, RemoteCompute
 
 LineSink = Callable[[str], None]
 
@@ -119,9 +119,11 @@ class Launcher(ABC):
 class RemoteLauncher(Launcher):
     """A launcher whose step runs as a job on cloud machines: ``run`` is ``submit``, then ``wait``."""
 
+    compute: RemoteCompute
+
     @property
     def deferrable(self) -> bool:
-        return bool(getattr(self.compute, "deferrable", False))
+        return self.compute.deferrable
 
     def run(
         self,

@@ -19,6 +19,7 @@ Airflow-free and light: pydantic and the spec models only (every environment imp
 from __future__ import annotations
 
 import copy
+from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
@@ -52,9 +53,9 @@ class StepConfig(BaseModel):
     INTERNAL: ClassVar[dict[str, str]] = {}
 
     @classmethod
+    @abstractmethod
     def from_spec(cls, spec: PipelineSpec) -> Self:
-        """The config a pipeline with this spec sends its step."""
-        raise NotImplementedError(f"{cls.__name__}.from_spec")
+        """The config a pipeline with this spec sends its step (every step's config class says how)."""
 
     def wire(self) -> dict[str, Any]:
         """The ``--config-json`` payload: every field but the internal knobs."""
