@@ -58,10 +58,7 @@ def verdict(ok: bool, win: str = "loraflow wins", lose: str = "**loraflow loses*
 
 
 def sec_dag(d: dict) -> list[str]:
-    m, o = d["median_parse_s"], d["overhead_s"]
-    over52 = o["loraflow, 52 specs"]
-    bd = d.get("breakdown_52_specs") or {}
-    heavy = d.get("heavy_modules_imported") or {}
+    m = d["median_parse_s"]
     out = [
         "## 1. DAG parsing",
         "",
@@ -73,28 +70,47 @@ def sec_dag(d: dict) -> list[str]:
         "read unchanged specs back from it, except *all validated* (cache off: the first parse after every spec "
         "changed).",
         "",
+        *_dag_table(d),
+        *_dag_overhead(d),
+        *_dag_heavy(d),
+        *_dag_breakdown(d.get("breakdown_52_specs") or {}),
+        *_dag_profile(d),
+    ]
+    out.append(bar("dag-parse", list(m), [m[k] for k in m], "median parse time (s)", "DAG file parse time"))
+    return [*out, ""]
+
+
+def _dag_verdict(k: str, overhead: float) -> str:
+    if k == "empty DAG file":
+        return "baseline"
+    if k == "loraflow, 52 specs":
+        return verdict(overhead < 0.3, "within target (< 0.3 s)", "**loraflow misses the 0.3 s target**")
+    if k.startswith("plain Airflow"):
+        return "Airflow's own cost for the same DAGs and tasks"
+    return "once per edited spec" if k.endswith("all validated") else ""
+
+
+def _dag_table(d: dict) -> list[str]:
+    """One row per DAG file: parse time and CPU, overhead against the empty file, the verdict."""
+    m, o = d["median_parse_s"], d["overhead_s"]
+    cpu, cpu_o = d.get("median_cpu_s") or {}, d.get("cpu_overhead_s") or {}
+    out = [
         "| DAG file | DAGs | median parse (s) | overhead vs empty (s) | median CPU (s) | CPU overhead vs empty (s) | verdict |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    cpu, cpu_o = d.get("median_cpu_s") or {}, d.get("cpu_overhead_s") or {}
     for k in m:
-        v = (
-            "baseline"
-            if k == "empty DAG file"
-            else (
-                verdict(o[k] < 0.3, "within target (< 0.3 s)", "**loraflow misses the 0.3 s target**")
-                if k == "loraflow, 52 specs"
-                else (
-                    "Airflow's own cost for the same DAGs and tasks"
-                    if k.startswith("plain Airflow")
-                    else ("once per edited spec" if k.endswith("all validated") else "")
-                )
-            )
-        )
         out.append(
-            f"| {k} | {d['dags'][k]} | {f(m[k], 3)} | {f(o[k], 3)} | {f(cpu.get(k), 3)} | {f(cpu_o.get(k), 3)} | {v} |"
+            f"| {k} | {d['dags'][k]} | {f(m[k], 3)} | {f(o[k], 3)} | {f(cpu.get(k), 3)} | {f(cpu_o.get(k), 3)} | "
+            f"{_dag_verdict(k, o[k])} |"
         )
-    out += [
+    return out
+
+
+def _dag_overhead(d: dict) -> list[str]:
+    """The per-spec cost against the 50-spec target, and how much of it is Airflow's own."""
+    o, cpu_o = d["overhead_s"], d.get("cpu_overhead_s") or {}
+    over52 = o["loraflow, 52 specs"]
+    out = [
         "",
         f"Per extra spec: **{d['overhead_per_spec_ms']:.1f} ms**. Target for 50 specs: 0.3 s of overhead; "
         f"measured {over52:.2f} s"
@@ -115,38 +131,54 @@ def sec_dag(d: dict) -> list[str]:
             "attributes, trigger-form params).",
             "",
         ]
-    out += [
+    return out
+
+
+def _dag_heavy(d: dict) -> list[str]:
+    """Which heavy libraries the parse imported (none is the goal) and what else it loaded."""
+    heavy = d.get("heavy_modules_imported") or {}
+    checked = sorted({"jax", "torch", "vllm", "transformers", "maxtext", "numpy", "pandas", "great_expectations",
+                      "gcsfs", "google.cloud.aiplatform", "google.cloud.storage"})  # fmt: skip
+    return [
         f"Heavy modules imported by the parse: **{heavy.get('imported_by_loraflow_parse') or 'none'}** "
-        f"(checked: {', '.join(sorted(set(['jax', 'torch', 'vllm', 'transformers', 'maxtext', 'numpy', 'pandas', 'great_expectations', 'gcsfs', 'google.cloud.aiplatform', 'google.cloud.storage'])))}); "
+        f"(checked: {', '.join(checked)}); "
         f"spec models imported: {'yes' if heavy.get('spec_models_imported') else 'no'}; "
         f"new top-level modules after the parse: {', '.join(d['new_top_level_modules_52'])}.",
         "",
     ]
-    if bd:
-        out += [
-            "Where the 52-spec parse goes (one control-env process, no profiler, after the warm-up):",
-            "",
-            "| piece | seconds |",
-            "| --- | ---: |",
-            f"| import the DAG factory and operators | {f(bd.get('import_dag_factory_s'), 3)} |",
-            f"| read {bd.get('specs')} specs back from the spec cache (hash the file, load the entry) | {f(bd.get('read_cached_specs_s'), 3)} |",
-            f"| *on a cache miss only:* import the spec models and the planner | {f(bd.get('import_spec_models_and_planner_s'), 3)} |",
-            f"| *on a cache miss only:* load (libyaml), validate and plan {bd.get('specs')} specs | {f(bd.get('validate_and_plan_s'), 3)} |",
-            f"| `build_dag` x{bd.get('specs')} ({bd.get('tasks')} operators) | {f(bd.get('build_dags_s'), 3)} |",
-            "",
-        ]
-    if d.get("profile_top"):
-        out += [
-            "<details><summary>cProfile of one 52-spec parse (top cumulative, profiler inflates)</summary>",
-            "",
-            "| where | cum s | self s | calls |",
-            "| --- | ---: | ---: | ---: |",
-        ]
-        for r in d["profile_top"]["by_cumulative"][8:25]:
-            out.append(f"| `{r['where']}` | {r['cum_s']} | {r['self_s']} | {r['calls']} |")
-        out += ["", "</details>", ""]
-    out.append(bar("dag-parse", list(m), [m[k] for k in m], "median parse time (s)", "DAG file parse time"))
-    return [*out, ""]
+
+
+def _dag_breakdown(bd: dict) -> list[str]:
+    """Where the 52-spec parse's time goes, piece by piece (none when the run did not measure it)."""
+    if not bd:
+        return []
+    return [
+        "Where the 52-spec parse goes (one control-env process, no profiler, after the warm-up):",
+        "",
+        "| piece | seconds |",
+        "| --- | ---: |",
+        f"| import the DAG factory and operators | {f(bd.get('import_dag_factory_s'), 3)} |",
+        f"| read {bd.get('specs')} specs back from the spec cache (hash the file, load the entry) | {f(bd.get('read_cached_specs_s'), 3)} |",
+        f"| *on a cache miss only:* import the spec models and the planner | {f(bd.get('import_spec_models_and_planner_s'), 3)} |",
+        f"| *on a cache miss only:* load (libyaml), validate and plan {bd.get('specs')} specs | {f(bd.get('validate_and_plan_s'), 3)} |",
+        f"| `build_dag` x{bd.get('specs')} ({bd.get('tasks')} operators) | {f(bd.get('build_dags_s'), 3)} |",
+        "",
+    ]
+
+
+def _dag_profile(d: dict) -> list[str]:
+    """The top of a cProfile of one 52-spec parse, folded away (none when not profiled)."""
+    if not d.get("profile_top"):
+        return []
+    out = [
+        "<details><summary>cProfile of one 52-spec parse (top cumulative, profiler inflates)</summary>",
+        "",
+        "| where | cum s | self s | calls |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in d["profile_top"]["by_cumulative"][8:25]:
+        out.append(f"| `{r['where']}` | {r['cum_s']} | {r['self_s']} | {r['calls']} |")
+    return [*out, "", "</details>", ""]
 
 
 def sec_merge(d: dict) -> list[str]:
