@@ -184,8 +184,6 @@ def _dag_profile(d: dict) -> list[str]:
 def sec_merge(d: dict) -> list[str]:
     s = d["summary"]
     mb = d["models"]["big"]
-    ms = d["models"]["small"]
-    lf = s.get("big: loraflow merge_checkpoint", {})
     out = [
         "## 2. Merge",
         "",
@@ -199,40 +197,66 @@ def sec_merge(d: dict) -> list[str]:
         "| method | wall (s) | inner (s) | MiB/s | peak RSS (MiB) | bytes written | vs loraflow (wall) | verdict |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    out += _merge_rows(s)
+    out += _merge_flat(d)
+    out += _merge_agreement(d)
+    out += _merge_bars(d)
+    return out
+
+
+def _merge_verdict(name: str, v: dict, lf: dict) -> str:
+    """cp: the throughput target; another method: whether loraflow beats it on time and memory."""
+    if name.startswith("cp"):
+        ok = lf and lf["throughput_mib_s"] >= 0.5 * v["throughput_mib_s"]
+        return "baseline; " + verdict(
+            bool(ok),
+            "loraflow >= half of cp's throughput (target met)",
+            "**loraflow below half of cp's throughput (target missed)**",
+        )
+    if name.startswith("loraflow"):
+        return ""
+    return verdict(
+        v["median_wall_s"] >= lf["median_wall_s"] and v["median_peak_rss_mib"] >= lf["median_peak_rss_mib"],
+        "loraflow faster and leaner",
+        "**loraflow loses on " + ("time" if v["median_wall_s"] < lf["median_wall_s"] else "memory") + "**",
+    )
+
+
+def _merge_rows(s: dict) -> list[str]:
+    """One row per method on the big model."""
+    lf = s.get("big: loraflow merge_checkpoint", {})
+    out = []
     for k, v in s.items():
         if not k.startswith("big:"):
             continue
         name = k.split(": ", 1)[1]
         ratio = v["median_wall_s"] / lf["median_wall_s"] if lf else None
-        if name.startswith("cp"):
-            ok = lf and lf["throughput_mib_s"] >= 0.5 * v["throughput_mib_s"]
-            verd = "baseline; " + verdict(
-                bool(ok),
-                "loraflow >= half of cp's throughput (target met)",
-                "**loraflow below half of cp's throughput (target missed)**",
-            )
-        elif name.startswith("loraflow"):
-            verd = ""
-        else:
-            verd = verdict(
-                v["median_wall_s"] >= lf["median_wall_s"] and v["median_peak_rss_mib"] >= lf["median_peak_rss_mib"],
-                "loraflow faster and leaner",
-                "**loraflow loses on " + ("time" if v["median_wall_s"] < lf["median_wall_s"] else "memory") + "**",
-            )
         out.append(
             f"| {name} | {f(v['median_wall_s'], 1)} | {f(v['median_inner_s'], 1)} | {f(v['throughput_mib_s'], 0)} | "
-            f"{f(v['median_peak_rss_mib'], 0)} | {v['bytes_written']:,} | {f(ratio)}x | {verd} |"
+            f"{f(v['median_peak_rss_mib'], 0)} | {v['bytes_written']:,} | {f(ratio)}x | {_merge_verdict(name, v, lf)} |"
         )
+    return out
+
+
+def _merge_flat(d: dict) -> list[str]:
+    """loraflow's peak memory on the small and the big model: flat in model size."""
+    s, mb, ms = d["summary"], d["models"]["big"], d["models"]["small"]
+    lf = s.get("big: loraflow merge_checkpoint", {})
     sl = s.get("small: loraflow merge_checkpoint")
-    if sl:
-        out += [
-            "",
-            f"Memory against model size: loraflow's peak RSS is {sl['median_peak_rss_mib']:.0f} MiB on a "
-            f"{ms['parameters'] / 1e9:.2f} B model ({ms['bytes'] / 2**30:.2f} GiB) and {lf['median_peak_rss_mib']:.0f} MiB on the "
-            f"{mb['parameters'] / 1e9:.2f} B one ({mb['bytes'] / 2**30:.2f} GiB), same largest tensor "
-            f"({mb['largest_tensor_bytes'] / 2**20:.0f} MiB): it does not grow with the model.",
-        ]
-    out += [
+    if not sl:
+        return []
+    return [
+        "",
+        f"Memory against model size: loraflow's peak RSS is {sl['median_peak_rss_mib']:.0f} MiB on a "
+        f"{ms['parameters'] / 1e9:.2f} B model ({ms['bytes'] / 2**30:.2f} GiB) and {lf['median_peak_rss_mib']:.0f} MiB on the "
+        f"{mb['parameters'] / 1e9:.2f} B one ({mb['bytes'] / 2**30:.2f} GiB), same largest tensor "
+        f"({mb['largest_tensor_bytes'] / 2**20:.0f} MiB): it does not grow with the model.",
+    ]
+
+
+def _merge_agreement(d: dict) -> list[str]:
+    """How far PEFT's and naive torch's merged tensors are from loraflow's on this CPU."""
+    out = [
         "",
         f"Outputs compared tensor by tensor with loraflow's, measured on {cpu_line(d.get('machine') or load('machine') or {})}. "
         "loraflow's native kernel writes the same bits on every CPU; PEFT and naive torch sum each element's rank "
@@ -247,8 +271,14 @@ def sec_merge(d: dict) -> list[str]:
             f"| {k} | {c.get('tensors_a')} | {c.get('elements', 0):,} | {c.get('elements_differing')} | "
             f"{c.get('max_ulp_diff')} | {c.get('identical')} |"
         )
+    return out
+
+
+def _merge_bars(d: dict) -> list[str]:
+    """Wall time and peak memory of every method on the big model, as bar charts."""
+    s, mb = d["summary"], d["models"]["big"]
     big = {k.split(": ", 1)[1]: v for k, v in s.items() if k.startswith("big:")}
-    out += [
+    return [
         "",
         bar(
             "merge-time",
@@ -267,7 +297,6 @@ def sec_merge(d: dict) -> list[str]:
         ),
         "",
     ]
-    return out
 
 
 def sec_transfer(d: dict) -> list[str]:
