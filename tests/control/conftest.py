@@ -28,10 +28,14 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Built here with the tokenizers library alone: the full tiny checkpoint needs safetensors,
     which the control environment does not have.
     """
+    return write_tokenizer(tmp_path_factory.mktemp("tokenizer"), PARITY / "train.jsonl")
+
+
+def write_tokenizer(out: Path, corpus: Path) -> Path:
+    """The tiny model's tokenizer trained on ``corpus`` (as ``tinymodel.create --corpus`` trains it) in ``out``."""
     from loraflow.dev import tinymodel
 
-    out = tmp_path_factory.mktemp("tokenizer")
-    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([PARITY / "train.jsonl"])), tinymodel.DIMS["vocab_size"])
+    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([corpus])), tinymodel.DIMS["vocab_size"])
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     config = {
         "bos_token": "<|bos|>",
@@ -41,6 +45,15 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
+
+
+def task_inputs(folder: Path, data: Path, tokenizer: Path) -> dict[str, Path]:
+    """validate_data's inputs: a task's train.jsonl and eval.jsonl (from ``data``) in their own folders."""
+    inputs = {"train": folder / "train", "eval": folder / "eval", "tokenizer": tokenizer}
+    for split in ("train", "eval"):
+        inputs[split].mkdir()
+        shutil.copy(data / f"{split}.jsonl", inputs[split])
+    return inputs
 
 
 @pytest.fixture

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from loraflow.dev import arithmetic, tinymodel
+from loraflow.dev import arithmetic
 from loraflow.evaluation import metrics, scoring
 from loraflow.steps import validate_data
+from tests.control.conftest import task_inputs, write_tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "arithmetic"
 # The longest example rendered with the chat template by a tokenizer trained on the task (see the
@@ -68,19 +68,11 @@ def test_every_completion_is_tagged_right_and_scores_against_itself() -> None:
 @pytest.fixture(scope="module")
 def arithmetic_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer trained on this task's text (as tinymodel.create --corpus would)."""
-    out = tmp_path_factory.mktemp("arithmetic-tokenizer")
-    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([DATA / "train.jsonl"])), tinymodel.DIMS["vocab_size"])
-    tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
-    config = {"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": tinymodel.CHAT_TEMPLATE}))
-    return out
+    return write_tokenizer(tmp_path_factory.mktemp("arithmetic-tokenizer"), DATA / "train.jsonl")
 
 
 def test_the_data_passes_the_data_contract(tmp_path: Path, arithmetic_tokenizer: Path, make_ctx: Callable) -> None:
-    inputs = {"train": tmp_path / "train", "eval": tmp_path / "eval", "tokenizer": arithmetic_tokenizer}
-    for split in ("train", "eval"):
-        inputs[split].mkdir()
-        shutil.copy(DATA / f"{split}.jsonl", inputs[split])
+    inputs = task_inputs(tmp_path, DATA, arithmetic_tokenizer)
     rules = {"row_count": {"min": 1000}, "token_length": {"max": TOKEN_LIMIT}}
     ctx = make_ctx("validate_data", inputs, {"expectations": rules})
     summary = validate_data.run(ctx)

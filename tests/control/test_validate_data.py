@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from loraflow.errors import DataValidationError
 from loraflow.steps import validate_data
+from tests.control.conftest import task_inputs
 
 PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
 
@@ -63,10 +63,7 @@ def run_step(tmp_path: Path, tokenizer_dir: Path, make_ctx: Callable) -> Callabl
 
 
 def test_parity_data_passes_and_is_normalised(tmp_path: Path, tokenizer_dir: Path, make_ctx: Callable) -> None:
-    inputs = {"train": tmp_path / "train", "eval": tmp_path / "eval", "tokenizer": tokenizer_dir}
-    for split in ("train", "eval"):
-        inputs[split].mkdir()
-        shutil.copy(PARITY / f"{split}.jsonl", inputs[split])
+    inputs = task_inputs(tmp_path, PARITY, tokenizer_dir)
     ctx = make_ctx("validate_data", inputs, contract(row_count={"min": 1000}, token_length={"max": 32}))
     summary = validate_data.run(ctx)
 
