@@ -120,13 +120,29 @@ def _corpus_lines(paths: Iterable[Path]) -> Iterator[str]:
                 yield row.get("completion", "")
 
 
-def _tokenizer(corpus: list[str], vocab_size: int) -> object:
+# How the tokenizer splits numbers before byte-level BPE: "digits" one by one (the parity task
+# reads the last digit), or "groups" of up to three digits as Llama 3's tokenizer does (BPE then
+# learns a frequent small number as one token: the arithmetic task's 0-18 are single tokens).
+NUMBERS = ("digits", "groups")
+
+
+def _number_splitter(numbers: str) -> object:
+    from tokenizers import Regex, pre_tokenizers
+
+    if numbers == "digits":
+        return pre_tokenizers.Digits(individual_digits=True)
+    if numbers == "groups":
+        return pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated")
+    raise ValueError(f"numbers must be one of {', '.join(NUMBERS)}, not {numbers!r}")
+
+
+def _tokenizer(corpus: list[str], vocab_size: int, numbers: str = "digits") -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    # Digits one by one, then GPT-2 style byte-level pieces: any text encodes, spaces round-trip.
+    # Numbers first (see NUMBERS), then GPT-2 style byte-level pieces: any text encodes, spaces round-trip.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [_number_splitter(numbers), pre_tokenizers.ByteLevel(add_prefix_space=False)]  # type: ignore[list-item]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -139,13 +155,20 @@ def _tokenizer(corpus: list[str], vocab_size: int) -> object:
     return tok
 
 
-def create(out: Path, corpus_files: Iterable[Path] = (), seed: int = 0, dims: Mapping[str, int] = DIMS) -> Path:
+def create(
+    out: Path,
+    corpus_files: Iterable[Path] = (),
+    seed: int = 0,
+    dims: Mapping[str, int] = DIMS,
+    numbers: str = "digits",
+) -> Path:
     """Write a complete HF checkpoint directory (config, weights, tokenizer) into ``out``; ``dims``
-    (the keys of ``DIMS``) makes a larger model of the same architecture (the benchmarks do)."""
+    (the keys of ``DIMS``) makes a larger model of the same architecture (the benchmarks do);
+    ``numbers`` is how the tokenizer splits numbers (``NUMBERS``)."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(list(_corpus_lines(corpus_files)), dims["vocab_size"])
+    tok = _tokenizer(list(_corpus_lines(corpus_files)), dims["vocab_size"], numbers)
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -180,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="directory to write the HF checkpoint into")
     p.add_argument("--corpus", type=Path, action="append", default=[], help="JSONL whose text trains the tokenizer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--numbers",
+        choices=NUMBERS,
+        default="digits",
+        help="how the tokenizer splits numbers: one digit per piece, or groups of up to 3 digits like Llama 3's",
+    )
     args = p.parse_args(argv)
-    create(args.out, args.corpus, args.seed)
+    create(args.out, args.corpus, args.seed, numbers=args.numbers)
     print(f"tiny Llama checkpoint written to {args.out}")
     return 0
 

@@ -31,11 +31,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tokenizer(tmp_path_factory.mktemp("tokenizer"), PARITY / "train.jsonl")
 
 
-def write_tokenizer(out: Path, corpus: Path) -> Path:
-    """The tiny model's tokenizer trained on ``corpus`` (as ``tinymodel.create --corpus`` trains it) in ``out``."""
+def write_tokenizer(out: Path, corpus: Path, numbers: str = "digits") -> Path:
+    """The tiny model's tokenizer trained on ``corpus`` (as ``tinymodel.create --corpus --numbers`` trains it)
+    in ``out``."""
     from loraflow.dev import tinymodel
 
-    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([corpus])), tinymodel.DIMS["vocab_size"])
+    tok = tinymodel._tokenizer(list(tinymodel._corpus_lines([corpus])), tinymodel.DIMS["vocab_size"], numbers)
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     config = {
         "bos_token": "<|bos|>",

@@ -10,14 +10,18 @@ import pytest
 
 from loraflow.dev import arithmetic
 from loraflow.evaluation import metrics, scoring
+from loraflow.spec.schema import load_spec
 from loraflow.steps import validate_data
 from tests.control.conftest import task_inputs, write_tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "arithmetic"
-# The longest example rendered with the chat template by a tokenizer trained on the task (see the
-# contract test below) is 65 tokens; a spec's data.expectations.token_length.max of 72 leaves room.
-LONGEST_TOKENS = 65
-TOKEN_LIMIT = 72
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "pipelines" / "data" / "arithmetic"
+QLORA_SPEC = REPO / "pipelines" / "tiny-llama-qlora.yaml"
+# The longest example rendered with the chat template by the tokenizer the task's tiny model has
+# (trained on the task, numbers in groups: see the contract test below) is 44 tokens;
+# pipelines/tiny-llama-qlora.yaml's data.expectations.token_length.max of 64 leaves room.
+LONGEST_TOKENS = 44
+TOKEN_LIMIT = 64
 
 
 def _rows(path: Path) -> list[dict]:
@@ -38,15 +42,23 @@ def test_another_seed_gives_other_problems() -> None:
     assert [p.prompt for p in train0] != [p.prompt for p in train1]
 
 
-def test_sizes_schema_and_mix() -> None:
+def test_sizes_schema_and_disjoint_splits() -> None:
     train, eval_ = _rows(DATA / "train.jsonl"), _rows(DATA / "eval.jsonl")
     assert (len(train), len(eval_)) == (arithmetic.TRAIN_ROWS, arithmetic.EVAL_ROWS) == (2000, 400)
     assert all(set(r) == {"prompt", "completion"} for r in train + eval_)
-    for rows in (train, eval_):
-        two_step = sum(", then " in r["prompt"] for r in rows)
-        assert two_step == len(rows) // 2
     assert not {r["prompt"] for r in eval_} & {r["prompt"] for r in train}
     assert len({r["prompt"] for r in train}) == len(train)
+    # Both operations in both splits, every answer a small non-negative number.
+    for rows in (train, eval_):
+        assert {" + " in r["completion"] for r in rows} == {True, False}
+        assert {int(scoring.tagged_answer(r["completion"]) or "-1") for r in rows} <= set(range(19))
+
+
+def test_every_problem_is_counted_once_and_too_many_rows_are_refused() -> None:
+    pool = list(arithmetic.problems())
+    assert len({p.prompt for p in pool}) == len(pool) == 4176  # 6 people x 6 things x 116 (start, op, amount)
+    with pytest.raises(ValueError, match="only 4176 problems exist"):
+        arithmetic.make(0, 4000, 400)
 
 
 def test_every_completion_is_tagged_right_and_scores_against_itself() -> None:
@@ -59,16 +71,18 @@ def test_every_completion_is_tagged_right_and_scores_against_itself() -> None:
         answer = int(scoring.tagged_answer(completion) or "")
         reasoning = completion[len("<reasoning>") : completion.index("</reasoning>")]
         assert answer >= 0 and reasoning.endswith(f"= {answer}")
-        for line in reasoning.split(", "):
-            left, result = line.split(" = ")
-            a, op, b = left.split(" ")
-            assert int(result) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+        left, result = reasoning.split(" = ")
+        a, op, b = left.split(" ")
+        assert int(result) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+        # ... and the reasoning reads the prompt's numbers and verb.
+        verb = f"gets {b} more" if op == "+" else f"gives away {b}"
+        assert f" has {a} " in row["prompt"] and f" {verb}. " in row["prompt"], row
 
 
 @pytest.fixture(scope="module")
 def arithmetic_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer trained on this task's text (as tinymodel.create --corpus would)."""
-    return write_tokenizer(tmp_path_factory.mktemp("arithmetic-tokenizer"), DATA / "train.jsonl")
+    return write_tokenizer(tmp_path_factory.mktemp("arithmetic-tokenizer"), DATA / "train.jsonl", numbers="groups")
 
 
 def test_the_data_passes_the_data_contract(tmp_path: Path, arithmetic_tokenizer: Path, make_ctx: Callable) -> None:
@@ -79,6 +93,19 @@ def test_the_data_passes_the_data_contract(tmp_path: Path, arithmetic_tokenizer:
     assert summary["train_rows"] == 2000 and summary["eval_rows"] == 400
     assert summary["failed"] == 0
     assert summary["max_tokens_seen"] == LONGEST_TOKENS
+    assert load_spec(QLORA_SPEC).data.expectations.token_length.max == TOKEN_LIMIT
     evals = _rows(ctx.out / "eval.jsonl")
     first = _rows(DATA / "eval.jsonl")[0]
     assert evals[0]["reference"] == first["completion"]
+
+
+def test_the_tiny_models_tokenizer_reads_each_number_as_one_token(arithmetic_tokenizer: Path, tmp_path: Path) -> None:
+    """Numbers in groups (Llama 3's split): every number of the task is one token, so the model reads and
+    writes 14 as one symbol; the parity task's tokenizer (digits) spells the same number digit by digit."""
+    from tokenizers import Tokenizer
+
+    grouped = Tokenizer.from_file(str(arithmetic_tokenizer / "tokenizer.json"))
+    for n in range(19):
+        assert len(grouped.encode(f" {n} ").ids) == 3, n  # space, the number, space
+    digits = write_tokenizer(tmp_path, DATA / "train.jsonl")
+    assert len(Tokenizer.from_file(str(digits / "tokenizer.json")).encode("14").ids) == 2
