@@ -49,6 +49,7 @@ from typing import Any
 from loraflow.errors import LoraflowError
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import scoring
+from loraflow.evaluation.examples import Example, find_eval_file, load_examples, render_prompts
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
@@ -56,7 +57,6 @@ from loraflow.steps._harness import StepContext, run_step
 #: machine's memory and profiles a warm-up pass first (~30 s on 2 cores); eval prompts are short.
 CPU_KV_CACHE_BYTES = 256 << 20
 
-EVAL_FILE = "eval.jsonl"
 PREDICTIONS_JSONL = "predictions.jsonl"
 PREDICTIONS_PARQUET = "predictions.parquet"
 METRICS_JSON = "metrics.json"
@@ -71,13 +71,6 @@ def resolve_config(config: dict[str, Any]) -> EvaluateConfig:
 
 
 # ------------------------------------------------------------------------------------ inputs
-
-
-@dataclass(frozen=True)
-class Example:
-    id: str
-    messages: list[dict[str, str]]
-    reference: str
 
 
 def find_model_dir(root: Path) -> Path:
@@ -108,59 +101,6 @@ def check_checkpoint(model_dir: Path) -> None:
         raise LoraflowError(f"evaluate: no *.safetensors weights in {model_dir}")
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise LoraflowError(f"evaluate: no tokenizer files in {model_dir}; the checkpoint must carry its tokenizer")
-
-
-def find_eval_file(root: Path) -> Path:
-    """``eval.jsonl`` inside the eval_set input (or the input itself when it is a file)."""
-    if root.is_file():
-        return root
-    if (root / EVAL_FILE).is_file():
-        return root / EVAL_FILE
-    found = sorted(root.rglob(EVAL_FILE)) or sorted(root.rglob("*.jsonl"))
-    if len(found) != 1:
-        raise LoraflowError(
-            f"evaluate: eval_set input {root} must hold one {EVAL_FILE}; found {[str(p) for p in found]}"
-        )
-    return found[0]
-
-
-def load_examples(path: Path, max_examples: int | None = None) -> list[Example]:
-    """Rows of an eval JSONL as :class:`Example`; the first ``max_examples`` when given."""
-    examples: list[Example] = []
-    seen: set[str] = set()
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if max_examples is not None and len(examples) >= max_examples:
-                break
-            where = f"{path.name}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise LoraflowError(f"evaluate: {where} is not JSON ({exc})") from None
-            if "messages" in row:
-                messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-                reference = row.get("reference")
-                if reference is None and messages and messages[-1]["role"] == "assistant":
-                    reference = messages.pop()["content"]
-            elif "prompt" in row:
-                messages = [{"role": "user", "content": row["prompt"]}]
-                reference = row.get("reference", row.get("completion"))
-            else:
-                raise LoraflowError(f"evaluate: {where} has neither 'messages' nor 'prompt'")
-            if reference is None:
-                raise LoraflowError(f"evaluate: {where} has no reference answer")
-            if not messages or messages[-1]["role"] != "user":
-                raise LoraflowError(f"evaluate: {where}: the conversation must end with a user turn")
-            ex_id = str(row.get("id", len(examples)))
-            if ex_id in seen:
-                raise LoraflowError(f"evaluate: {where}: id {ex_id!r} appears twice")
-            seen.add(ex_id)
-            examples.append(Example(ex_id, messages, str(reference)))
-    if not examples:
-        raise LoraflowError(f"evaluate: {path} holds no examples")
-    return examples
 
 
 # ------------------------------------------------------------------------------------ engine
@@ -257,18 +197,6 @@ def build_engine(model_dir: Path, cfg: EvaluateConfig, progress: Any = print) ->
 
 
 # ------------------------------------------------------------------------------------ evaluate
-
-
-def render_prompts(tokenizer: Any, examples: list[Example]) -> tuple[list[str], list[list[int]]]:
-    """Chat-template text and token ids of each example's prompt (``add_generation_prompt=True``)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise LoraflowError(
-            "evaluate: the checkpoint's tokenizer has no chat_template; training and evaluation render through it"
-        )
-    texts = [tokenizer.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True) for ex in examples]
-    # The template already holds the BOS: no second one from the tokenizer.
-    ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    return texts, ids
 
 
 def evaluate(ctx: StepContext, engine: Engine | None = None) -> dict[str, Any]:

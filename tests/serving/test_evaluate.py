@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from loraflow.errors import LoraflowError
+from loraflow.evaluation import examples as eval_examples
 from loraflow.steps import evaluate
 from loraflow.steps._harness import StepContext
 
@@ -153,12 +154,12 @@ def test_load_examples_formats(tmp_path: Path) -> None:
             ]
         )
     )
-    examples = evaluate.load_examples(f)
+    examples = eval_examples.load_examples(f)
     assert [e.id for e in examples] == ["a", "1", "c"]
     assert [e.reference for e in examples] == ["even", "odd", "odd"]
     assert examples[1].messages == [{"role": "user", "content": "Is 3 even or odd?"}]
     assert examples[2].messages == [{"role": "user", "content": "Is 5 even or odd?"}]
-    assert len(evaluate.load_examples(f, max_examples=2)) == 2
+    assert len(eval_examples.load_examples(f, max_examples=2)) == 2
 
 
 @pytest.mark.parametrize(
@@ -177,17 +178,17 @@ def test_load_examples_rejects(tmp_path: Path, rows: list[dict[str, Any]], messa
     f = tmp_path / "eval.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(LoraflowError, match=message):
-        evaluate.load_examples(f)
+        eval_examples.load_examples(f)
 
 
 def test_find_eval_file(tmp_path: Path) -> None:
     write_eval_set(tmp_path / "top", n=2)
-    assert evaluate.find_eval_file(tmp_path / "top") == tmp_path / "top" / "eval.jsonl"
+    assert eval_examples.find_eval_file(tmp_path / "top") == tmp_path / "top" / "eval.jsonl"
     write_eval_set(tmp_path / "nested" / "data", n=2)
-    assert evaluate.find_eval_file(tmp_path / "nested") == tmp_path / "nested" / "data" / "eval.jsonl"
+    assert eval_examples.find_eval_file(tmp_path / "nested") == tmp_path / "nested" / "data" / "eval.jsonl"
     (tmp_path / "empty").mkdir()
     with pytest.raises(LoraflowError, match=r"must hold one eval\.jsonl"):
-        evaluate.find_eval_file(tmp_path / "empty")
+        eval_examples.find_eval_file(tmp_path / "empty")
 
 
 def test_find_model_dir_and_checks(tmp_path: Path, tiny_model: Path) -> None:
