@@ -488,18 +488,25 @@ def sec_qlora(d: dict) -> list[str]:
         "`lora_sft` measures them on the device after set-up (`on_device_size_in_bytes`). One fresh trainer-env "
         "process each (bytes and losses are deterministic; the seconds are a side figure). *Peak RSS* is the "
         "whole child's, the checkpoint load included (MaxText loads the full-precision checkpoint, then "
-        "quantizes: docs/qlora.md).",
+        "quantizes: docs/qlora.md). *Compiled step* = XLA's memory analysis of the train step compiled for "
+        "these shapes: its arguments (the training state and a batch) and its temporaries (activations, "
+        "gradients, the dequantized tiles).",
         "",
         "| base weights | training state (MiB) | vs LoRA | model (MiB) | adapter (MiB) | optimizer (MiB) "
-        "| loss first -> last | train_model (s) | peak RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| compiled step: arguments / temporaries (MiB) | loss first -> last | train_model (s) | peak RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     lora = s["none"]["train_state_bytes"]
     for k, v in s.items():
+        step = (
+            f"{f(v['step_argument_bytes'] / 2**20, 1)} / {f(v['step_temp_bytes'] / 2**20, 1)}"
+            if "step_temp_bytes" in v
+            else "not measured"
+        )
         out.append(
             f"| {'full precision (LoRA)' if k == 'none' else k} | {f(v['train_state_bytes'] / 2**20, 1)} | "
             f"{f(v['train_state_bytes'] / lora, 2)}x | {f(v['model_bytes'] / 2**20, 1)} | "
-            f"{f(v['adapter_bytes'] / 2**20, 2)} | {f(v['optimizer_bytes'] / 2**20, 2)} | "
+            f"{f(v['adapter_bytes'] / 2**20, 2)} | {f(v['optimizer_bytes'] / 2**20, 2)} | {step} | "
             f"{f(v['first_loss'], 3)} -> {f(v['final_loss'], 3)} | {f(v['train_s'], 1)} | {f(v['peak_rss_mib'], 0)} |"
         )
     ratio = lora / s["nf4"]["train_state_bytes"]

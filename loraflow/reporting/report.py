@@ -297,7 +297,29 @@ def _metrics_section(data: Mapping[str, Any]) -> str:
             f"{_e(decision.get('fixed'))} examples fixed, {_e(decision.get('broken'))} broken.</p>"
         )
         out += interval_svg(float(decision.get("delta", 0)), (lo, hi), float(decision.get("min_improvement", 0)))
-    return out
+    return out + _merge_cost_table(data.get("merge_cost"))
+
+
+def _merge_cost_table(cost: Mapping[str, Any] | None) -> str:
+    """QLoRA: the model as it trained (quantized base + adapter) against the merged one it became."""
+    if not cost:
+        return ""
+    rows = [
+        [
+            _e(r["metric"]),
+            f'<span class="num">{_num(r["quantized"])}</span>',
+            f'<span class="num">{_num(r["merged"])}</span>',
+            f"{float(r['change']):+.3f}",
+        ]
+        for r in cost.get("metrics", [])
+    ]
+    return (
+        f"<h3>What merging cost (QLoRA)</h3><p>The first {_e(cost.get('n'))} eval examples, answered by the model "
+        "as it trained (the quantized base + adapter, greedy, in lora_sft) and by the merged model that was "
+        f"evaluated and published (the full-precision base + adapter, vLLM); {_e(cost.get('identical_outputs'))} "
+        "answers identical.</p>"
+        + _table(["metric", "trained (quantized + adapter)", "merged (published)", "change"], rows)
+    )
 
 
 def _gate_section(data: Mapping[str, Any]) -> str:
@@ -364,6 +386,11 @@ def _training_section(data: Mapping[str, Any]) -> str:
             f"; {_e(summary.get('quantization') or 'none')} base weights, training state "
             f"{summary['train_state_bytes'] / 2**20:.1f} MiB (adapter {summary['adapter_bytes'] / 2**20:.2f} MiB, "
             f"optimizer {summary['optimizer_bytes'] / 2**20:.2f} MiB)"
+        )
+    if "step_temp_bytes" in summary:
+        facts += (
+            f"; compiled train step per device: arguments {summary['step_argument_bytes'] / 2**20:.1f} MiB, "
+            f"temporaries {summary['step_temp_bytes'] / 2**20:.1f} MiB"
         )
     body = f"<p>{facts}</p>" if facts else ""
     return body + (loss_svg(loss) if loss else '<p class="muted">no loss curve (training did not run)</p>')

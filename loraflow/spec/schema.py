@@ -143,6 +143,13 @@ class LoraSpec(_Model):
         description="QLoRA: one scale per tile of this many weights along each kernel's contracted dimension, "
         "which it must divide (checked against the model); null = one scale per output channel",
     )
+    quantized_eval_examples: int = Field(
+        100,
+        ge=0,
+        description="QLoRA: how many eval examples (the first) lora_sft answers with the model as it trained "
+        "(quantized base + adapter, greedy, evaluation.max_new_tokens), so the report shows what merging into "
+        "the full-precision base changed; 0 = none",
+    )
 
     @field_validator("quantization", mode="before")
     @classmethod

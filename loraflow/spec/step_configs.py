@@ -145,10 +145,14 @@ class LoraSftConfig(LoraSpec, TrainingSpec, StepConfig):
     shuffle: bool = True
     hardware: Hardware | None = None
     log_every: int = Field(10, ge=1)
+    # QLoRA: the length of the trained model's answers to the eval prompts (lora.quantized_eval_examples).
+    # Sent only under QLoRA, so a LoRA pipeline's training key does not move with its evaluation settings.
+    max_new_tokens: int = spec_field(EvaluationSpec, "max_new_tokens")
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> LoraSftConfig:
-        return cls(**_maxtext_model(spec), **spec.lora.model_dump(), **spec.training.model_dump())
+        answers = {"max_new_tokens": spec.evaluation.max_new_tokens} if spec.lora.quantization != "none" else {}
+        return cls(**_maxtext_model(spec), **spec.lora.model_dump(), **spec.training.model_dump(), **answers)
 
 
 class MergeAdapterConfig(StepConfig):

@@ -64,6 +64,7 @@ from loraflow.lora import peft
 from loraflow.pipeline import checkpoint_sync, faults, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
+from loraflow.steps import _trainer_answers
 from loraflow.steps._harness import StepContext, run_step
 from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
@@ -375,6 +376,8 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
         flags.FLAGS.mark_as_parsed()
     train_file, n_rows = _training_data(ctx)
+    if _wants_answers(cfg):
+        _trainer_answers.eval_file(ctx.inputs["dataset"])  # before hours of training, not after
     store = _checkpoint_storage(ctx, cfg, dist)
     argv = _maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], store.base_output, n_rows)
     mt_config = pyconfig.initialize_pydantic(argv)
@@ -383,6 +386,7 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     rows: list[tuple[int, float, float]] = []
     started = time.monotonic()
     trainer, mesh = _setup_trainer(ctx, cfg, mt_config, store.syncer, rows, n_rows)
+    last_batch = _remember_last_batch(trainer)
     start_step = int(trainer.train_steps)
     if dist is not None:
         ctx.progress(_sharding_note(trainer.model, mesh))
@@ -397,7 +401,12 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     train_seconds = time.monotonic() - t_train
     if store.syncer is not None:
         store.syncer.poll()
+    memory |= _compiled_step_bytes(trainer, mesh, mt_config, last_batch.get("batch"))
+    if "step_temp_bytes" in memory:
+        ctx.progress(_compiled_note(memory))
+    answers = _answer_eval_prompts(ctx, cfg, trainer.model, mesh, mt_config)
     return {
+        "answers": answers,
         "mt_config": mt_config,
         "lora_tree": _trained_adapter(trainer, dist),
         "rows": rows,
@@ -409,6 +418,29 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
         "train_seconds": train_seconds,
         "memory": memory,
     }
+
+
+def _wants_answers(cfg: dict[str, Any]) -> bool:
+    return cfg["quantization"] != "none" and cfg["quantized_eval_examples"] > 0
+
+
+def _answer_eval_prompts(
+    ctx: StepContext, cfg: dict[str, Any], model: Any, mesh: Any, mt_config: Any
+) -> _trainer_answers.Answers | None:
+    """QLoRA: the trained model's own answers to the first eval prompts (the report's merge-cost row)."""
+    if not _wants_answers(cfg):
+        return None
+    return _trainer_answers.answer_eval_prompts(
+        model,
+        mesh,
+        mt_config.logical_axis_rules,
+        ctx.inputs["dataset"],
+        ctx.inputs["tokenizer"],
+        cfg["quantized_eval_examples"],
+        cfg["max_new_tokens"],
+        cfg["batch_size"],
+        ctx.progress,
+    )
 
 
 def _training_data(ctx: StepContext) -> tuple[Path, int]:
@@ -552,6 +584,51 @@ def _state_bytes(trainer: Any) -> dict[str, int]:
     }
 
 
+def _remember_last_batch(trainer: Any) -> dict[str, Any]:
+    """Make the trainer keep the last batch it prepared: the compiled step's memory is read with it."""
+    seen: dict[str, Any] = {}
+    prepare = trainer._prepare_inputs  # pylint: disable=protected-access
+
+    def remembering(example: Any) -> Any:
+        seen["batch"] = prepared = prepare(example)
+        return prepared
+
+    trainer._prepare_inputs = remembering  # pylint: disable=protected-access
+    return seen
+
+
+def _compiled_step_bytes(trainer: Any, mesh: Any, mt_config: Any, batch: Any) -> dict[str, int]:
+    """XLA's memory analysis of the train step compiled for this run's shapes and shardings (per device):
+    its arguments (model, optimizer state, batch), outputs and temporaries (activations, gradients).
+    One more compilation of the step (not run); nothing when no step ran (a resumed, finished run)."""
+    if batch is None:
+        return {}
+    import jax
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from tunix.sft import sharding_utils
+
+    with jax.set_mesh(mesh), logical_axis_rules(mt_config.logical_axis_rules):
+        sharded = sharding_utils.shard_input(batch, trainer.config.data_sharding_axis)
+        step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+        stats = step.lower(trainer.model, trainer.optimizer, sharded).compile().memory_analysis()
+    if stats is None:  # a backend without the analysis
+        return {}
+    return {
+        "step_argument_bytes": int(stats.argument_size_in_bytes),
+        "step_output_bytes": int(stats.output_size_in_bytes),
+        "step_temp_bytes": int(stats.temp_size_in_bytes),
+    }
+
+
+def _compiled_note(memory: dict[str, int]) -> str:
+    return (
+        f"compiled train step, per device: arguments {memory['step_argument_bytes'] / 2**20:.2f} MiB, "
+        f"temporaries {memory['step_temp_bytes'] / 2**20:.2f} MiB, outputs {memory['step_output_bytes'] / 2**20:.2f} "
+        "MiB (XLA's memory analysis)"
+    )
+
+
 def _memory_note(memory: dict[str, int]) -> str:
     mib = {k: v / 2**20 for k, v in memory.items()}
     return (
@@ -644,6 +721,8 @@ def run(ctx: StepContext) -> dict[str, Any]:
     if res["final_step"] < cfg["steps"]:
         raise LoraflowError(f"training stopped at step {res['final_step']} of {cfg['steps']} (data ran out?)")
     _write_loss_csv(ctx.out / "loss.csv", res["rows"])
+    if res["answers"] is not None:
+        _write_jsonl(ctx.out / _trainer_answers.ANSWERS_JSONL, res["answers"].rows())
     _write_adapter(ctx.out / "adapter", cfg, res, dist)
     if res["shared_dir"] is not None:
         shutil.rmtree(res["shared_dir"], ignore_errors=True)  # every process is past training: nobody writes it
@@ -661,6 +740,10 @@ def _write_loss_csv(path: Path, rows: list[tuple[int, float, float]]) -> None:
         w.writerow(["step", "loss", "tokens_per_s"])
         for step, loss, tps in rows:
             w.writerow([step, f"{loss:.6f}", f"{tps:.1f}"])
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def _write_adapter(
@@ -759,7 +842,14 @@ def _summary(
         "processes": dist.num_processes if dist is not None else 1,
         "quantization": cfg["quantization"],
         **res["memory"],
+        **_answers_summary(res["answers"]),
     }
+
+
+def _answers_summary(answers: _trainer_answers.Answers | None) -> dict[str, Any]:
+    if answers is None:
+        return {}
+    return {"quantized_eval_examples": len(answers.ids), "quantized_eval_seconds": round(answers.seconds, 1)}
 
 
 def _module_path(mt_config: Any) -> str:

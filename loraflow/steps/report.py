@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.evaluation import merge_cost
 from loraflow.evaluation.metrics import METRICS
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting import report
@@ -43,11 +44,12 @@ from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps._harness import StepContext, run_step
 
 STAGE = "report"
+QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA (loraflow/steps/_trainer_answers.py)
 WANTED = {
     "validate_data": ["data_report.json"],
     "evaluate_base": ["metrics.json", "predictions.jsonl"],
     "evaluate_tuned": ["metrics.json", "predictions.jsonl"],
-    "lora_sft": ["loss.csv"],
+    "lora_sft": ["loss.csv", QUANTIZED_ANSWERS],
     "gate": ["decision.json"],
 }
 # Per-example lists (the predictions show those) and the settings.
@@ -112,6 +114,7 @@ def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
             _predictions(local, "evaluate_base"), _predictions(local, "evaluate_tuned"), column=_gated_column(local)
         ),
         "publish": _publish_entry(ctx, run_prefix),
+        "merge_cost": _merge_cost(local),
     }
 
 
@@ -171,6 +174,17 @@ def _eval_metrics(local: dict[str, Path], stage: str) -> dict[str, Any]:
 
 def _predictions(local: dict[str, Path], stage: str) -> list[dict[str, Any]]:
     return _read_jsonl(local[stage] / "predictions.jsonl") if stage in local else []
+
+
+def _merge_cost(local: dict[str, Path]) -> dict[str, Any] | None:
+    """QLoRA: the trained (quantized base + adapter) model's answers against the merged model's."""
+    if "lora_sft" not in local or "evaluate_tuned" not in local:
+        return None
+    answers = _read_jsonl(local["lora_sft"] / QUANTIZED_ANSWERS)
+    metrics = _read_json(local["evaluate_tuned"] / "metrics.json") or {}
+    if not answers or "config" not in metrics:
+        return None
+    return merge_cost.compare(answers, _predictions(local, "evaluate_tuned"), metrics["config"])
 
 
 def _decision(local: dict[str, Path]) -> dict[str, Any] | None:

@@ -57,11 +57,12 @@ def base(tmp_path_factory):
     hf = tinymodel.create(root / "hf", [PARITY / "train.jsonl"])
     ds = root / "dataset"
     ds.mkdir()
-    with (PARITY / "train.jsonl").open() as f, (ds / "train.jsonl").open("w") as g:
-        for line in f:
-            r = json.loads(line)
-            msgs = [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]
-            g.write(json.dumps({"messages": msgs}) + "\n")
+    for split in ("train", "eval"):  # as validate_data writes them
+        with (PARITY / f"{split}.jsonl").open() as f, (ds / f"{split}.jsonl").open("w") as g:
+            for line in f:
+                r = json.loads(line)
+                msgs = [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]
+                g.write(json.dumps({"messages": msgs}) + "\n")
 
     from loraflow.steps import convert_checkpoint
 
@@ -149,11 +150,21 @@ def test_qlora_nf4_trains_exports_and_merges_into_the_full_precision_base(base, 
         tmp_path,
         "lora_sft",
         trained["inputs"],
-        {**SFT, "quantization": "nf4", "tile_size": 64},
+        {**SFT, "quantization": "nf4", "tile_size": 64, "quantized_eval_examples": 40, "max_new_tokens": 4},
         str(tmp_path / "remote"),
     )
     ctx.progress = lines.append  # type: ignore[method-assign]
     s = lora_sft.run(ctx)
+    # The model as it trained (quantized base + adapter) answered the first 40 eval prompts itself.
+    answers = [json.loads(line) for line in (ctx.out / "quantized_answers.jsonl").read_text().splitlines()]
+    references = [json.loads(line)["completion"] for line in (PARITY / "eval.jsonl").read_text().splitlines()]
+    assert [a["id"] for a in answers] == [str(i) for i in range(40)] and s["quantized_eval_examples"] == 40
+    right = sum(a["output"].strip() == references[int(a["id"])] for a in answers)
+    assert right >= 32, answers
+    assert not (trained["ctx"].out / "quantized_answers.jsonl").exists()  # LoRA: the merged model is the trained one
+    # The compiled train step's memory (XLA's analysis): the state it takes, the activations it makes.
+    for summary in (s, trained["summary"]):
+        assert summary["step_argument_bytes"] >= summary["train_state_bytes"] and summary["step_temp_bytes"] > 0
     note = next(line for line in lines if line.startswith("QLoRA: "))
     assert "7 kernel stacks hold their base weights as nf4" in note and "tiles of 64" in note, note
     for kernel in ("self_attention/query", "self_attention/out", "mlp/wi_0", "mlp/wo"):
