@@ -21,11 +21,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loraflow.dev import local_gcs
 from loraflow.errors import LoraflowError
+from loraflow.evaluation.metrics import METRICS
 from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting.report import browser_url
@@ -44,13 +46,40 @@ def say(message: str) -> None:
 # ---------------------------------------------------------------------------------- sources
 
 
-def make_tiny_model(dest: Path) -> Path:
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny model the demo makes: the task whose text trains its tokenizer, and how it splits numbers."""
+
+    data: Path  # train.jsonl and eval.jsonl of the task (what `make demo` uploads beside the model)
+    numbers: str  # loraflow.dev.tinymodel's --numbers
+
+
+# The tiny models by the name the specs give them (the last part of base_model.hf_checkpoint).
+TINY_MODELS = {
+    "tiny-llama": TinyModel(TINY_DATA, "digits"),
+    "tiny-llama-arithmetic": TinyModel(REPO_ROOT / "pipelines" / "data" / "arithmetic", "groups"),
+}
+
+
+def tiny_model_for(spec: PipelineSpec) -> tuple[str, TinyModel]:
+    """The tiny model a spec's base_model.hf_checkpoint names: (name, how it is made)."""
+    name = spec.base_model.hf_checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    if name not in TINY_MODELS:
+        raise LoraflowError(
+            f"the demo makes the tiny models {', '.join(TINY_MODELS)}, but {spec.name}'s base_model.hf_checkpoint "
+            f"ends in {name!r}: point it at gs://loraflow-demo/sources/<one of them>"
+        )
+    return name, TINY_MODELS[name]
+
+
+def make_tiny_model(dest: Path, tiny: TinyModel = TINY_MODELS["tiny-llama"]) -> Path:
     """The tiny HF checkpoint, made once by the trainer environment's Python (numpy, tokenizers)."""
     if (dest / "model.safetensors").exists():
         return dest
     python = ENVIRONMENTS["trainer"].local_python()
+    argv = ["-m", "loraflow.dev.tinymodel", "--out", str(dest), "--corpus", str(tiny.data / "train.jsonl")]
     subprocess.run(
-        [str(python), "-m", "loraflow.dev.tinymodel", "--out", str(dest), "--corpus", str(TINY_DATA / "train.jsonl")],
+        [str(python), *argv, "--numbers", tiny.numbers],
         check=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
@@ -382,7 +411,8 @@ def print_verdict(v: dict[str, Any]) -> None:
     d = v["decision"]
     say("-" * 72)
     say(f"run {v['run_id']}")
-    say(f"accuracy before SFT: {v['base'].get('accuracy')}  after: {v['tuned'].get('accuracy')}")
+    for name in [k for k in METRICS if k in v["base"] or k in v["tuned"]] or ["accuracy"]:
+        say(f"{name} before SFT: {v['base'].get(name)}  after: {v['tuned'].get(name)}")
     say(f"gate: {'PROMOTE' if d.get('promote') else 'do not promote'} - {d.get('reason', '')}")
     if v["published"]:
         say(f"published: {v['published']}")
@@ -394,18 +424,20 @@ def print_verdict(v: dict[str, Any]) -> None:
         say(f"            {v['report_url']} (served while this stack runs)")
 
 
-def prepare(spec_path: Path = TINY_SPEC, home: Path = DEMO_HOME, data_dir: Path = TINY_DATA) -> PipelineSpec:
-    """Make the tiny model (once) and upload it and the task's data where the spec reads them."""
+def prepare(spec_path: Path = TINY_SPEC, home: Path = DEMO_HOME, data_dir: Path | None = None) -> PipelineSpec:
+    """Make the spec's tiny model (once) and upload it and the task's data (``data_dir``: another
+    train.jsonl and eval.jsonl) where the spec reads them."""
     spec = load_spec(spec_path)
-    model = make_tiny_model(home / "tiny-llama")
-    for line in seed_sources(spec_path, model, data_dir):
+    name, tiny = tiny_model_for(spec)
+    model = make_tiny_model(home / name, tiny)
+    for line in seed_sources(spec_path, model, data_dir or tiny.data):
         say(line)
     return spec
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     with local_stack() as airflow:
-        spec = prepare()
+        spec = prepare(args.spec)
         airflow.wait_for_dag(spec.name)
         conf = json.loads(args.conf)
         run_id = airflow.trigger(spec.name, conf)
@@ -438,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the tiny pipeline once on a local Airflow and print the verdict")
     r.add_argument("--conf", default="{}", help="trigger parameters as JSON, e.g. '{\"training_steps\": 100}'")
+    r.add_argument(
+        "--spec",
+        type=Path,
+        default=TINY_SPEC,
+        help="the pipeline to run: pipelines/tiny-llama-lora.yaml (default) or pipelines/tiny-llama-qlora.yaml",
+    )
     r.set_defaults(fn=cmd_run)
     u = sub.add_parser("ui", help="start GCS emulator + Airflow and keep them up for the web UI")
     u.set_defaults(fn=cmd_ui)

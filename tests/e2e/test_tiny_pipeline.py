@@ -20,6 +20,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
+QLORA = REPO / "pipelines" / "tiny-llama-qlora.yaml"
 HEAVY_STAGES = {"validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned"}
 
 
@@ -52,6 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     pipelines = home / "pipelines"
     pipelines.mkdir()
     shutil.copy(TINY, pipelines)
+    shutil.copy(QLORA, pipelines)
     bad = bad_data_spec(pipelines, home / "bad-data")
     with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
         spec = prepare(TINY, home)
@@ -70,6 +72,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         r.results["second"] = airflow.trigger(spec.name)
         r.results["second_state"] = airflow.wait_for_run(spec.name, r.results["second"])
         r.results["second_verdict"] = verdict(spec, airflow, r.results["second"])
+        # QLoRA (nf4) on the arithmetic task, on its own tiny model, in the same stack.
+        qlora = prepare(QLORA, home)
+        airflow.wait_for_dag(qlora.name)
+        r.results["qlora"] = airflow.trigger(qlora.name)
+        r.results["qlora_state"] = airflow.wait_for_run(qlora.name, r.results["qlora"])
+        r.results["qlora_verdict"] = verdict(qlora, airflow, r.results["qlora"])
         yield r
 
 
@@ -178,3 +186,24 @@ def test_a_failed_run_still_writes_a_report_that_says_why(runs: Runs) -> None:
     url = found.group(1)
     with urllib.request.urlopen(url, timeout=30) as response:
         assert response.status == 200 and "train_dataset" in response.read().decode()
+
+
+def test_qlora_run_learns_the_tagged_arithmetic_and_reports_what_merging_cost(runs: Runs) -> None:
+    """pipelines/tiny-llama-qlora.yaml: nf4 base weights while training, the adapter merged into the
+    full-precision base, evaluated by vLLM on the number in the <answer> tag and on the format."""
+    assert runs.results["qlora_state"] == "success"
+    v = runs.results["qlora_verdict"]
+    base, tuned = v["base"], v["tuned"]
+    assert base["n"] == tuned["n"] == 400
+    assert tuned["numeric_accuracy"] - base["numeric_accuracy"] >= 0.5, v
+    assert tuned["tagged_format_rate"] - base["tagged_format_rate"] >= 0.5, v
+    assert v["decision"]["metric"] == "numeric_accuracy" and v["decision"]["promote"] is True
+    training = runs.airflow.xcom("tiny-llama-qlora", runs.results["qlora"], "lora_sft")["summary"]
+    assert training["quantization"] == "nf4" and training["quantized_eval_examples"] == 100
+    assert training["step_temp_bytes"] > 0
+    log = last_log(runs.airflow, "tiny-llama-qlora", runs.results["qlora"], "lora_sft")
+    assert "hold their base weights as nf4" in log and "compiled train step" in log
+    bucket, path = gcs.split_uri(v["report"])
+    html = gcs.client().bucket(bucket).blob(path).download_as_bytes().decode()
+    assert "What merging cost (QLoRA)" in html and "The first 100 eval examples" in html
+    assert "numeric_accuracy" in html and "tagged_format_rate" in html
