@@ -182,6 +182,22 @@ def test_qlora_nf4_trains_exports_and_merges_into_the_full_precision_base(base, 
     assert report.changed == report.merged == 2 * 7, (report.changed, report.merged)
 
 
+def test_a_qlora_adapter_that_changes_nothing_is_stopped_at_the_merge(base, trained, tmp_path):
+    """The "adapter did nothing" guard under QLoRA: an adapter trained for real against the nf4 base,
+    but with a learning rate so small that its update rounds away in the full-precision weights, merges
+    into a checkpoint equal to the base bit for bit; merge_adapter refuses to pass it on."""
+    from loraflow.steps import lora_sft, merge_adapter
+
+    config = {**SFT, "quantization": "nf4", "tile_size": 64, "quantized_eval_examples": 0}
+    config |= {"steps": 2, "checkpoint_period": 2, "learning_rate": 1e-20}
+    ctx = _ctx(tmp_path / "sft", "lora_sft", trained["inputs"], config, str(tmp_path / "remote"))
+    s = lora_sft.run(ctx)
+    assert s["quantization"] == "nf4" and s["peft_tensors"] == 28
+    merge = _ctx(tmp_path / "merge", "merge_adapter", {"base": base["hf"], "adapter": ctx.out}, {}, "gs://b/p/r/m")
+    with pytest.raises(merge_adapter.NoOpMergeError, match="did nothing"):
+        merge_adapter.run(merge)
+
+
 def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
     """A second attempt of the same stage (fresh scratch dirs, as on a new host) resumes."""
     from loraflow.pipeline import checkpoint_sync
