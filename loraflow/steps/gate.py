@@ -249,6 +249,7 @@ def summary(decision: Decision, compared: dict[str, Any] | None) -> dict[str, An
     """The manifest's summary (and the XCom the publish task reads)."""
     return {
         "promote": decision.promote,
+        "metric": decision.metric,  # what base, tuned and delta measure
         "base": round(decision.base, 6),
         "tuned": round(decision.tuned, 6),
         "delta": round(decision.delta, 6),

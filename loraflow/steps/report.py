@@ -266,11 +266,18 @@ def run(ctx: StepContext) -> dict[str, Any]:
     failed = data["failure"]
     if failed:
         ctx.progress(f"the run failed at {failed['stage']}: {failed['reason']}")
+    cost = data["merge_cost"]
+    if cost:
+        ctx.progress(
+            f"QLoRA, what merging cost on {cost['n']} examples (trained -> merged): "
+            + ", ".join(f"{r['metric']} {r['quantized']:.3f} -> {r['merged']:.3f}" for r in cost["metrics"])
+        )
     return {
         "report": gcs.join(ctx.output_uri, "report.html"),
         "promote": decision.get("promote"),
         "cache_hits": hits,
         "failed_stage": failed["stage"] if failed else None,
+        "merge_cost": cost,
     }
 
 

@@ -83,7 +83,7 @@ def test_the_gate_compares_the_column_of_the_spec_metric(
     }
     ctx = make_ctx("gate", inputs, {"metric": metric.name, "min_improvement": 0.3})
     summary = gate.run(ctx)
-    assert summary["promote"] is True
+    assert summary["promote"] is True and summary["metric"] == metric.name
     assert summary["base"] == pytest.approx(0.2) and summary["tuned"] == pytest.approx(0.95)
     assert json.loads((ctx.out / "decision.json").read_text())["metric"] == metric.name
 

@@ -199,6 +199,9 @@ def test_qlora_run_learns_the_tagged_arithmetic_and_reports_what_merging_cost(ru
     assert tuned["tagged_format_rate"] - base["tagged_format_rate"] >= 0.5, v
     assert v["decision"]["metric"] == "numeric_accuracy" and v["decision"]["promote"] is True
     training = runs.airflow.xcom("tiny-llama-qlora", runs.results["qlora"], "lora_sft")["summary"]
+    cost = runs.airflow.xcom("tiny-llama-qlora", runs.results["qlora"], "report")["summary"]["merge_cost"]
+    print(f"[e2e] tiny-llama-qlora: base {base}; tuned {tuned}; lora_sft {training}; merge cost {cost}")
+    assert cost["n"] == 100 and {r["metric"] for r in cost["metrics"]} >= {"numeric_accuracy", "tagged_format_rate"}
     assert training["quantization"] == "nf4" and training["quantized_eval_examples"] == 100
     assert training["step_temp_bytes"] > 0
     log = last_log(runs.airflow, "tiny-llama-qlora", runs.results["qlora"], "lora_sft")
