@@ -1,6 +1,7 @@
 """8. QLoRA memory: the lora_sft stage on a generated ~100 M parameter Llama-architecture model with
 LoRA, int8 and nf4 base weights, side by side in one run: the training state's device bytes (model,
-adapter, optimizer) and the loss after the same steps. Fresh trainer-env process each, interleaved.
+adapter, optimizer), the compiled train step's argument and temporary bytes (XLA's memory analysis) and
+the loss after the same steps. Fresh trainer-env process each, interleaved.
 Driver: any Python (stdlib only).
 """
 
@@ -37,8 +38,8 @@ def main() -> None:
             f"{r['model_bytes'] / 2**20:.0f} MiB), loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} in "
             f"{r['train_s']:.0f}s, peak RSS {r.get('peak_rss_mib', 0):.0f} MiB"
         )
-    keys = ("train_state_bytes", "model_bytes", "adapter_bytes", "optimizer_bytes", "first_loss", "final_loss",
-            "train_s", "setup_s", "peak_rss_mib")  # fmt: skip
+    keys = ("train_state_bytes", "model_bytes", "adapter_bytes", "optimizer_bytes", "step_argument_bytes",
+            "step_temp_bytes", "first_loss", "final_loss", "train_s", "setup_s", "peak_rss_mib")  # fmt: skip
     summary = {v: {k: median([r.get(k, float("nan")) for r in rs]) for k in keys} for v, rs in raw.items()}
     save("qlora", {"reps": reps, "steps": STEPS, "parameters": prep["parameters"], "dims": prep["dims"],
                    "summary": summary})  # fmt: skip
