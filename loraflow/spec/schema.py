@@ -175,9 +175,10 @@ class TrainingSpec(_Model):
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="compute dtype (float32 on CPU)")
     checkpoint_storage: Literal["staged", "direct"] = Field(
         "staged",
-        description="where Orbax writes checkpoints: staged (a local directory; each finished step is uploaded to "
-        "the stage's gs://.../_checkpoints; one host only) or direct (Orbax writes gs://.../_checkpoints itself, "
-        "every host its own shards; what a multi-host stage needs)",
+        description="where Orbax writes checkpoints: staged (every host writes its own shards to its own disk and "
+        "uploads them to the stage's gs://.../_checkpoints/<step>/host-<i>; a step is committed once every host "
+        "uploaded; a resume needs the same number of hosts) or direct (Orbax writes gs://.../_checkpoints itself, "
+        "every host its own shards)",
     )
 
 
@@ -478,16 +479,6 @@ class PipelineSpec(_Model):
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; use 'default' or one of {list(STAGES)}")
         return v
-
-    @model_validator(mode="after")
-    def _checkpoints_fit_the_hosts(self) -> PipelineSpec:
-        hosts = getattr(self.compute_for("lora_sft"), "hosts", 1)
-        if hosts > 1 and self.training.checkpoint_storage == "staged":
-            raise ValueError(
-                f"training.checkpoint_storage: staged keeps checkpoints on one host's disk, but compute.lora_sft "
-                f"runs on {hosts} hosts, which share no disk; set training.checkpoint_storage: direct"
-            )
-        return self
 
     @model_validator(mode="after")
     def _tile_fits_the_model(self) -> PipelineSpec:

@@ -205,7 +205,9 @@ def _run(stage: str, fn: StepFn, args: argparse.Namespace) -> int:
         _fetch_inputs(ctx, call.inputs, listings, root / "in")
         summary = _call_step(fn, ctx)
         if not ctx.commits:
-            ctx.progress("not the committing process of this multi-host job: nothing uploaded")
+            ctx.progress(
+                "not the committing process of this multi-host job: no output uploaded (process 0 commits them)"
+            )
             return 0
         _commit(ctx, call, fingerprints, {**ctx.summary, **summary, "seconds": round(time.monotonic() - started, 2)})
         return 0

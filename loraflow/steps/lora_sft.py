@@ -12,11 +12,19 @@ MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflo
 
 * a training hook that prints ``step N loss L tokens/s T`` lines (flushed: the Airflow log is live)
   and writes ``loss.csv``;
-* checkpoint persistence (``staged``, one host): Orbax/Tunix saves every ``checkpoint_period``
-  steps into a local directory; each finalised step is copied to ``{output}/_checkpoints/<step>`` (outside the
-  committed files, a completion marker last) and the newest complete step is downloaded before
-  the trainer starts, so a restarted run - on a new host - resumes from it (Tunix restores the
-  LoRA params, optimizer state and step; we skip the batches already trained on).
+* checkpoint persistence, ``checkpoint_storage: staged`` (the default): Orbax/Tunix saves every
+  ``checkpoint_period`` steps into a directory on the host's own disk, and the newest committed step
+  is downloaded before the trainer starts, so a restarted run - on new hosts - resumes from it (Tunix
+  restores the LoRA params, optimizer state and step; we skip the batches already trained on). One
+  host: each finalised step is copied to ``{output}/_checkpoints/<step>/`` (outside the committed
+  files), the completion marker last. Several hosts: every host's Orbax is a primary of its own
+  directory and writes the metadata and every shard it holds, replicated ones included
+  (``_per_host_checkpoint_manager``), so that directory alone restores that host; each host uploads
+  its part to ``{output}/_checkpoints/<step>/host-<i>/`` (its ``_LORAFLOW_HOST.json`` last); at each
+  training step the hosts agree (a collective) which step all have uploaded, and process 0 commits
+  it once (``<step>/_LORAFLOW_COMPLETE.json``, listing every host's files); a resume downloads each
+  host's own part of the newest committed step, and needs the same number of hosts
+  (``loraflow.pipeline.checkpoint_sync``).
   ``checkpoint_storage: direct`` instead points MaxText's base_output_directory at that gs:// prefix:
   Orbax writes it itself (tensorstore's GCS driver, every host its own shards, process 0 the metadata
   and ``commit_success.txt`` last) and restores the newest committed step from it;
@@ -26,13 +34,13 @@ MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflo
 Multi-host: when ``loraflow.launchers.multihost`` finds a job of several processes (a Vertex AI worker pool, a
 GKE JobSet, or N local processes on loopback), every process calls ``jax.distributed.initialize``
 with its wiring before JAX starts; MaxText's mesh then spans every process's devices (parameters
-sharded across hosts, each host loading its share of every batch). Hosts share no disk, so their
-checkpoints go straight to GCS (``direct``; the spec refuses ``staged`` for a multi-host stage). A
-step run by hand with ``staged`` on several processes checks that they share one local directory
-and refuses, naming the fix, when they do not.
-Only process 0 downloads/uploads checkpoints and writes the outputs; it does so after every process
-has finished training, and the harness commits the manifest from process 0 only. The other
-processes write nothing and, through JAX's shutdown barrier, exit when process 0 does.
+sharded across hosts, each host loading its share of every batch). Hosts share no disk: each writes
+its checkpoints to its own disk and uploads its own part (``staged``), or Orbax writes them to GCS
+(``direct``).
+Only process 0 commits checkpoints and writes the outputs; it writes them after every process has
+finished training, and the harness commits the manifest from process 0 only. The other
+processes write no outputs (staged: only their checkpoint parts) and, through JAX's shutdown
+barrier, exit when process 0 does.
 Internal configs ``packing`` (default true: several examples per row; false: one padded example
 per row) and ``shuffle`` (default true: every epoch in its own order, fixed by the seed). loraflow
 writes the examples in training order itself (``loraflow.data.epochs``; MaxText's own shuffle is off,
@@ -337,35 +345,12 @@ def _barrier(name: str) -> None:
     multihost_utils.sync_global_devices(f"loraflow lora_sft {name}")
 
 
-def _shared_checkpoint_dir(ctx: StepContext, dist: multihost.DistributedConfig) -> Path:
-    """The one local directory every process's Orbax writes into, checked to be the same disk.
-
-    Process 0 empties it and leaves a random token in it; every other process must read the same
-    token there, or the processes do not share a disk (separate hosts): then checkpoints have to go
-    straight to GCS.
-    """
-    import hashlib
-    import secrets
-    import tempfile
-
+def _gather_ints(value: int) -> list[int]:
+    """Every process's ``value``, in process order (a collective: every process must call it)."""
     import numpy as np
     from jax.experimental import multihost_utils
 
-    tag = hashlib.sha256(ctx.output_uri.encode()).hexdigest()[:16]
-    shared = Path(os.environ.get("LORAFLOW_SCRATCH") or tempfile.gettempdir()) / f"loraflow-lora_sft-{tag}"
-    token = secrets.randbits(31)  # JAX arrays are 32-bit unless x64 is on
-    if dist.is_coordinator:
-        shutil.rmtree(shared, ignore_errors=True)
-        shared.mkdir(parents=True)
-        (shared / "_token").write_text(str(token))
-    agreed = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
-    seen = (shared / "_token").read_text() if (shared / "_token").is_file() else None
-    if seen != str(agreed):
-        raise LoraflowError(
-            f"process {dist.process_id} does not see process 0's checkpoint directory {shared}: the hosts do not "
-            "share a disk; set training.checkpoint_storage: direct (checkpoints written straight to the gs:// output)"
-        )
-    return shared
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]
 
 
 def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConfig | None = None) -> dict[str, Any]:
@@ -385,7 +370,7 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
 
     rows: list[tuple[int, float, float]] = []
     started = time.monotonic()
-    trainer, mesh = _setup_trainer(ctx, cfg, mt_config, store.syncer, rows, n_rows)
+    trainer, mesh = _setup_trainer(ctx, cfg, mt_config, store, rows, n_rows)
     last_batch = _remember_last_batch(trainer)
     start_step = int(trainer.train_steps)
     if dist is not None:
@@ -413,7 +398,6 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
         "start_step": start_step,
         "final_step": int(trainer.train_steps),
         "local_ckpt": store.local_ckpt,
-        "shared_dir": store.shared_dir,
         "setup_seconds": t_train - started,
         "train_seconds": train_seconds,
         "memory": memory,
@@ -457,36 +441,29 @@ class _Checkpoints:
 
     base_output: str  # MaxText's base_output_directory: a local directory, or the gs:// prefix (direct)
     local_ckpt: Path  # where Orbax writes them, when local
-    syncer: checkpoint_sync.Syncer | None  # process 0 with staged checkpoints: persists each to GCS
-    shared_dir: Path | None  # the directory several processes share (staged, multi-process): removed at the end
+    syncer: checkpoint_sync.Syncer | checkpoint_sync.HostSyncer | None  # staged: persists each to GCS
+    per_host: bool  # staged on several hosts: every host's Orbax writes (and restores) its own shards locally
 
 
 def _checkpoint_storage(
     ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConfig | None
 ) -> _Checkpoints:
-    """Where Orbax writes checkpoints; with staged ones, process 0 first fetches the newest from GCS to resume."""
+    """Where Orbax writes checkpoints; staged ones are first fetched from GCS to resume (every host its own part)."""
     remote = ctx.output_uri.rstrip("/") + "/_checkpoints"
-    direct = cfg["checkpoint_storage"] == "direct"
-    base_output = _checkpoint_base(ctx, dist, remote, direct)
-    local_ckpt = Path(base_output) / RUN_NAME / "checkpoints"
-    syncer = None
-    if not direct and ctx.commits:  # process 0 fetches and persists checkpoints for every process
-        syncer = _staged_syncer(ctx, local_ckpt, remote)
-    if dist is not None:
-        _barrier("checkpoint directory ready")
-    shared_dir = Path(base_output).parent if dist is not None and not direct else None
-    return _Checkpoints(base_output, local_ckpt, syncer, shared_dir)
-
-
-def _checkpoint_base(ctx: StepContext, dist: multihost.DistributedConfig | None, remote: str, direct: bool) -> str:
-    """MaxText's base_output_directory: the GCS prefix (direct), a directory the processes share, or the work dir."""
-    if direct:
+    if cfg["checkpoint_storage"] == "direct":
         gcs.route_native_clients()  # Orbax's own GCS clients: at the emulator when there is one
         ctx.progress(f"checkpoints: Orbax writes them to {remote} (direct)")
-        return remote
-    if dist is not None:
-        return str(_shared_checkpoint_dir(ctx, dist) / "maxtext")
-    return str(ctx.work / "maxtext")
+        local_ckpt = Path(remote) / RUN_NAME / "checkpoints"  # never a directory: nothing local to copy
+        if dist is not None:
+            _barrier("checkpoint directory ready")
+        return _Checkpoints(remote, local_ckpt, None, per_host=False)
+    base_output = str(ctx.work / "maxtext")  # this host's own disk
+    local_ckpt = Path(base_output) / RUN_NAME / "checkpoints"
+    if dist is None:
+        return _Checkpoints(base_output, local_ckpt, _staged_syncer(ctx, local_ckpt, remote), per_host=False)
+    syncer = _host_syncer(ctx, dist, local_ckpt, remote)
+    _barrier("checkpoint directory ready")
+    return _Checkpoints(base_output, local_ckpt, syncer, per_host=True)
 
 
 def _staged_syncer(ctx: StepContext, local_ckpt: Path, remote: str) -> checkpoint_sync.Syncer:
@@ -498,21 +475,95 @@ def _staged_syncer(ctx: StepContext, local_ckpt: Path, remote: str) -> checkpoin
     return checkpoint_sync.Syncer(local_ckpt, remote, ctx.progress)
 
 
+def _host_syncer(
+    ctx: StepContext, dist: multihost.DistributedConfig, local_ckpt: Path, remote: str
+) -> checkpoint_sync.HostSyncer:
+    """This host's part of the newest committed checkpoint onto its own disk; then persist its part of each new one."""
+    local_ckpt.mkdir(parents=True, exist_ok=True)
+    host, hosts = dist.process_id, dist.num_processes
+    ctx.progress(
+        f"checkpoints: host {host} stages its own shards on its disk and uploads them to "
+        f"{remote}/<step>/{checkpoint_sync.host_part(host)} (staged); host 0 commits each step every host uploaded"
+    )
+    restored = checkpoint_sync.download_latest(remote, local_ckpt, host=host, hosts=hosts)
+    found = _gather_ints(restored or 0)
+    if len(set(found)) != 1:
+        raise LoraflowError(f"the hosts found different newest checkpoints under {remote} (steps by host: {found})")
+    if restored is not None:
+        ctx.progress(f"found checkpoint step {restored} under {remote}: host {host} resumes from its part")
+    return checkpoint_sync.HostSyncer(local_ckpt, remote, host, hosts, _gather_ints, ctx.progress)
+
+
+def _per_host_checkpoint_manager(base_cls: Any) -> Any:
+    """Tunix's checkpoint manager with every host a primary writing to its own local directory.
+
+    Orbax's default has process 0 write the metadata and each replicated shard written once
+    (replica 0): no host's directory then holds everything it restores. Here every host writes the
+    metadata and every shard it holds (replicas included), as Orbax's own local checkpointing does,
+    so each host restores from its own directory alone.
+    """
+    import dataclasses
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    class PerHostCheckpointManager(base_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, root_directory: str | None = None, options: Any = None):
+            super().__init__(None, options)  # Tunix's own Orbax manager: none
+            if root_directory is None:
+                return
+            every_host = ocp.options.MultiprocessingOptions(primary_host=None, barrier_sync_key_prefix="loraflow-host")
+            registry = ocp.type_handlers.create_type_handler_registry(
+                (
+                    jax.Array,
+                    ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False),
+                )
+            )
+
+            def pytree() -> Any:
+                return ocp.PyTreeCheckpointHandler(multiprocessing_options=every_host, type_handler_registry=registry)
+
+            self._checkpoint_manager = ocp.CheckpointManager(
+                root_directory,
+                item_handlers={
+                    "model_params": pytree(),
+                    "optimizer_state": pytree(),
+                    "custom_metadata": ocp.JsonCheckpointHandler(multiprocessing_options=every_host),
+                },
+                options=dataclasses.replace(
+                    options or ocp.CheckpointManagerOptions(),
+                    multiprocessing_options=every_host,
+                    enable_per_process_directory_creation=True,
+                ),
+            )
+
+    return PerHostCheckpointManager
+
+
 def _setup_trainer(
-    ctx: StepContext, cfg: dict[str, Any], mt_config: Any, syncer, rows: list[tuple[int, float, float]], n_rows: int
+    ctx: StepContext,
+    cfg: dict[str, Any],
+    mt_config: Any,
+    store: _Checkpoints,
+    rows: list[tuple[int, float, float]],
+    n_rows: int,
 ) -> tuple[Any, Any]:
-    """MaxText's ``setup_trainer_state`` with loraflow's hooks in place of its SFT hooks: (trainer, mesh)."""
+    """MaxText's ``setup_trainer_state`` with loraflow's hooks in place of its SFT hooks (and, staged on
+    several hosts, the per-host checkpoint manager in place of Tunix's): (trainer, mesh)."""
     from maxtext.trainers.post_train.sft import hooks as sft_hooks
     from maxtext.trainers.post_train.sft import train_sft
+    from tunix.sft import checkpoint_manager as tunix_checkpoints
 
-    hooks_cls = _make_hooks(sft_hooks.SFTTrainingHooks, ctx, cfg, syncer, rows)
-    original_cls = sft_hooks.SFTTrainingHooks
-    sft_hooks.SFTTrainingHooks = hooks_cls  # setup_trainer_state builds hooks.SFTTrainingHooks(...)
+    original_hooks, original_manager = sft_hooks.SFTTrainingHooks, tunix_checkpoints.CheckpointManager
+    # setup_trainer_state builds hooks.SFTTrainingHooks(...); Tunix's PeftTrainer checkpoint_manager.CheckpointManager(...)
+    sft_hooks.SFTTrainingHooks = _make_hooks(original_hooks, ctx, cfg, store.syncer, rows)
+    if store.per_host:
+        tunix_checkpoints.CheckpointManager = _per_host_checkpoint_manager(original_manager)
     try:
         ctx.progress(f"building the MaxText model and data pipeline ({n_rows} rows)")
         return train_sft.setup_trainer_state(mt_config)
     finally:
-        sft_hooks.SFTTrainingHooks = original_cls
+        sft_hooks.SFTTrainingHooks, tunix_checkpoints.CheckpointManager = original_hooks, original_manager
 
 
 def _trained_adapter(trainer: Any, dist: multihost.DistributedConfig | None) -> Any:
@@ -724,8 +775,6 @@ def run(ctx: StepContext) -> dict[str, Any]:
     if res["answers"] is not None:
         _write_jsonl(ctx.out / _trainer_answers.ANSWERS_JSONL, res["answers"].rows())
     _write_adapter(ctx.out / "adapter", cfg, res, dist)
-    if res["shared_dir"] is not None:
-        shutil.rmtree(res["shared_dir"], ignore_errors=True)  # every process is past training: nobody writes it
     exported = _export_peft(ctx, cfg, res)
     norm = _lora_b_norm(res["lora_tree"])
     summary = _summary(cfg, res, exported, norm, started, dist)
@@ -751,9 +800,9 @@ def _write_adapter(
 ) -> None:
     """adapter/: the final LoRA params exactly as Tunix checkpointed them (lora.lora_restore_path)."""
     final_dir = res["local_ckpt"] / str(res["final_step"]) / "model_params"
-    if final_dir.is_dir():
+    if dist is None and final_dir.is_dir():
         shutil.copytree(final_dir, adapter_dir / "model_params")
-    else:  # direct mode or an unexpected layout: save the params ourselves
+    else:  # direct mode, or several hosts (this one's directory holds its shards only): save the params ourselves
         _save_params(adapter_dir / "model_params", res["lora_tree"], dist)
     (adapter_dir / ADAPTER_JSON).write_text(json.dumps(_adapter_meta(cfg, res), indent=2))
 

@@ -9,14 +9,16 @@ GKE's env lead to the same ``jax.distributed.initialize`` call). MaxText's mesh 
 processes: the parameters are sharded across them and each loads its share of every batch.
 
 The processes are separate hosts (``tests/separate_hosts.py``): each has its own HOME, TMPDIR,
-scratch and working directory; they share nothing but GCS. So the multi-host run writes its
-checkpoints with ``checkpoint_storage: direct`` (Orbax writes gs:// through tensorstore's GCS driver,
-pointed at the emulator), while the 1-host reference uses the default ``staged`` storage.
+scratch and working directory; they share nothing but GCS. Both checkpoint modes run there: ``staged``
+(every host writes its own shards to its own disk and uploads its part to
+``_checkpoints/<step>/host-<i>/``; host 0 commits a step once every host has uploaded; a resume
+fetches each host's own part of the newest committed step) and ``direct`` (Orbax writes gs://
+through tensorstore's GCS driver, pointed at the emulator). The 1-host reference is staged.
 
 ``shuffle`` is on (loraflow orders the examples itself, the same file on every host:
 ``loraflow.data.epochs``); ``packing`` is off: MaxText packs each host's share of the stream by
 itself, so packed rows (and with them the examples of a step) depend on the host count.
-~10 minutes on 2 CPU cores (mostly the processes compiling side by side).
+~15 minutes on 2 CPU cores (mostly the processes compiling side by side).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from test_trainer_steps import OVERRIDES, base  # noqa: F401  (the converted tin
 
 from loraflow.dev.local_gcs import free_port
 from loraflow.launchers.local import step_environment
-from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline import artifacts, checkpoint_sync, gcs
 from tests.separate_hosts import host_dirs
 
 CONFIG = {
@@ -109,7 +111,12 @@ def _assert_same_adapter(reference: dict, other: dict, tolerance: float) -> None
 
 
 def _run_hosts(
-    sources: dict[str, str], output: str, root: Path, n: int, env_of: dict[int, dict[str, str]] | None = None
+    sources: dict[str, str],
+    output: str,
+    root: Path,
+    n: int,
+    env_of: dict[int, dict[str, str]] | None = None,
+    storage: str = "direct",
 ) -> tuple[list[int], list[str], list[float]]:
     """lora_sft as ``n`` separate hosts; (exit codes, logs, when each process exited: seconds from the start)."""
     wiring = {"LORAFLOW_COORDINATOR": f"127.0.0.1:{free_port()}", "LORAFLOW_NUM_PROCESSES": str(n)}
@@ -119,7 +126,7 @@ def _run_hosts(
     for i, (disk, cwd) in enumerate(hosts):
         logs.append((cwd / "lora_sft.log").open("w+"))
         env = _env(DEVICES // n, {**wiring, "LORAFLOW_PROCESS_ID": str(i), **disk, **(env_of or {}).get(i, {})})
-        argv = _argv(sources, output, checkpoint_storage="direct")
+        argv = _argv(sources, output, checkpoint_storage=storage)
         procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=logs[i], stderr=subprocess.STDOUT))
     exited: dict[int, float] = {}
     try:
@@ -151,10 +158,15 @@ def single(sources, tmp_path_factory):
     return {"output": output, "adapter": _adapter(output, tmp_path_factory.mktemp("single-adapter"))}
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_n_processes_as_n_hosts_train_the_single_process_adapter(sources, single, n, tmp_path):
-    multi_out = f"{sources['root']}/multi{n}/lora_sft"
-    codes, logs, _ = _run_hosts(sources, multi_out, tmp_path / "hosts", n)
+def _checkpoint_names(output: str) -> list[str]:
+    bucket, prefix = gcs.split_uri(output + "/_checkpoints")
+    return sorted(b.name[len(prefix) + 1 :] for b in gcs.client().list_blobs(bucket, prefix=prefix + "/"))
+
+
+@pytest.mark.parametrize(("n", "storage"), [(2, "staged"), (4, "direct")])
+def test_n_processes_as_n_hosts_train_the_single_process_adapter(sources, single, n, storage, tmp_path):
+    multi_out = f"{sources['root']}/multi{n}-{storage}/lora_sft"
+    codes, logs, _ = _run_hosts(sources, multi_out, tmp_path / "hosts", n, storage=storage)
     assert codes == [0] * n, "\n----\n".join(log[-2000:] for log in logs)
 
     # One job of n processes, its parameters split across them; process 0 alone committed.
@@ -162,7 +174,7 @@ def test_n_processes_as_n_hosts_train_the_single_process_adapter(sources, single
     sharded = next(line for line in logs[0].splitlines() if "sharded across processes" in line)
     assert f"over {n} processes" in sharded and " 0 of " not in sharded, sharded
     assert "committed" in logs[0] and not any("committed" in log for log in logs[1:])
-    assert all("nothing uploaded" in log for log in logs[1:])
+    assert all("no output uploaded" in log for log in logs[1:])
     manifest = artifacts.read_manifest(multi_out)
     assert manifest.summary["processes"] == n and manifest.summary["steps"] == CONFIG["steps"]
     # Nothing beside the committed files and the checkpoints under the stage's prefix.
@@ -170,16 +182,42 @@ def test_n_processes_as_n_hosts_train_the_single_process_adapter(sources, single
     names = {b.name[len(prefix) + 1 :] for b in gcs.client().list_blobs(bucket, prefix=prefix + "/")}
     stray = {n for n in names if not n.startswith("_checkpoints/")} - set(manifest.files) - {artifacts.MANIFEST}
     assert not stray, stray
-    # Orbax wrote every checkpoint (steps 2 and 4) to GCS itself, and committed each one there.
-    committed = {n.split("/")[-2] for n in names if n.endswith("/commit_success.txt")}
-    assert {"2", "4"} <= committed, sorted(names)[:20]
-    assert not any("tmp" in n.split("/")[-2] for n in names if n.startswith("_checkpoints/")), "uncommitted left"
-    assert all(f"checkpoints: Orbax writes them to {multi_out}/_checkpoints (direct)" in log for log in logs)
+    if storage == "direct":
+        # Orbax wrote every checkpoint (steps 2 and 4) to GCS itself, and committed each one there.
+        committed = {n.split("/")[-2] for n in names if n.endswith("/commit_success.txt")}
+        assert {"2", "4"} <= committed, sorted(names)[:20]
+        assert not any("tmp" in n.split("/")[-2] for n in names if n.startswith("_checkpoints/")), "uncommitted left"
+        assert all(f"checkpoints: Orbax writes them to {multi_out}/_checkpoints (direct)" in log for log in logs)
+    else:
+        _assert_staged_by_every_host(multi_out, logs, n)
 
     _assert_same_adapter(single["adapter"], _adapter(multi_out, tmp_path / "multi"), 1e-4)
     assert artifacts.read_manifest(single["output"]).summary["first_loss"] == pytest.approx(
         manifest.summary["first_loss"], rel=1e-5
     )
+
+
+def _assert_staged_by_every_host(output: str, logs: list[str], n: int) -> None:
+    """Staged on n hosts: the newest steps committed once, each holding every host's own part, each part
+    uploaded by its host; host 0 alone committed."""
+    remote = output + "/_checkpoints"
+    steps = checkpoint_sync.remote_steps(remote)
+    assert steps[-1] == CONFIG["steps"] and len(steps) <= 2, steps  # the newest two kept
+    names = _checkpoint_names(output)
+    for step in steps:
+        marker = artifacts.read_json(f"{remote}/{step}/{checkpoint_sync.MARKER}")
+        assert marker["hosts"] == n
+        for host in range(n):
+            part = {k for k in marker["files"] if k.startswith(f"host-{host}/")}
+            # Every host's part carries its own shards (ocdbt.process_<host>) and Orbax's metadata.
+            assert any(f"/ocdbt.process_{host}/" in k for k in part), sorted(part)
+            assert f"host-{host}/model_params/_METADATA" in part, sorted(part)
+            assert f"{step}/host-{host}/{checkpoint_sync.HOST_MARKER}" in names
+            assert f"checkpoint step {step}: host {host}'s part persisted to {remote}/{step}/host-{host}" in logs[host]
+        assert f"checkpoint step {step} committed: all {n} hosts uploaded their parts" in logs[0]
+    assert not any("committed: all" in log for log in logs[1:])
+    # Nothing under _checkpoints but the kept steps.
+    assert {int(name.split("/")[0]) for name in names} == set(steps), names[:20]
 
 
 HEARTBEAT = 10  # seconds without a host before the others give up (production: 100)
@@ -214,4 +252,47 @@ def test_a_lost_host_fails_the_whole_job_and_the_retry_resumes_to_the_same_adapt
     assert codes == [0, 0], logs[0][-3000:]
     done = artifacts.read_manifest(output)
     assert done.summary["resumed_from_step"] in (1, 2)  # Tunix checkpoints step 1, then every period
+    _assert_same_adapter(single["adapter"], _adapter(output, tmp_path / "resumed"), 1e-3)
+
+
+def test_staged_a_host_lost_while_uploading_its_part_leaves_the_step_uncommitted_and_the_retry_resumes(
+    sources, single, tmp_path
+):
+    """Staged on 2 hosts: host 1 is SIGKILLed after uploading its files of the last step (4) but before
+    its part's marker. Host 0 has uploaded its part; it must not commit step 4 (not every host
+    uploaded), and the job fails. The retry - new hosts, empty disks - resumes every host from its
+    own part of the newest committed step (2, or 1 when step 2's upload was still pending when the
+    host died: Orbax finalises asynchronously), never from the uploaded half of step 4, and trains the
+    uninterrupted run's adapter."""
+    output = f"{sources['root']}/lost-staged/lora_sft"
+    remote = output + "/_checkpoints"
+    state = tmp_path / "faults"
+
+    def fault(at: str) -> dict[int, dict[str, str]]:
+        env = {"LORAFLOW_HEARTBEAT_TIMEOUT": str(HEARTBEAT)}
+        return {i: env | {"LORAFLOW_FAULT_STATE": str(state / str(i))} | ({"LORAFLOW_FAULT": at} if i == 1 else {})
+                for i in range(2)}  # fmt: skip
+
+    # Host 1's uploads: steps 1, 2 and 4 (Tunix checkpoints step 1, then every period and the last).
+    codes, logs, _ = _run_hosts(sources, output, tmp_path / "try0", 2, fault("checkpoint_upload@3"), storage="staged")
+    assert codes[1] == -9, logs[1][-2000:]
+    assert codes[0] != 0, logs[0][-2000:]
+    assert "checkpoint step 4: host 0's part persisted" in logs[0], logs[0][-3000:]
+    names = _checkpoint_names(output)
+    assert f"4/host-0/{checkpoint_sync.HOST_MARKER}" in names and any(n.startswith("4/host-1/") for n in names)
+    assert f"4/host-1/{checkpoint_sync.HOST_MARKER}" not in names
+    # Read from the bucket, not through checkpoint_sync: the steps holding a commit marker.
+    committed = sorted(int(n.split("/")[0]) for n in names if n.count("/") == 1 and n.endswith(checkpoint_sync.MARKER))
+    assert committed and committed[-1] in (1, 2), names  # step 4 is not committed
+    with pytest.raises(Exception, match="missing"):
+        artifacts.read_manifest(output)
+
+    codes, logs, _ = _run_hosts(sources, output, tmp_path / "retry", 2, fault(""), storage="staged")
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    for host in range(2):
+        assert f"found checkpoint step {committed[-1]} under {remote}: host {host} resumes from its part" in logs[host]
+    done = artifacts.read_manifest(output)
+    print(f"[lost host, staged] step 4 left uncommitted; the retry resumed from step {committed[-1]}")
+    assert done.summary["resumed_from_step"] == committed[-1]
+    assert checkpoint_sync.remote_steps(remote)[-1] == CONFIG["steps"]
     _assert_same_adapter(single["adapter"], _adapter(output, tmp_path / "resumed"), 1e-3)
