@@ -18,7 +18,7 @@ through tensorstore's GCS driver, pointed at the emulator). The 1-host reference
 ``shuffle`` is on (loraflow orders the examples itself, the same file on every host:
 ``loraflow.data.epochs``); ``packing`` is off: MaxText packs each host's share of the stream by
 itself, so packed rows (and with them the examples of a step) depend on the host count.
-~15 minutes on 2 CPU cores (mostly the processes compiling side by side).
+~12 minutes on 2 CPU cores (mostly the processes compiling side by side).
 """
 
 from __future__ import annotations
