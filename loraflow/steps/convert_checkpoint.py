@@ -37,7 +37,7 @@ from typing import Any
 from loraflow import models
 from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import ConvertCheckpointConfig, parse
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
 CKPT_SUBDIR = "maxtext"
@@ -172,4 +172,4 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_step("convert_checkpoint", run))
+    exit_process(run_step("convert_checkpoint", run))

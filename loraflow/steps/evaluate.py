@@ -51,7 +51,7 @@ from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import scoring
 from loraflow.evaluation.examples import Example, find_eval_file, load_examples, render_prompts
 from loraflow.spec.step_configs import EvaluateConfig, parse
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 
 #: KV cache for the CPU backend when the config does not say: vLLM's default takes about half the
 #: machine's memory and profiles a warm-up pass first (~30 s on 2 cores); eval prompts are short.
@@ -413,4 +413,4 @@ def stage_from_argv(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_step(stage_from_argv(sys.argv[1:]), run))
+    exit_process(run_step(stage_from_argv(sys.argv[1:]), run))

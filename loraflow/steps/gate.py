@@ -38,7 +38,7 @@ from loraflow.evaluation.gate_rule import Decision, GateError, decide
 from loraflow.evaluation.metrics import METRICS, Metric
 from loraflow.registry import store as registry
 from loraflow.spec.step_configs import GateConfig, parse
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 
 STAGE = "gate"
 RULE = (
@@ -260,4 +260,4 @@ def summary(decision: Decision, compared: dict[str, Any] | None) -> dict[str, An
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_step(STAGE, run))
+    exit_process(run_step(STAGE, run))

@@ -58,7 +58,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +72,7 @@ from loraflow.pipeline import checkpoint_sync, faults, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps import _trainer_answers
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
 ADAPTER_JSON = "loraflow_adapter.json"
@@ -914,4 +913,4 @@ def _with_value(tree: Any) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(run_step("lora_sft", run))
+    exit_process(run_step("lora_sft", run))

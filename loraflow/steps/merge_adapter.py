@@ -22,7 +22,7 @@ from typing import Any
 from loraflow.errors import LoraflowError
 from loraflow.lora.merge import MergeReport, find_adapter, merge_checkpoint
 from loraflow.spec.step_configs import MergeAdapterConfig, parse
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 
 
 class NoOpMergeError(LoraflowError):
@@ -60,4 +60,4 @@ def check_changed(report: MergeReport) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_step("merge_adapter", run))
+    exit_process(run_step("merge_adapter", run))

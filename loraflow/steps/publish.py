@@ -44,7 +44,7 @@ from loraflow.pipeline import artifacts, gcs
 from loraflow.registry import store as registry
 from loraflow.registry import vertex as vertex_registry
 from loraflow.spec.step_configs import PublishConfig, parse
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 
 STAGE = "publish"
 VERSION_FORMAT = "loraflow.registry.store.version/1"
@@ -320,4 +320,4 @@ def _promoted_record(
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_step(STAGE, run))
+    exit_process(run_step(STAGE, run))

@@ -41,7 +41,7 @@ from loraflow.evaluation.metrics import METRICS
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting import report
 from loraflow.spec.step_configs import ReportConfig, parse
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 
 STAGE = "report"
 QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA (loraflow/steps/_trainer_answers.py)
@@ -282,4 +282,4 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_step(STAGE, run))
+    exit_process(run_step(STAGE, run))

@@ -52,7 +52,7 @@ from loraflow.data import dataset as ds
 from loraflow.data import expectations as contract
 from loraflow.errors import DataValidationError, LoraflowError
 from loraflow.spec.step_configs import ValidateDataConfig, parse
-from loraflow.steps._harness import StepContext, run_step
+from loraflow.steps._harness import StepContext, exit_process, run_step
 
 STAGE = "validate_data"
 SPLITS = ("train", "eval")
@@ -746,4 +746,4 @@ def _accepted_summary(
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_step(STAGE, run))
+    exit_process(run_step(STAGE, run))
