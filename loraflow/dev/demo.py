@@ -38,6 +38,21 @@ TINY_SPEC = REPO_ROOT / "pipelines" / "tiny-llama-lora.yaml"
 TINY_DATA = REPO_ROOT / "pipelines" / "data" / "parity"
 TERMINAL = {"success", "failed"}
 
+# The LocalExecutor's workers come from a forkserver that imported these once, when the scheduler
+# first needed a worker: Airflow's task supervisor and DAG bag, google-cloud-storage (the cache
+# lookup, the manifests), the Google provider's gs:// Asset handler (each task's lineage) and
+# pydantic (the spec). A task then starts without importing them: about 1 s less per task on
+# 2 cores (docs/benchmarks.md, section 6; docs/production.md, "Airflow settings"). loraflow's own
+# modules are not preloaded, so a changed loraflow reaches the next task without a scheduler restart.
+WORKER_PRELOAD = (
+    "airflow.executors.local_executor",
+    "airflow.sdk.execution_time.supervisor",
+    "airflow.dag_processing.dagbag",
+    "google.cloud.storage",
+    "airflow.providers.google.assets.gcs",
+    "pydantic",
+)
+
 
 def say(message: str) -> None:
     print(f"[loraflow] {message}", flush=True)
@@ -176,6 +191,14 @@ class LocalAirflow:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            "AIRFLOW__SCHEDULER__MP_START_METHOD": "forkserver",
+            "AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD": ",".join(WORKER_PRELOAD),
+            # An idle scheduler loop sleeps this long (Airflow's default: 1 s) before it looks for
+            # tasks whose upstream just finished: the wait between two tasks of a chain.
+            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.25",
+            # A worker may notice that its task process ended only when its wait for the task's
+            # output times out, and that wait is this heartbeat interval (Airflow's default: 5 s).
+            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(local_gcs.free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(local_gcs.free_port()),
         }
