@@ -530,36 +530,69 @@ def measured(d: dict) -> str:
     return text + " (2 cores shared with other work).*"
 
 
+# Issue 18's targets for the tiny pipeline: wall within 1.25x of the step seconds' critical path;
+# a cached re-run within 0.1x of a first run.
+ORCH_WALL_TARGET = 1.25
+ORCH_RERUN_TARGET = 0.10
+
+
 def sec_orch(d: dict) -> list[str]:
-    a, b = d["first"], d["cached_rerun"]
+    a, b, w = d["first"], d["cached_rerun"], d.get("warm_first")
+    runs = [("first, fresh stack", a), ("cached re-run", b)] + ([("first, running stack", w)] if w else [])
     out = [
         "## 6. Orchestration",
         "",
         f"The tiny pipeline through a real local Airflow (API server, scheduler with LocalExecutor, DAG processor) and "
         f"the GCS emulator (in memory), `loraflow.dev.demo.local_stack` in a temporary home; one run each. Stack start-up: "
-        f"{d['stack_startup_s']:.0f} s (not counted).",
+        f"{d['stack_startup_s']:.0f} s (not counted). The first run starts right after the stack did, so it also pays "
+        "the stack's one-time costs (the scheduler's first worker, the API server's first task start)"
+        + (
+            "; the last run is a first run again on the running stack: the cache and the registry are emptied "
+            "before it, so every stage computes and the gate decides as in the first run."
+            if w
+            else "."
+        ),
         "",
-        "| run | state | run wall (s) | sum of step seconds (s) | critical path of step seconds (s) | critical path of Airflow task durations (s) | overhead (wall − step critical path) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| run | state | run wall (s) | sum of step seconds (s) | critical path of step seconds (s) | critical path of Airflow task durations (s) | overhead (wall − step critical path) | run start to first task (s) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, r in (("first", a), ("cached re-run", b)):
+    for name, r in runs:
         out.append(
             f"| {name} | {r['state']} | {f(r['run_wall_s'], 1)} | {f(r['sum_step_s'], 1)} | {f(r['critical_path_step_s'], 1)} | "
-            f"{f(r['critical_path_task_s'], 1)} | {f(r['run_wall_s'] - r['critical_path_step_s'], 1)} |"
+            f"{f(r['critical_path_task_s'], 1)} | {f(r['run_wall_s'] - r['critical_path_step_s'], 1)} | {f(r.get('to_first_task_s'), 1)} |"
+        )
+    out.append("")
+    for name, r in [(n, r) for n, r in runs if n.startswith("first")]:
+        ratio = r["run_wall_s"] / r["critical_path_step_s"]
+        ok = ratio <= ORCH_WALL_TARGET
+        out.append(
+            f"- {name}: wall / critical path of step seconds **{ratio:.2f}x** (target at most {ORCH_WALL_TARGET}x: "
+            f"{'met' if ok else '**missed**'})."
+        )
+    for name, r in [(n, r) for n, r in runs if n.startswith("first")]:
+        ratio = b["run_wall_s"] / r["run_wall_s"]
+        ok = ratio <= ORCH_RERUN_TARGET
+        out.append(
+            f"- Cached re-run / {name} run: **{ratio:.2f}x** (target at most {ORCH_RERUN_TARGET}x: "
+            f"{'met' if ok else '**missed**'})."
         )
     out += [
         "",
-        f"Cached re-run / first run: {b['run_wall_s'] / a['run_wall_s']:.2f}x.",
-        "",
-        "| task | first: task (s) | first: step (s) | task − step (s) | re-run: task (s) | re-run cached |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        "| task | first: task (s) | first: step (s) | task − step (s) | re-run: task (s) | re-run cached |"
+        + (" running stack: task (s) | running stack: task − step (s) |" if w else ""),
+        "| --- | ---: | ---: | ---: | ---: | --- |" + (" ---: | ---: |" if w else ""),
     ]
+
+    def gap(v: dict) -> float | None:
+        return (v["task_s"] - v["step_s"]) if v.get("task_s") and v.get("step_s") else None
+
     for t, v in a["tasks"].items():
-        w = b["tasks"].get(t, {})
-        gap = (v["task_s"] - v["step_s"]) if v.get("task_s") and v.get("step_s") else None
-        out.append(
-            f"| {t} | {f(v.get('task_s'), 1)} | {f(v.get('step_s'), 1)} | {f(gap, 1)} | {f(w.get('task_s'), 1)} | {w.get('cached')} |"
-        )
+        x = b["tasks"].get(t, {})
+        row = f"| {t} | {f(v.get('task_s'), 1)} | {f(v.get('step_s'), 1)} | {f(gap(v), 1)} | {f(x.get('task_s'), 1)} | {x.get('cached')} |"
+        if w:
+            y = w["tasks"].get(t, {})
+            row += f" {f(y.get('task_s'), 1)} | {f(gap(y), 1)} |"
+        out.append(row)
     out += [
         "",
         "*step* = the step program's own `seconds` (its manifest summary: from after argument parsing to before "
