@@ -538,7 +538,7 @@ ORCH_RERUN_TARGET = 0.10
 
 def sec_orch(d: dict) -> list[str]:
     a, b, w = d["first"], d["cached_rerun"], d.get("warm_first")
-    runs = [("first, fresh stack", a), ("cached re-run", b)] + ([("first, running stack", w)] if w else [])
+    runs = [("first run, fresh stack", a), ("cached re-run", b)] + ([("first run, running stack", w)] if w else [])
     out = [
         "## 6. Orchestration",
         "",
@@ -566,14 +566,14 @@ def sec_orch(d: dict) -> list[str]:
         ratio = r["run_wall_s"] / r["critical_path_step_s"]
         ok = ratio <= ORCH_WALL_TARGET
         out.append(
-            f"- {name}: wall / critical path of step seconds **{ratio:.2f}x** (target at most {ORCH_WALL_TARGET}x: "
+            f"- {name.capitalize()}: wall / critical path of step seconds **{ratio:.2f}x** (target at most {ORCH_WALL_TARGET}x: "
             f"{'met' if ok else '**missed**'})."
         )
     for name, r in [(n, r) for n, r in runs if n.startswith("first")]:
         ratio = b["run_wall_s"] / r["run_wall_s"]
         ok = ratio <= ORCH_RERUN_TARGET
         out.append(
-            f"- Cached re-run / {name} run: **{ratio:.2f}x** (target at most {ORCH_RERUN_TARGET}x: "
+            f"- Cached re-run / {name}: **{ratio:.2f}x** (target at most {ORCH_RERUN_TARGET}x: "
             f"{'met' if ok else '**missed**'})."
         )
     out += [
