@@ -536,6 +536,11 @@ ORCH_WALL_TARGET = 1.25
 ORCH_RERUN_TARGET = 0.10
 
 
+def _target_line(label: str, ratio: float, target: float) -> str:
+    """One orchestration target: the measured ratio, the target, met or missed."""
+    return f"- {label} **{ratio:.2f}x** (target at most {target}x: {'met' if ratio <= target else '**missed**'})."
+
+
 def sec_orch(d: dict) -> list[str]:
     a, b, w = d["first"], d["cached_rerun"], d.get("warm_first")
     runs = [("first run, fresh stack", a), ("cached re-run", b)] + ([("first run, running stack", w)] if w else [])
@@ -562,20 +567,12 @@ def sec_orch(d: dict) -> list[str]:
             f"{f(r['critical_path_task_s'], 1)} | {f(r['run_wall_s'] - r['critical_path_step_s'], 1)} | {f(r.get('to_first_task_s'), 1)} |"
         )
     out.append("")
-    for name, r in [(n, r) for n, r in runs if n.startswith("first")]:
+    firsts = [(n, r) for n, r in runs if n.startswith("first")]
+    for name, r in firsts:
         ratio = r["run_wall_s"] / r["critical_path_step_s"]
-        ok = ratio <= ORCH_WALL_TARGET
-        out.append(
-            f"- {name.capitalize()}: wall / critical path of step seconds **{ratio:.2f}x** (target at most {ORCH_WALL_TARGET}x: "
-            f"{'met' if ok else '**missed**'})."
-        )
-    for name, r in [(n, r) for n, r in runs if n.startswith("first")]:
-        ratio = b["run_wall_s"] / r["run_wall_s"]
-        ok = ratio <= ORCH_RERUN_TARGET
-        out.append(
-            f"- Cached re-run / {name}: **{ratio:.2f}x** (target at most {ORCH_RERUN_TARGET}x: "
-            f"{'met' if ok else '**missed**'})."
-        )
+        out.append(_target_line(f"{name.capitalize()}: wall / critical path of step seconds", ratio, ORCH_WALL_TARGET))
+    for name, r in firsts:
+        out.append(_target_line(f"Cached re-run / {name}:", b["run_wall_s"] / r["run_wall_s"], ORCH_RERUN_TARGET))
     out += [
         "",
         "| task | first: task (s) | first: step (s) | task − step (s) | re-run: task (s) | re-run cached |"
