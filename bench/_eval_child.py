@@ -1,8 +1,13 @@
-"""Child of eval_bench.py (serving env). argv: vllm|hf MODEL_DIR EVAL_JSONL OUT_DIR
+"""Child of eval_bench.py and eval_scale_bench.py (serving env).
 
-Two workloads on one loaded model: "spec" = the tiny spec's evaluation settings (400 prompts,
-batch 100, greedy, max_new_tokens 4, stops at EOS) and "long" = 32 new tokens per prompt, EOS
-ignored (decode throughput). vllm runs loraflow.steps.evaluate.evaluate() itself for "spec".
+argv: vllm|hf MODEL_DIR EVAL_JSONL OUT_DIR (eval_bench: the tiny model). Two workloads on one loaded
+model: "spec" = the tiny spec's evaluation settings (400 prompts, batch 100, greedy, max_new_tokens
+4, stops at EOS) and "long" = 32 new tokens per prompt, EOS ignored (decode throughput). vllm runs
+loraflow.steps.evaluate.evaluate() itself for "spec".
+
+argv: vllm-scale|hf-scale MODEL_DIR EVAL_JSONL OUT_DIR (eval_scale_bench: a larger generated model).
+One workload: the first SCALE_PROMPTS prompts in one batch, SCALE_TOKENS new tokens each, EOS ignored;
+vLLM through loraflow's build_engine, as the evaluate stage loads it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ SPEC_EVAL = {
     "dtype": "float32",  # the tiny spec trains (and so serves) in float32
 }
 LONG = 32
+SCALE_PROMPTS = 128
+SCALE_TOKENS = 32
+# The larger model's KV cache: 128 sequences of ~50 tokens need ~0.5 GiB at 0.5 B (20 layers, 4 KV heads
+# of 128, float32); the CPU default of 256 MiB would queue half of them.
+SCALE_EVAL = {**SPEC_EVAL, "kv_cache_memory_bytes": 2 << 30}
 
 
 def run_vllm(model: Path, eval_file: Path, out: Path) -> dict:
@@ -45,16 +55,8 @@ def run_vllm(model: Path, eval_file: Path, out: Path) -> dict:
 
     summary = ev.evaluate(ctx, engine)
     metrics = json.loads((out / ev.METRICS_JSON).read_text())
-    from vllm import SamplingParams
-
     _, ids = ev.render_prompts(engine.tokenizer, ev.load_examples(eval_file))
-    sp = SamplingParams(temperature=0.0, max_tokens=LONG, min_tokens=LONG, ignore_eos=True)
-    t = time.perf_counter()
-    ntok = 0
-    for b in range(0, len(ids), 100):
-        outs = engine.llm.generate([{"prompt_token_ids": p} for p in ids[b : b + 100]], sp, use_tqdm=False)
-        ntok += sum(len(o.outputs[0].token_ids) for o in outs)
-    long_s = time.perf_counter() - t
+    long_s, ntok = _vllm_forced(engine, ids, LONG, 100)
     import vllm
 
     return {
@@ -68,46 +70,92 @@ def run_vllm(model: Path, eval_file: Path, out: Path) -> dict:
     }
 
 
+def _vllm_forced(engine, ids: list[list[int]], new_tokens: int, batch: int) -> tuple[float, int]:
+    """(seconds, tokens) of generating exactly ``new_tokens`` for every prompt, ``batch`` prompts per call."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    ntok = 0
+    for b in range(0, len(ids), batch):
+        outs = engine.llm.generate([{"prompt_token_ids": p} for p in ids[b : b + batch]], sp, use_tqdm=False)
+        ntok += sum(len(o.outputs[0].token_ids) for o in outs)
+    return time.perf_counter() - t, ntok
+
+
+def run_vllm_scale(model: Path, eval_file: Path, out: Path) -> dict:
+    import vllm
+
+    from loraflow.steps import evaluate as ev
+
+    engine = ev.build_engine(model, ev.resolve_config(SCALE_EVAL), progress=lambda m: None)
+    _, ids = ev.render_prompts(engine.tokenizer, ev.load_examples(eval_file, SCALE_PROMPTS))
+    seconds, ntok = _vllm_forced(engine, ids, SCALE_TOKENS, SCALE_PROMPTS)
+    return {"startup_s": engine.startup_s, "generate_s": seconds, "tokens": ntok, "version": vllm.__version__}
+
+
+def _hf_load(model: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok, AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+
+def _hf_generate(tok, lm, ids: list[list[int]], max_new: int, force: bool, batch: int) -> tuple[float, int, list[str]]:
+    """(seconds, tokens, texts) of HF generate, greedy, ``batch`` prompts per call; ``force``: exactly ``max_new``."""
+    import torch
+
+    texts, n = [], 0
+    t = time.perf_counter()
+    for b in range(0, len(ids), batch):
+        padded = tok.pad({"input_ids": ids[b : b + batch]}, return_tensors="pt")
+        kw = {"min_new_tokens": max_new} if force else {}
+        with torch.no_grad():
+            o = lm.generate(**padded, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id, **kw)
+        for row in o[:, padded["input_ids"].shape[1] :].tolist():
+            if not force and tok.eos_token_id in row:
+                row = row[: row.index(tok.eos_token_id) + 1]
+            n += len(row)
+            texts.append(tok.decode(row, skip_special_tokens=True))
+    return time.perf_counter() - t, n, texts
+
+
+def run_hf_scale(model: Path, eval_file: Path, out: Path) -> dict:
+    import transformers
+
+    from loraflow.steps import evaluate as ev
+
+    t = time.perf_counter()
+    tok, lm = _hf_load(model)
+    startup = time.perf_counter() - t + (t - T0)
+    _, ids = ev.render_prompts(tok, ev.load_examples(eval_file, SCALE_PROMPTS))
+    seconds, ntok, _ = _hf_generate(tok, lm, ids, SCALE_TOKENS, True, SCALE_PROMPTS)
+    return {"startup_s": startup, "generate_s": seconds, "tokens": ntok, "version": transformers.__version__}
+
+
 def run_hf(model: Path, eval_file: Path, out: Path) -> dict:
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loraflow.evaluation import metrics, scoring
     from loraflow.steps import evaluate as ev
 
     t = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(str(model))
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    tok, lm = _hf_load(model)
     startup = time.perf_counter() - t + (t - T0)
     examples = ev.load_examples(eval_file)
     _, ids = ev.render_prompts(tok, examples)
 
-    def gen(max_new: int, force: bool) -> tuple[float, int, list[str]]:
-        texts, n = [], 0
-        t = time.perf_counter()
-        for b in range(0, len(ids), 100):
-            batch = tok.pad({"input_ids": ids[b : b + 100]}, return_tensors="pt")
-            kw = {"min_new_tokens": max_new} if force else {}
-            with torch.no_grad():
-                o = lm.generate(**batch, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id, **kw)
-            new = o[:, batch["input_ids"].shape[1] :]
-            for row in new.tolist():
-                if not force and tok.eos_token_id in row:
-                    row = row[: row.index(tok.eos_token_id) + 1]
-                n += len(row)
-                texts.append(tok.decode(row, skip_special_tokens=True))
-        return time.perf_counter() - t, n, texts
-
-    spec_s, spec_n, texts = gen(SPEC_EVAL["max_new_tokens"], False)
+    spec_s, spec_n, texts = _hf_generate(tok, lm, ids, SPEC_EVAL["max_new_tokens"], False, 100)
     scored = metrics.score_all(
         texts, [e.reference for e in examples], scoring.compile_pattern(SPEC_EVAL["answer_pattern"])
     )
     acc = metrics.aggregate(scored)["accuracy"]
-    long_s, long_n, _ = gen(LONG, True)
+    long_s, long_n, _ = _hf_generate(tok, lm, ids, LONG, True, 100)
     return {
         "startup_s": startup,
         "spec_generate_s": spec_s,
@@ -124,6 +172,7 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mode, model, eval_file, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
     out.mkdir(parents=True, exist_ok=True)
-    res = (run_vllm if mode == "vllm" else run_hf)(model, eval_file, out)
+    modes = {"vllm": run_vllm, "hf": run_hf, "vllm-scale": run_vllm_scale, "hf-scale": run_hf_scale}
+    res = modes[mode](model, eval_file, out)
     res["process_s_before_exit"] = time.perf_counter() - T0
     emit(res)

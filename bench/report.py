@@ -396,6 +396,42 @@ def sec_eval(d: dict) -> list[str]:
     return out
 
 
+EVAL_SCALE_TARGET = 2.0  # issue 18: generation throughput at least 2x HF generate, and a shorter stage wall
+
+
+def sec_eval_scale(d: dict) -> list[str]:
+    s, dims = d["summary"], d["dims"]
+    out = [
+        "## 4b. Evaluation at 0.5 B",
+        "",
+        f"A generated {d['parameters'] / 1e6:.0f} M parameter Llama-architecture model ({dims['num_hidden_layers']} "
+        f"layers, width {dims['hidden_size']}, MLP {dims['intermediate_size']}, {dims['num_attention_heads']}/"
+        f"{dims['num_key_value_heads']} heads of {dims['head_dim']}, vocabulary {dims['vocab_size']}, float32); 128 "
+        "parity prompts in one batch, 32 new tokens each, greedy, EOS ignored. vLLM is loaded by loraflow's "
+        "`build_engine` as the evaluate stage loads it (KV cache 2 GiB); HF `generate` batched, left-padded. Fresh "
+        f"process each, interleaved, median of {d['reps']}.",
+        "",
+        "| engine | process wall (s) | start-up (s) | generate (s) | tokens | tok/s | peak RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for k, v in s.items():
+        out.append(
+            f"| {k} {v['version']} | {f(v['median_wall_s'], 1)} | {f(v['median_startup_s'], 1)} | "
+            f"{f(v['median_generate_s'], 1)} | {v['tokens']} | {f(v['tokens_per_s'], 0)} | {f(v['median_peak_rss_mib'], 0)} |"
+        )
+    v, h = s.get("vLLM (loraflow evaluate)"), s.get("HF transformers generate")
+    if v and h:
+        ratio = v["tokens_per_s"] / h["tokens_per_s"]
+        out += [
+            "",
+            f"vLLM / HF: generation throughput **{ratio:.2f}x** (target at least {EVAL_SCALE_TARGET}x: "
+            f"{'met' if ratio >= EVAL_SCALE_TARGET else '**missed**'}); process wall "
+            f"{v['median_wall_s'] / h['median_wall_s']:.2f}x (target below 1x: "
+            f"{'met' if v['median_wall_s'] < h['median_wall_s'] else '**missed**'}).",
+        ]
+    return [*out, ""]
+
+
 def sec_convert(d: dict) -> list[str]:
     out = [
         "## 5. Conversion",
@@ -643,6 +679,7 @@ def main() -> None:
         ("merge", sec_merge),
         ("transfer", sec_transfer),
         ("eval", sec_eval),
+        ("eval_scale", sec_eval_scale),
         ("convert", sec_convert),
         ("orchestration", sec_orch),
         ("train", sec_train),
