@@ -91,6 +91,70 @@ def test_convert_writes_a_scanned_orbax_checkpoint(base):
     assert tuple(q.shape) == (128, 2, 2, 64)  # (emb, layers scanned on axis 1, heads, head_dim)
 
 
+def test_convert_holds_one_tensor_at_a_time_and_writes_the_hf_values(base, tmp_path, monkeypatch, capsys):
+    """The conversion's memory is one tensor, not the model: every converted tensor is freed before the
+    next is read. Chunked as the streamed writes chunk a large tensor (CHUNK_BYTES made small here, so
+    the tiny model's tensors are split too), the values read back are the HF weights, bit for bit."""
+    import weakref
+
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from maxtext.checkpoint_conversion import to_maxtext
+    from safetensors.numpy import load_file
+
+    from loraflow.steps import _streaming_save, convert_checkpoint
+
+    alive, most = [0], [0]
+    original = to_maxtext.LazyTensor.__array__
+
+    def counted(self, *a, **kw):
+        array = original(self, *a, **kw)
+        alive[0] += 1
+        most[0] = max(most[0], alive[0])
+        weakref.finalize(array, lambda: alive.__setitem__(0, alive[0] - 1))
+        return array
+
+    monkeypatch.setattr(to_maxtext.LazyTensor, "__array__", counted)
+    monkeypatch.setattr(_streaming_save, "CHUNK_BYTES", 16 << 10)
+    config = {"model_name": "llama3.1-8b", "model_overrides": OVERRIDES, "scan_layers": True}
+    ctx = _ctx(tmp_path, "convert_checkpoint", {"hf_checkpoint": base["hf"]}, config, "gs://b/p/r/convert_checkpoint")
+    summary = convert_checkpoint.run(ctx)
+
+    assert summary["parameters"] == 426624
+    assert most[0] == 1, f"{most[0]} converted tensors were alive at once"
+    wrote = [line for line in capsys.readouterr().out.splitlines() if "] wrote params." in line]
+    assert len(wrote) == 12 and "12 of 12 tensors, 0.00 of 0.00 GiB in " in wrote[-1], wrote[-1:]
+
+    items = ctx.out / "maxtext" / "0" / "items"
+    restored = ocp.PyTreeCheckpointer().restore(str(items))["params"]["params"]
+    hf = load_file(str(base["hf"] / "model.safetensors"))
+    assert np_equal(restored["token_embedder"]["embedding"], hf["model.embed_tokens.weight"])
+    wi_0 = restored["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]  # (emb, layers, mlp)
+    for layer in range(2):
+        assert np_equal(wi_0[:, layer, :], hf[f"model.layers.{layer}.mlp.gate_proj.weight"].T)
+    stored = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {
+                "driver": "ocdbt",
+                "base": f"file://{items}",
+                "path": "params.params.decoder.layers.mlp.wi_0.kernel",
+            },
+        }
+    ).result()
+    assert stored.chunk_layout.read_chunk.shape != tuple(wi_0.shape)  # chunked, and read back whole
+    first = ocp.PyTreeCheckpointer().restore(str(base["ckpt"] / "maxtext" / "0" / "items"))["params"]["params"]
+    import jax
+
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np_equal, restored, first))
+
+
+def np_equal(a, b) -> bool:
+    import numpy as np
+
+    return a.shape == b.shape and bool(np.array_equal(np.asarray(a), np.asarray(b).astype(np.asarray(a).dtype)))
+
+
 @pytest.fixture(scope="module")
 def trained(base):
     from loraflow.steps import lora_sft
