@@ -20,7 +20,7 @@ its snags handled:
   ``loraflow.steps._streaming_save`` gives Orbax a handler for them that reads, converts and writes
   one tensor at a time, so peak memory is about the largest converted tensor, not the model (the
   eager path holds the HF state dict and the converted copy at once, and Orbax copies that again):
-  on a 1.1 B bf16 checkpoint 2.7 GiB against 10.5 GiB, at the same wall time (docs/benchmarks.md).
+  on a 1.1 B bf16 checkpoint 2.6 GiB against 10.7 GiB, in 0.82x the wall time (docs/benchmarks.md).
   The task log gets a line per tensor written.
 
 Output: the Orbax checkpoint under ``maxtext/0/items`` and ``loraflow_checkpoint.json`` saying
