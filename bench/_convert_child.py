@@ -9,6 +9,7 @@ direct-lazy   maxtext to_maxtext.main(lazy_load_tensors=True), no patch (Orbax r
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -17,16 +18,16 @@ T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
-from loraflow.dev import tinymodel  # noqa: E402
+from loraflow.models import llama  # noqa: E402
 
-MODEL = tinymodel.MAXTEXT_MODEL
-OVERRIDES = tinymodel.MAXTEXT_OVERRIDES
+MODEL = "llama3.1-8b"  # the MaxText key; the checkpoint's own dimensions are passed as overrides
 
 if __name__ == "__main__":
     mode, hf_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     from loraflow.steps import convert_checkpoint as cc
     from loraflow.steps._maxtext import overrides_args
 
+    OVERRIDES = llama.maxtext_overrides(json.loads((hf_dir / "config.json").read_text()))
     t = time.perf_counter()
     res: dict = {"mode": mode}
     try:

@@ -84,14 +84,19 @@ def _vllm_forced(engine, ids: list[list[int]], new_tokens: int, batch: int) -> t
 
 
 def run_vllm_scale(model: Path, eval_file: Path, out: Path) -> dict:
-    import vllm
-
     from loraflow.steps import evaluate as ev
 
+    # build_engine imports vLLM itself: its start-up then includes the import, as in the evaluate stage
     engine = ev.build_engine(model, ev.resolve_config(SCALE_EVAL), progress=lambda m: None)
     _, ids = ev.render_prompts(engine.tokenizer, ev.load_examples(eval_file, SCALE_PROMPTS))
     seconds, ntok = _vllm_forced(engine, ids, SCALE_TOKENS, SCALE_PROMPTS)
-    return {"startup_s": engine.startup_s, "generate_s": seconds, "tokens": ntok, "version": vllm.__version__}
+    return {
+        "startup_s": engine.startup_s,
+        "import_s": engine.import_s,
+        "generate_s": seconds,
+        "tokens": ntok,
+        "version": engine.vllm_version,
+    }
 
 
 def _hf_load(model: Path):
@@ -125,11 +130,11 @@ def _hf_generate(tok, lm, ids: list[list[int]], max_new: int, force: bool, batch
 
 
 def run_hf_scale(model: Path, eval_file: Path, out: Path) -> dict:
-    import transformers
-
     from loraflow.steps import evaluate as ev
 
-    t = time.perf_counter()
+    t = time.perf_counter()  # start-up includes importing torch and transformers, as vLLM's includes vLLM
+    import transformers
+
     tok, lm = _hf_load(model)
     startup = time.perf_counter() - t + (t - T0)
     _, ids = ev.render_prompts(tok, ev.load_examples(eval_file, SCALE_PROMPTS))
@@ -176,3 +181,6 @@ if __name__ == "__main__":
     res = modes[mode](model, eval_file, out)
     res["process_s_before_exit"] = time.perf_counter() - T0
     emit(res)
+    from loraflow.steps._harness import exit_process
+
+    exit_process(0)  # as the evaluate stage's program ends (no interpreter teardown), for both engines

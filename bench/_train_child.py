@@ -1,6 +1,6 @@
-"""Child of train_bench.py (trainer env). argv: MODE ROOT [STEPS]
+"""Child of train_bench.py (trainer env). argv: MODE ROOT [STEPS]; the HF model (tiny family) is ROOT/model
 
-prepare   convert the tiny HF model (loraflow's convert) into ROOT/ckpt and write ROOT/data/train.jsonl
+prepare   convert the HF model (loraflow's convert) into ROOT/ckpt and write ROOT/data/train.jsonl
           (the parity set as chat messages, as validate_data writes it)
 loraflow  the lora_sft stage function (``loraflow.steps.lora_sft.run``: hooks, checkpoint sync,
           PEFT export, loss.csv) with the tiny spec's training config, outputs in ROOT/out-loraflow
@@ -14,6 +14,7 @@ and of the set-up before it; tokens per second = steps x batch_size x max_length
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,9 +25,9 @@ from _sft_inputs import prepare_sft_inputs  # noqa: E402
 from common import emit  # noqa: E402
 
 from loraflow.dev import tinymodel  # noqa: E402
+from loraflow.models import llama  # noqa: E402
 
 MODEL = tinymodel.MAXTEXT_MODEL
-OVERRIDES = tinymodel.MAXTEXT_OVERRIDES
 # training: of pipelines/tiny-llama-lora.yaml (steps from argv), lora: rank 16, alpha 32
 CONFIG = {
     "rank": 16,
@@ -41,7 +42,8 @@ CONFIG = {
 
 
 def prepare(root: Path, hf_dir: Path) -> None:
-    prepare_sft_inputs(root, hf_dir, MODEL, OVERRIDES)
+    overrides = llama.maxtext_overrides(json.loads((hf_dir / "config.json").read_text()))
+    prepare_sft_inputs(root, hf_dir, MODEL, overrides)
 
 
 def context(root: Path, hf_dir: Path, mode: str, steps: int):
@@ -114,7 +116,7 @@ def run_direct(root: Path, hf_dir: Path, steps: int) -> dict:
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
-    hf_dir = root / "tiny-llama"
+    hf_dir = root / "model"
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 200
     res: dict = {"mode": mode, "steps": steps}
     if mode == "prepare":

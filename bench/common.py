@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import time
@@ -96,6 +97,62 @@ def run_timed(argv: list[str], **kw: Any) -> dict[str, Any]:
     return res
 
 
+# Generated Llama-architecture bf16 checkpoints for the size sweeps (conversion, merge):
+# (layers, hidden, intermediate, vocab); heads of 64, a KV head per 8 query heads (_merge_children.gen).
+# 1.1 B is TinyLlama-1.1B's shape. QUICK: two small sizes.
+SIZES: dict[str, tuple[int, int, int, int]] = (
+    {"0.05 B": (2, 768, 2048, 32000), "0.1 B": (4, 1024, 2816, 32000)}
+    if QUICK
+    else {
+        "0.1 B": (8, 768, 2048, 32000),
+        "0.5 B": (16, 1536, 4096, 32000),
+        "1.1 B": (22, 2048, 5632, 32000),
+        "2.9 B": (28, 3072, 8192, 32000),
+    }
+)
+TARGET_SIZE = "0.1 B" if QUICK else "1.1 B"  # the size issue 18's conversion and merge targets name
+
+
+def generated_checkpoint(size: str) -> tuple[Path, dict[str, Any]]:
+    """The generated checkpoint of ``size`` under WORK/models (made once, then reused by every sweep) and
+    its facts (parameters, bytes, shards, largest tensor, adapter parameters); ``<dir>/base``, ``<dir>/adapter``."""
+    root = WORK / "models" / "x".join(map(str, SIZES[size]))  # by shape: a QUICK size may share a label
+    facts = root / "facts.json"
+    if not facts.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        say(f"generating the {size} checkpoint {SIZES[size]}")
+        child = str(BENCH / "_merge_children.py")
+        r = run([PY["serving"], child, "gen", str(root), *map(str, SIZES[size])], timeout=3600)
+        if r["rc"] != 0:
+            raise SystemExit(f"generating the {size} checkpoint failed: {r.get('stderr_tail', '')[-1500:]}")
+        facts.write_text(json.dumps({k: v for k, v in r.items() if k not in ("wall_s", "rc")}))
+    return root, json.loads(facts.read_text())
+
+
+def tinymodel_checkpoint(dest: Path, dims: dict[str, int] | None = None) -> tuple[Path, int]:
+    """A model of loraflow's tiny family (tokenizer included: trainable and servable) at ``dest``, made once:
+    the tiny model itself, or ``dims`` (``loraflow.dev.tinymodel.DIMS``'s keys) for a larger one; and its
+    parameter count."""
+    corpus = REPO / "pipelines" / "data" / "parity" / "train.jsonl"
+    if not (dest / "model.safetensors").exists():
+        code = (
+            "import sys; from pathlib import Path; from loraflow.dev import tinymodel; "
+            f"tinymodel.create(Path(sys.argv[1]), [Path({str(corpus)!r})]" + (f", dims={dims!r})" if dims else ")")
+        )
+        r = run([PY["serving"], "-c", code, str(dest)], timeout=1800)
+        if r["rc"] != 0:
+            raise SystemExit(f"making the model at {dest} failed: {r.get('stderr_tail', '')[-1500:]}")
+    c = json.loads((dest / "config.json").read_text())
+    d, f, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    return dest, n * (2 * d * q + 2 * d * kv + 3 * d * f + 2 * d) + 2 * v * d + d
+
+
+def memory_bytes() -> int:
+    """This machine's RAM."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def emit(data: dict[str, Any]) -> None:
     """What a child prints last for :func:`run` to pick up."""
     print("BENCH_JSON " + json.dumps(data), flush=True)
@@ -103,6 +160,11 @@ def emit(data: dict[str, Any]) -> None:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def medians(runs: list[dict[str, Any]], *keys: str) -> dict[str, float]:
+    """``{"median_<key>": median over runs}`` for each key (runs without the key are left out)."""
+    return {f"median_{k}": median([r[k] for r in runs if k in r]) for k in keys}
 
 
 # The flags that decide which kernels run (loraflow's merge kernel, OpenBLAS, XLA, vLLM's CPU backend).

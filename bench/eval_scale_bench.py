@@ -1,7 +1,7 @@
-"""4b. Evaluation at 0.5 B: vLLM as loraflow's evaluate stage loads it against Hugging Face generate on a
-generated ~0.5 B parameter Llama-architecture model (float32), 128 prompts in one batch, 32 new tokens
-each, greedy, EOS ignored: enough decoding that generation, not engine start-up, is most of the work.
-Fresh process each, interleaved. Driver: any Python (stdlib only).
+"""4b. Evaluation at 0.1 B and 0.5 B: vLLM as loraflow's evaluate stage loads it against Hugging Face
+generate on generated Llama-architecture models (float32) of ~0.1 B and ~0.5 B parameters, 128 prompts in
+one batch, 32 new tokens each, greedy, EOS ignored: enough decoding that generation, not engine start-up,
+is most of the work. Fresh process each, interleaved. Driver: any Python (stdlib only).
 """
 
 from __future__ import annotations
@@ -11,69 +11,79 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, QUICK, REPO, WORK, median, run, run_timed, save, say
+from common import PY, QUICK, REPO, WORK, machine, median, medians, run_timed, save, say, tinymodel_checkpoint
 
-# ~0.5 B parameters: 20 layers of width 1536 (12 query heads, 4 KV heads of 128), MLP 4096, the tiny
-# model's 512-token vocabulary (the prompts are the parity eval set's). QUICK: a 2-layer smoke size.
-DIMS = {
-    "hidden_size": 1536,
-    "intermediate_size": 4096,
-    "num_hidden_layers": 2 if QUICK else 20,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "vocab_size": 512,
+# Width 1536 (12 query heads, 4 KV heads of 128), MLP 4096, 20 layers: ~0.5 B; width 768 (6 / 2 heads
+# of 128), MLP 2048, 16 layers: ~0.1 B; the tiny model's 512-token vocabulary (the prompts are the
+# parity eval set's). QUICK: 2-layer smoke sizes.
+SIZES = {
+    "0.1 B": {
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 2 if QUICK else 16,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "vocab_size": 512,
+    },
+    "0.5 B": {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 2 if QUICK else 20,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 512,
+    },
 }
+TARGET_SIZE = "0.5 B"  # the size issue 18's evaluation targets name
 ENGINES = {"vLLM (loraflow evaluate)": "vllm-scale", "HF transformers generate": "hf-scale"}
-
-
-def make_model(dest: Path) -> int:
-    """The generated checkpoint (once); its parameter count."""
-    corpus = REPO / "pipelines" / "data" / "parity" / "train.jsonl"
-    code = (
-        "import sys; from pathlib import Path; from loraflow.dev import tinymodel; "
-        f"tinymodel.create(Path(sys.argv[1]), [Path({str(corpus)!r})], dims={DIMS!r})"
-    )
-    if not (dest / "model.safetensors").exists():
-        r = run([PY["serving"], "-c", code, str(dest)], timeout=1800)
-        assert r["rc"] == 0, r
-    d, f, v, n = DIMS["hidden_size"], DIMS["intermediate_size"], DIMS["vocab_size"], DIMS["num_hidden_layers"]
-    q, kv = DIMS["num_attention_heads"] * DIMS["head_dim"], DIMS["num_key_value_heads"] * DIMS["head_dim"]
-    return n * (2 * d * q + 2 * d * kv + 3 * d * f + 2 * d) + 2 * v * d + d
 
 
 def main() -> None:
     root = WORK / "eval_scale"
     shutil.rmtree(root, ignore_errors=True)
-    parameters = make_model(root / "model")
-    say(f"eval_scale: {parameters / 1e6:.0f} M parameter model written")
+    parameters = {size: tinymodel_checkpoint(root / size.replace(" ", ""), dims)[1] for size, dims in SIZES.items()}
+    say(f"eval_scale: models of {', '.join(f'{p / 1e6:.0f} M' for p in parameters.values())} parameters written")
     eval_file = REPO / "pipelines" / "data" / "parity" / "eval.jsonl"
     reps = 1 if QUICK else 2
-    raw: dict[str, list[dict]] = {label: [] for label in ENGINES}
+    raw: dict[str, dict[str, list[dict]]] = {size: {label: [] for label in ENGINES} for size in SIZES}
     for rep in range(reps):
-        for label, mode in ENGINES.items():
-            argv = [PY["serving"], str(Path(__file__).parent / "_eval_child.py"), mode, str(root / "model")]
-            r = run_timed([*argv, str(eval_file), str(root / f"out-{mode}")], timeout=3600)
-            if r["rc"] != 0:
-                raise SystemExit(f"eval_scale {label} failed: {r.get('stderr_tail', '')[-1500:]}")
-            raw[label].append(r)
-            say(
-                f"eval_scale rep {rep + 1}/{reps} {label}: wall {r['wall_s']:.1f}s, start-up {r['startup_s']:.1f}s, "
-                f"{r['tokens']} tokens in {r['generate_s']:.1f}s"
-            )
+        for size in SIZES:
+            model = root / size.replace(" ", "")
+            for label, mode in ENGINES.items():
+                argv = [PY["serving"], str(Path(__file__).parent / "_eval_child.py"), mode, str(model)]
+                r = run_timed([*argv, str(eval_file), str(root / f"out-{mode}")], timeout=3600)
+                if r["rc"] != 0:
+                    raise SystemExit(f"eval_scale {label} failed: {r.get('stderr_tail', '')[-1500:]}")
+                raw[size][label].append(r)
+                say(
+                    f"eval_scale rep {rep + 1}/{reps} {size} {label}: wall {r['wall_s']:.1f}s, start-up "
+                    f"{r['startup_s']:.1f}s, {r['tokens']} tokens in {r['generate_s']:.1f}s"
+                )
     summary = {
-        label: {
-            "median_wall_s": median([r["wall_s"] for r in rs]),
-            "median_startup_s": median([r["startup_s"] for r in rs]),
-            "median_generate_s": median([r["generate_s"] for r in rs]),
-            "tokens": rs[-1]["tokens"],
-            "tokens_per_s": median([r["tokens"] / r["generate_s"] for r in rs]),
-            "median_peak_rss_mib": median([r.get("peak_rss_mib", 0) for r in rs]),
-            "version": rs[-1]["version"],
+        size: {
+            label: {
+                **medians(rs, "wall_s", "startup_s", "generate_s", "peak_rss_mib"),
+                "tokens": rs[-1]["tokens"],
+                "tokens_per_s": median([r["tokens"] / r["generate_s"] for r in rs]),
+                "version": rs[-1]["version"],
+            }
+            for label, rs in by_label.items()
         }
-        for label, rs in raw.items()
+        for size, by_label in raw.items()
     }
-    save("eval_scale", {"reps": reps, "parameters": parameters, "dims": DIMS, "summary": summary, "raw": raw})
+    save(
+        "eval_scale",
+        {
+            "reps": reps,
+            "target_size": TARGET_SIZE,
+            "models": {size: {"parameters": parameters[size], "dims": SIZES[size]} for size in SIZES},
+            "summary": summary,
+            "machine": machine(),
+            "raw": raw,
+        },
+    )
     shutil.rmtree(root, ignore_errors=True)
 
 

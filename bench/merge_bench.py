@@ -1,8 +1,10 @@
 """2. Merge: loraflow.lora.merge.merge_checkpoint against a naive load-everything torch merge, PEFT's
-merge_and_unload + save_pretrained, and `cp -r` of the same base, on a generated ~1.1B-parameter
-Llama-architecture bf16 checkpoint (sharded safetensors) with a rank-16 adapter on all projections.
-Interleaved A B C D per repetition; wall time, peak RSS (/usr/bin/time -v), bytes written; the
-outputs are compared bit for bit with loraflow's. Driver: any Python (stdlib only).
+merge_and_unload + save_pretrained, and `cp -r` of the same base, on generated Llama-architecture bf16
+checkpoints (sharded safetensors) with a rank-16 adapter on all projections. Every method at the target
+size (~1.1 B, TinyLlama's shape), its outputs compared bit for bit with loraflow's; loraflow, PEFT (the
+usual way; naive torch where PEFT is not installed) and cp at every size of common.SIZES, for the scaling
+plot. Interleaved per repetition; wall time, peak RSS (/usr/bin/time -v), bytes written.
+Driver: any Python (stdlib only).
 """
 
 from __future__ import annotations
@@ -12,13 +14,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, QUICK, WORK, machine, median, run, run_timed, save, say
+from common import PY, QUICK, SIZES, TARGET_SIZE, WORK, generated_checkpoint, machine, median, run, run_timed, save, say
 
 CHILD = str(Path(__file__).resolve().parent / "_merge_children.py")
 PEFT_LIB = Path("/tmp/bench-peftlib")  # PEFT + accelerate, installed --target here by bench/setup_peft.sh
-# (layers, hidden, intermediate, vocab): TinyLlama-1.1B's shape; a 4-layer one with the same largest tensor
-BIG = (4, 1024, 2816, 32000) if QUICK else (22, 2048, 5632, 32000)
-SMALL = (2, 1024, 2816, 32000) if QUICK else (4, 2048, 5632, 32000)
 
 
 def dir_bytes(d: Path) -> int:
@@ -37,25 +36,29 @@ def methods(root: Path) -> dict[str, list[str]]:
     return m
 
 
+def swept(label: str, labels: list[str]) -> bool:
+    """Whether a method runs at every size (not only the target size): loraflow, cp and the usual alternative."""
+    usual = "PEFT" if any(k.startswith("PEFT") for k in labels) else "naive"
+    return label.startswith(("loraflow", "cp", usual))
+
+
 def main() -> None:
     shutil.rmtree(WORK / "merge", ignore_errors=True)
-    models = {"big": BIG, "small": SMALL}
-    gen = {}
-    for name, dims in models.items():
-        say(f"merge: generating {name} checkpoint {dims}")
-        gen[name] = run([PY["serving"], CHILD, "gen", str(WORK / "merge" / name), *map(str, dims)], timeout=3600)
-        assert gen[name]["rc"] == 0, gen[name]
-        say(f"merge: {name}: {gen[name]['parameters'] / 1e9:.2f} B parameters, {gen[name]['bytes'] / 2**30:.2f} GiB")
+    gen = {size: generated_checkpoint(size)[1] for size in SIZES}
     reps = 1 if QUICK else 3
     raw: dict[str, list[dict]] = {}
     compare = {}
     for rep in range(reps):
-        for model in ("big", "small"):
-            root = WORK / "merge" / model
-            for label, argv in methods(root).items():
-                if model == "small" and not label.startswith(("loraflow", "cp")):
-                    continue  # the small model only shows whether loraflow's peak memory grows with model size
-                out = root / f"out-{label.split()[0]}"
+        last = rep == reps - 1
+        for size in SIZES:
+            model = generated_checkpoint(size)[0]
+            work = WORK / "merge" / size.replace(" ", "")
+            work.mkdir(parents=True, exist_ok=True)
+            labels = list(methods(model))
+            for label, argv in methods(model).items():
+                if size != TARGET_SIZE and not swept(label, labels):
+                    continue
+                out = work / f"out-{label.split()[0]}"
                 shutil.rmtree(out, ignore_errors=True)
                 argv = [a.replace("{out}", str(out)) for a in argv]
                 env = {"PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{PEFT_LIB}"} if "PEFT" in label else None
@@ -63,27 +66,24 @@ def main() -> None:
                 if r["rc"] != 0:
                     say(f"merge {label} FAILED: {r.get('stderr_tail', '')[-800:]}")
                 r["bytes_written"] = dir_bytes(out) if out.exists() else 0
-                raw.setdefault(f"{model}: {label}", []).append(r)
+                raw.setdefault(f"{size}: {label}", []).append(r)
                 say(
-                    f"merge rep {rep + 1}/{reps} {model} {label}: {r['wall_s']:.1f}s, peak RSS {r.get('peak_rss_mib', 0):.0f} MiB"
+                    f"merge rep {rep + 1}/{reps} {size} {label}: {r['wall_s']:.1f}s, peak RSS {r.get('peak_rss_mib', 0):.0f} MiB"
                 )
-                last = rep == reps - 1
-                if label.startswith("loraflow") or not last or label.startswith("cp"):
-                    if not (label.startswith("loraflow") and last):
-                        shutil.rmtree(out, ignore_errors=True)
-            if rep == reps - 1:
-                ref = root / "out-loraflow"
-                for label in methods(root):
-                    other = root / f"out-{label.split()[0]}"
-                    if other != ref and other.exists() and not label.startswith("cp"):
-                        compare[f"{model}: loraflow vs {label}"] = run(
-                            [PY["serving"], CHILD, "compare", str(ref), str(other)]
-                        )
-                        shutil.rmtree(other, ignore_errors=True)
+                keep = last and size == TARGET_SIZE and not label.startswith("cp")  # compared below
+                if not keep:
+                    shutil.rmtree(out, ignore_errors=True)
+            if last and size == TARGET_SIZE:
+                ref = work / "out-loraflow"
+                for label in labels:
+                    other = work / f"out-{label.split()[0]}"
+                    if other != ref and other.exists():
+                        compare[f"loraflow vs {label}"] = run([PY["serving"], CHILD, "compare", str(ref), str(other)])
+                shutil.rmtree(work, ignore_errors=True)
     summary = {}
     for key, rs in raw.items():
         ok = [r for r in rs if r["rc"] == 0]
-        model = key.split(":")[0]
+        size = key.split(":")[0]
         summary[key] = {
             "ok_runs": len(ok),
             "runs": len(rs),
@@ -93,12 +93,13 @@ def main() -> None:
             else None,
             "median_peak_rss_mib": median([r["peak_rss_mib"] for r in ok if "peak_rss_mib" in r]),
             "bytes_written": ok[-1]["bytes_written"] if ok else 0,
-            "throughput_mib_s": gen[model]["bytes"] / 2**20 / median([r["wall_s"] for r in ok]) if ok else None,
+            "throughput_mib_s": gen[size]["bytes"] / 2**20 / median([r["wall_s"] for r in ok]) if ok else None,
         }
     save(
         "merge",
         {
-            "models": {k: {"dims(layers,hidden,inter,vocab)": models[k], **gen[k]} for k in models},
+            "target_size": TARGET_SIZE,
+            "models": {k: {"dims(layers,hidden,inter,vocab)": SIZES[k], **gen[k]} for k in SIZES},
             "reps": reps,
             "summary": summary,
             "compare": compare,

@@ -181,9 +181,13 @@ def _dag_profile(d: dict) -> list[str]:
     return [*out, "", "</details>", ""]
 
 
+# Issue 18's merge target: at least 0.75x of cp's throughput on the ~1.1 B checkpoint.
+MERGE_CP_TARGET = 0.75
+
+
 def sec_merge(d: dict) -> list[str]:
-    s = d["summary"]
-    mb = d["models"]["big"]
+    s, target = d["summary"], d["target_size"]
+    mb = d["models"][target]
     out = [
         "## 2. Merge",
         "",
@@ -197,21 +201,21 @@ def sec_merge(d: dict) -> list[str]:
         "| method | wall (s) | inner (s) | MiB/s | peak RSS (MiB) | bytes written | vs loraflow (wall) | verdict |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    out += _merge_rows(s)
-    out += _merge_flat(d)
+    out += _merge_rows(s, target)
     out += _merge_agreement(d)
     out += _merge_bars(d)
+    out += _merge_scaling(d)
     return out
 
 
 def _merge_verdict(name: str, v: dict, lf: dict) -> str:
     """cp: the throughput target; another method: whether loraflow beats it on time and memory."""
     if name.startswith("cp"):
-        ok = lf and lf["throughput_mib_s"] >= 0.5 * v["throughput_mib_s"]
-        return "baseline; " + verdict(
-            bool(ok),
-            "loraflow >= half of cp's throughput (target met)",
-            "**loraflow below half of cp's throughput (target missed)**",
+        ratio = lf["throughput_mib_s"] / v["throughput_mib_s"] if lf else 0.0
+        return f"baseline; loraflow at {ratio:.2f}x of cp's throughput " + (
+            f"(target at least {MERGE_CP_TARGET}x: met)"
+            if ratio >= MERGE_CP_TARGET
+            else f"**(target at least {MERGE_CP_TARGET}x: missed)**"
         )
     if name.startswith("loraflow"):
         return ""
@@ -222,12 +226,12 @@ def _merge_verdict(name: str, v: dict, lf: dict) -> str:
     )
 
 
-def _merge_rows(s: dict) -> list[str]:
-    """One row per method on the big model."""
-    lf = s.get("big: loraflow merge_checkpoint", {})
+def _merge_rows(s: dict, size: str) -> list[str]:
+    """One row per method at ``size``."""
+    lf = s.get(f"{size}: loraflow merge_checkpoint", {})
     out = []
     for k, v in s.items():
-        if not k.startswith("big:"):
+        if not k.startswith(f"{size}:"):
             continue
         name = k.split(": ", 1)[1]
         ratio = v["median_wall_s"] / lf["median_wall_s"] if lf else None
@@ -238,19 +242,36 @@ def _merge_rows(s: dict) -> list[str]:
     return out
 
 
-def _merge_flat(d: dict) -> list[str]:
-    """loraflow's peak memory on the small and the big model: flat in model size."""
-    s, mb, ms = d["summary"], d["models"]["big"], d["models"]["small"]
-    lf = s.get("big: loraflow merge_checkpoint", {})
-    sl = s.get("small: loraflow merge_checkpoint")
-    if not sl:
-        return []
-    return [
+def _merge_scaling(d: dict) -> list[str]:
+    """Wall and peak memory of the methods run at every size, against model size: a table and a plot."""
+    s, models = d["summary"], d["models"]
+    swept = [k.split(": ", 1)[1] for k in s if k.startswith(f"{next(iter(models))}:")]
+    out = [
         "",
-        f"Memory against model size: loraflow's peak RSS is {sl['median_peak_rss_mib']:.0f} MiB on a "
-        f"{ms['parameters'] / 1e9:.2f} B model ({ms['bytes'] / 2**30:.2f} GiB) and {lf['median_peak_rss_mib']:.0f} MiB on the "
-        f"{mb['parameters'] / 1e9:.2f} B one ({mb['bytes'] / 2**30:.2f} GiB), same largest tensor "
-        f"({mb['largest_tensor_bytes'] / 2**20:.0f} MiB): it does not grow with the model.",
+        "Against model size (the methods run at every size; largest tensor = the embedding):",
+        "",
+        "| size | parameters | GiB | largest tensor (MiB) | "
+        + " | ".join(f"{m} wall (s) / peak (MiB)" for m in swept)
+        + " |",
+        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in swept) + " |",
+    ]
+    for size, m in models.items():
+        cells = [
+            f"{f(v['median_wall_s'], 1)} / {f(v['median_peak_rss_mib'], 0)}" if (v := s.get(f"{size}: {k}")) else "-"
+            for k in swept
+        ]
+        out.append(
+            f"| {size} | {m['parameters'] / 1e9:.2f} B | {m['bytes'] / 2**30:.2f} | {m['largest_tensor_bytes'] / 2**20:.0f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    nested = {size: {k: v for k in swept if not k.startswith("cp") and (v := s.get(f"{size}: {k}"))} for size in models}
+    series = size_series(nested, {size: m["parameters"] / 1e9 for size, m in models.items()})  # cp: in the table
+    return [
+        *out,
+        "",
+        scaling_plot("merge-scaling", "Merge (bf16 base + rank-16 adapter) against model size", series),
+        "",
     ]
 
 
@@ -275,9 +296,10 @@ def _merge_agreement(d: dict) -> list[str]:
 
 
 def _merge_bars(d: dict) -> list[str]:
-    """Wall time and peak memory of every method on the big model, as bar charts."""
-    s, mb = d["summary"], d["models"]["big"]
-    big = {k.split(": ", 1)[1]: v for k, v in s.items() if k.startswith("big:")}
+    """Wall time and peak memory of every method at the target size, as bar charts."""
+    s, target = d["summary"], d["target_size"]
+    mb = d["models"][target]
+    big = {k.split(": ", 1)[1]: v for k, v in s.items() if k.startswith(f"{target}:")}
     return [
         "",
         bar(
@@ -400,112 +422,185 @@ EVAL_SCALE_TARGET = 2.0  # issue 18: generation throughput at least 2x HF genera
 
 
 def sec_eval_scale(d: dict) -> list[str]:
-    s, dims = d["summary"], d["dims"]
+    s, models, target = d["summary"], d["models"], d["target_size"]
+    shapes = "; ".join(
+        f"{size}: {m['parameters'] / 1e6:.0f} M parameters, {m['dims']['num_hidden_layers']} layers of width "
+        f"{m['dims']['hidden_size']}, MLP {m['dims']['intermediate_size']}, {m['dims']['num_attention_heads']}/"
+        f"{m['dims']['num_key_value_heads']} heads of {m['dims']['head_dim']}"
+        for size, m in models.items()
+    )
     out = [
-        "## 4b. Evaluation at 0.5 B",
+        "## 4b. Evaluation at 0.1 B and 0.5 B",
         "",
-        f"A generated {d['parameters'] / 1e6:.0f} M parameter Llama-architecture model ({dims['num_hidden_layers']} "
-        f"layers, width {dims['hidden_size']}, MLP {dims['intermediate_size']}, {dims['num_attention_heads']}/"
-        f"{dims['num_key_value_heads']} heads of {dims['head_dim']}, vocabulary {dims['vocab_size']}, float32); 128 "
-        "parity prompts in one batch, 32 new tokens each, greedy, EOS ignored. vLLM is loaded by loraflow's "
-        "`build_engine` as the evaluate stage loads it (KV cache 2 GiB); HF `generate` batched, left-padded. Fresh "
-        f"process each, interleaved, median of {d['reps']}.",
+        f"Generated Llama-architecture models, float32, vocabulary 512 ({shapes}); 128 parity prompts in one "
+        "batch, 32 new tokens each, greedy, EOS ignored. vLLM is loaded by loraflow's `build_engine` as the "
+        "evaluate stage loads it (KV cache 2 GiB); HF `generate` batched, left-padded. *Start-up* includes "
+        "importing the engine's library (vLLM; torch and transformers); both children end as the evaluate "
+        "stage's program does, without the interpreter's teardown. Fresh process each, interleaved, median of "
+        f"{d['reps']}.",
         "",
-        "| engine | process wall (s) | start-up (s) | generate (s) | tokens | tok/s | peak RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| size | engine | process wall (s) | start-up (s) | generate (s) | tokens | tok/s | peak RSS (MiB) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for k, v in s.items():
-        out.append(
-            f"| {k} {v['version']} | {f(v['median_wall_s'], 1)} | {f(v['median_startup_s'], 1)} | "
-            f"{f(v['median_generate_s'], 1)} | {v['tokens']} | {f(v['tokens_per_s'], 0)} | {f(v['median_peak_rss_mib'], 0)} |"
-        )
-    v, h = s.get("vLLM (loraflow evaluate)"), s.get("HF transformers generate")
-    if v and h:
+    for size, engines in s.items():
+        for k, v in engines.items():
+            out.append(
+                f"| {size} | {k} {v['version']} | {f(v['median_wall_s'], 1)} | {f(v['median_startup_s'], 1)} | "
+                f"{f(v['median_generate_s'], 1)} | {v['tokens']} | {f(v['tokens_per_s'], 0)} | "
+                f"{f(v['median_peak_rss_mib'], 0)} |"
+            )
+    for size, engines in s.items():
+        v, h = engines.get("vLLM (loraflow evaluate)"), engines.get("HF transformers generate")
+        if not (v and h):
+            continue
         ratio = v["tokens_per_s"] / h["tokens_per_s"]
+        wall = v["median_wall_s"] / h["median_wall_s"]
         out += [
             "",
-            f"vLLM / HF: generation throughput **{ratio:.2f}x** (target at least {EVAL_SCALE_TARGET}x: "
-            f"{'met' if ratio >= EVAL_SCALE_TARGET else '**missed**'}); process wall "
-            f"{v['median_wall_s'] / h['median_wall_s']:.2f}x (target below 1x: "
-            f"{'met' if v['median_wall_s'] < h['median_wall_s'] else '**missed**'}).",
+            f"{size}: vLLM / HF generation throughput **{ratio:.2f}x**, process wall {wall:.2f}x"
+            + (
+                f" (targets at {target}: throughput at least {EVAL_SCALE_TARGET}x "
+                f"{'met' if ratio >= EVAL_SCALE_TARGET else '**missed**'}; wall below 1x "
+                f"{'met' if wall < 1 else '**missed**'})."
+                if size == target
+                else "."
+            ),
         ]
+    series = size_series(s, {size: m["parameters"] / 1e9 for size, m in models.items()})
+    out += ["", scaling_plot("eval-scaling", "Evaluation, 128 prompts x 32 tokens, against model size", series)]
     return [*out, ""]
 
 
+def scaling_plot(
+    name: str, title: str, series: dict[str, list[tuple[float, float, float]]], unit: str = "billions"
+) -> str:
+    """Wall time and peak RSS against parameters (in ``unit``), a line per method: ``series`` maps a method
+    to its (parameters, wall s, peak MiB) points."""
+    if plt is None:
+        return "(plot skipped: matplotlib not available)"
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for label, points in series.items():
+        style = {"color": "#d95f02", "marker": "o"} if "loraflow" in label else {"marker": "s"}
+        xs = [p[0] for p in points]
+        axes[0].plot(xs, [p[1] for p in points], label=label, **style)
+        axes[1].plot(xs, [p[2] / 1024 for p in points], label=label, **style)
+    for ax, ylabel in zip(axes, ("median wall time (s)", "median peak RSS (GiB)"), strict=True):
+        ax.set_xlabel(f"parameters ({unit})")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(IMG / f"bench-{name}.png", dpi=110)
+    plt.close(fig)
+    return f"![{title}](img/bench-{name}.png)"
+
+
+def size_series(s: dict[str, dict[str, dict]], x: dict[str, float]) -> dict[str, list[tuple[float, float, float]]]:
+    """For :func:`scaling_plot`: a summary ``{size: {method: medians}}`` as ``{method: [(x[size], wall s, peak MiB)]}``
+    over the sizes where the method ran."""
+    return {
+        label: [
+            (x[size], v["median_wall_s"], v["median_peak_rss_mib"])
+            for size in s
+            if (v := s[size].get(label)) and v.get("ok_runs", 1)
+        ]
+        for label in dict.fromkeys(k for methods in s.values() for k in methods)
+    }
+
+
+# Issue 18's conversion targets at ~1 B: peak RSS at least 3x below to_maxtext eager's, wall at most 1.1x.
+CONVERT_RSS_TARGET = 3.0
+CONVERT_WALL_TARGET = 1.1
+
+
 def sec_convert(d: dict) -> list[str]:
+    s, models, target = d["summary"], d["models"], d["target_size"]
     out = [
         "## 5. Conversion",
         "",
-        f"The tiny model through loraflow's `convert()` and through MaxText's `to_maxtext.main` called directly (the "
-        f"checkpoint's own HF config registered under the model key in both). Fresh trainer-env process each, "
-        f"interleaved, median of {d['reps']}; wall includes importing JAX/MaxText.",
+        "Generated Llama-architecture bf16 checkpoints (sharded safetensors, the merge's generator) through "
+        "loraflow's `convert()` and through MaxText's `to_maxtext.main` called directly, eager, the usual way "
+        "(the checkpoint's own HF config registered under the model key in both; float32 Orbax output). Fresh "
+        f"trainer-env process each, interleaved, median of {d['reps']}; wall includes importing JAX/MaxText.",
         "",
-        "| method | runs ok | wall (s) | convert call (s) | peak RSS (MiB) | result |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        "| size | parameters | method | runs ok | wall (s) | convert call (s) | peak RSS (MiB) | result |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    for k, v in d["summary"].items():
-        res = "ok" if v["ok_runs"] else f"fails: `{(v['error'] or '')[:160]}`"
-        out.append(
-            f"| {k} | {v['ok_runs']}/{v['runs']} | {f(v['median_wall_s'], 1)} | {f(v['median_convert_s'], 1)} | "
-            f"{f(v['median_peak_rss_mib'], 0)} | {res} |"
-        )
-    s = d["summary"]
-    lf, de = s.get("loraflow convert stage"), s.get("to_maxtext direct, eager")
-    if lf and de and lf["ok_runs"] and de["ok_runs"]:
+    for size, methods in s.items():
+        for k, v in methods.items():
+            res = "ok" if v["ok_runs"] else f"{(v['error'] or '')[:200]}"
+            out.append(
+                f"| {size} | {models[size]['parameters'] / 1e9:.2f} B | {k} | {v['ok_runs']}/{v['runs']} | "
+                f"{f(v['median_wall_s'], 1)} | {f(v['median_convert_s'], 1)} | {f(v['median_peak_rss_mib'], 0)} | {res} |"
+            )
+    lazy = d.get("lazy") or {}
+    if lazy:
+        error = (lazy.get("error") or "").replace("`", "'")[:200]
         out += [
             "",
-            f"loraflow / direct eager: wall {lf['median_wall_s'] / de['median_wall_s']:.2f}x, peak RSS "
-            f"{lf['median_peak_rss_mib'] / de['median_peak_rss_mib']:.2f}x. "
-            + (
-                f"**loraflow {100 * (lf['median_wall_s'] / de['median_wall_s'] - 1):.0f} % slower on wall time.**"
-                if lf["median_wall_s"] > de["median_wall_s"]
-                else "loraflow no slower."
-            ),
+            f"to_maxtext's own lazy mode on the {lazy['size']} checkpoint: "
+            + ("ok." if lazy["ok"] else f"fails: `{error}`"),
         ]
+    lf, de = s.get(target, {}).get("loraflow convert stage"), s.get(target, {}).get("to_maxtext direct, eager")
+    if lf and de and lf["ok_runs"] and de["ok_runs"]:
+        rss = de["median_peak_rss_mib"] / lf["median_peak_rss_mib"]
+        wall = lf["median_wall_s"] / de["median_wall_s"]
+        out += [
+            "",
+            f"At {target} ({models[target]['parameters'] / 1e9:.2f} B parameters):",
+            f"- peak RSS: to_maxtext eager / loraflow **{rss:.1f}x** (target at least {CONVERT_RSS_TARGET}x: "
+            f"{'met' if rss >= CONVERT_RSS_TARGET else '**missed**'}).",
+            _target_line("wall: loraflow / to_maxtext eager", wall, CONVERT_WALL_TARGET),
+        ]
+    series = size_series(s, {size: m["parameters"] / 1e9 for size, m in models.items()})
+    out += ["", scaling_plot("convert-scaling", "Conversion (HF bf16 -> MaxText Orbax) against model size", series)]
     return [*out, ""]
 
 
 def sec_train(d: dict) -> list[str]:
-    s = d["summary"]
+    s, sizes = d["summary"], d["sizes"]
     out = [
         "## 7. Training",
         "",
-        f"The tiny model ({d['steps']} steps of the tiny spec's training config: batch 8, max length 64, rank 16, "
-        "float32) through the lora_sft stage function (`loraflow.steps.lora_sft.run`: its progress/loss hooks, "
+        "The tiny spec's training config (batch 8, max length 64, rank 16, float32) on the tiny model and on a "
+        f"{sizes['50 M']['parameters'] / 1e6:.0f} M parameter model of the same family ("
+        + ", ".join(f"{k}: {v['parameters']:,} parameters, {v['steps']} steps" for k, v in sizes.items())
+        + ") through the lora_sft stage function (`loraflow.steps.lora_sft.run`: its progress/loss hooks, "
         "checkpoint sync to a local remote, PEFT export, loss.csv) and through MaxText's own SFT entry points "
         "(`train_sft.setup_trainer_state` + `train_model`, what `train_sft.train` calls) with the same MaxText "
         "arguments. Fresh trainer-env process each, interleaved A B A B, median of "
         f"{d['reps']}. *tokens/s* = steps x batch x max length / seconds of `train_model` (first-step compile "
         "included, the same for both); *set-up* = config, model and data pipeline; *process* = the whole child.",
         "",
-        "| method | tokens/s | train_model (s) | set-up (s) | process wall (s) | peak RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| size | method | tokens/s | train_model (s) | set-up (s) | process wall (s) | peak RSS (MiB) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for k, v in s.items():
-        out.append(
-            f"| {k} | {f(v['median_tokens_per_s'], 0)} | {f(v['median_train_s'], 1)} | {f(v['median_setup_s'], 1)} | "
-            f"{f(v['median_wall_s'], 1)} | {f(v['median_peak_rss_mib'], 0)} |"
-        )
-    lf, di = s.get("loraflow lora_sft stage"), s.get("MaxText train_sft direct")
-    if lf and di:
-        r = lf["median_tokens_per_s"] / di["median_tokens_per_s"]
-        out += [
-            "",
-            f"loraflow / direct: tokens/s {r:.2f}x, process wall {lf['median_wall_s'] / di['median_wall_s']:.2f}x. "
-            + (
-                f"**loraflow {100 * (1 - r):.0f} % fewer tokens/s.**"
-                if r < 0.97
-                else "Within 3 %: the wrapper costs nothing measurable on training throughput."
-            ),
-            "",
-            bar(
-                "train",
-                list(s),
-                [v["median_tokens_per_s"] for v in s.values()],
-                "median tokens/s",
-                "LoRA SFT throughput, tiny model",
-            ),
-        ]
+    for size, methods in s.items():
+        for k, v in methods.items():
+            out.append(
+                f"| {size} | {k} | {f(v['median_tokens_per_s'], 0)} | {f(v['median_train_s'], 1)} | "
+                f"{f(v['median_setup_s'], 1)} | {f(v['median_wall_s'], 1)} | {f(v['median_peak_rss_mib'], 0)} |"
+            )
+    for size, methods in s.items():
+        lf, di = methods.get("loraflow lora_sft stage"), methods.get("MaxText train_sft direct")
+        if lf and di:
+            r = lf["median_tokens_per_s"] / di["median_tokens_per_s"]
+            out += [
+                "",
+                f"{size}: loraflow / direct tokens/s {r:.2f}x, process wall "
+                f"{lf['median_wall_s'] / di['median_wall_s']:.2f}x. "
+                + (
+                    f"**loraflow {100 * (1 - r):.0f} % fewer tokens/s.**"
+                    if r < 0.97
+                    else "Within 3 %: the wrapper costs nothing measurable on training throughput."
+                ),
+            ]
+    series = size_series(s, {size: v["parameters"] / 1e6 for size, v in sizes.items()})
+    out += ["", scaling_plot("train-scaling", "LoRA SFT against model size (process wall)", series, "millions")]
     return [*out, ""]
 
 

@@ -5,6 +5,7 @@ BENCH_ONLY=dag_parse,merge,...: a subset. Raw results: bench/results/*.json.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -69,6 +70,7 @@ def main() -> int:
         rc = subprocess.run([PY["control"], str(BENCH / f"{b}.py")], cwd=REPO).returncode
         status[b] = {"rc": rc, "seconds": round(time.monotonic() - t, 1)}
         say(f"=== {b}: rc={rc} in {status[b]['seconds']}s")
+    shutil.rmtree(WORK / "models", ignore_errors=True)  # the size sweeps' generated checkpoints (~10 GiB)
     info["benches"] = status
     info["started"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     save("machine", info)

@@ -1,6 +1,7 @@
 """7. Training: the lora_sft stage function against MaxText's own SFT entry points run directly with
-the same MaxText arguments, on the tiny model with the tiny spec's training config; fresh trainer-env
-process each, interleaved A B A B; tokens per second of MaxText's train_model, set-up and process wall.
+the same MaxText arguments, with the tiny spec's training config, at two model sizes: the tiny model and
+a ~50 M parameter one of the same family (the same tokenizer and data). Fresh trainer-env process each,
+interleaved A B A B; tokens per second of MaxText's train_model, set-up and process wall.
 Driver: any Python (stdlib only).
 """
 
@@ -11,51 +12,70 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, QUICK, WORK, median, run_timed, save, say
-from eval_bench import tiny_model
+from common import PY, QUICK, WORK, machine, medians, run_timed, save, say, tinymodel_checkpoint
 
 CHILD = str(Path(__file__).resolve().parent / "_train_child.py")
 MODES = {"loraflow lora_sft stage": "loraflow", "MaxText train_sft direct": "direct"}
-STEPS = 20 if QUICK else 50
+# size -> (the model's dims: None for the tiny model; training steps)
+SIZES = {
+    "tiny": (None, 20 if QUICK else 50),
+    "50 M": (
+        {
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 2 if QUICK else 8,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "vocab_size": 512,
+        },
+        5 if QUICK else 20,
+    ),
+}
 
 
 def main() -> None:
     root = WORK / "train"
     shutil.rmtree(root, ignore_errors=True)
-    tiny_model(root / "tiny-llama")
-    prep = run_timed([PY["trainer"], CHILD, "prepare", str(root)], timeout=900)
-    assert prep["rc"] == 0, prep.get("stderr_tail")
+    parameters = {}
+    for size, (dims, _) in SIZES.items():
+        parameters[size] = tinymodel_checkpoint(root / size.replace(" ", "") / "model", dims)[1]
+        prep = run_timed([PY["trainer"], CHILD, "prepare", str(root / size.replace(" ", ""))], timeout=900)
+        assert prep["rc"] == 0, prep.get("stderr_tail")
     reps = 1 if QUICK else 2
-    raw: dict[str, list[dict]] = {k: [] for k in MODES}
+    raw: dict[str, dict[str, list[dict]]] = {size: {k: [] for k in MODES} for size in SIZES}
     for rep in range(reps):
-        for label, mode in MODES.items():
-            shutil.rmtree(root / f"out-{mode}", ignore_errors=True)
-            r = run_timed([PY["trainer"], CHILD, mode, str(root), str(STEPS)], timeout=1800)
-            if r["rc"] != 0:
-                raise SystemExit(f"{label} failed: {r.get('stderr_tail')}")
-            raw[label].append(r)
-            say(
-                f"train rep {rep + 1}/{reps} {label}: {r['tokens_per_s']:.0f} tokens/s "
-                f"(train {r['train_s']:.1f}s, setup {r['setup_s']:.1f}s, process {r['wall_s']:.1f}s, "
-                f"peak RSS {r.get('peak_rss_mib', 0):.0f} MiB)"
-            )
+        for size, (_, steps) in SIZES.items():
+            where = root / size.replace(" ", "")
+            for label, mode in MODES.items():
+                shutil.rmtree(where / f"out-{mode}", ignore_errors=True)
+                r = run_timed([PY["trainer"], CHILD, mode, str(where), str(steps)], timeout=1800)
+                if r["rc"] != 0:
+                    raise SystemExit(f"{label} failed: {r.get('stderr_tail')}")
+                raw[size][label].append(r)
+                say(
+                    f"train rep {rep + 1}/{reps} {size} {label}: {r['tokens_per_s']:.0f} tokens/s "
+                    f"(train {r['train_s']:.1f}s, setup {r['setup_s']:.1f}s, process {r['wall_s']:.1f}s, "
+                    f"peak RSS {r.get('peak_rss_mib', 0):.0f} MiB)"
+                )
     summary = {
-        label: {
-            "median_tokens_per_s": median([r["tokens_per_s"] for r in rs]),
-            "median_train_s": median([r["train_s"] for r in rs]),
-            "median_setup_s": median([r["setup_s"] for r in rs]),
-            "median_wall_s": median([r["wall_s"] for r in rs]),
-            "median_peak_rss_mib": median([r.get("peak_rss_mib", 0) for r in rs]),
+        size: {
+            label: medians(rs, "tokens_per_s", "train_s", "setup_s", "wall_s", "peak_rss_mib")
+            for label, rs in by_label.items()
         }
-        for label, rs in raw.items()
+        for size, by_label in raw.items()
     }
     save(
         "train",
         {
             "reps": reps,
-            "steps": STEPS,
+            "machine": machine(),
+            "sizes": {size: {"parameters": parameters[size], "steps": steps} for size, (_, steps) in SIZES.items()},
             "summary": summary,
-            "raw": {k: [{kk: vv for kk, vv in r.items() if kk != "stdout_tail"} for r in v] for k, v in raw.items()},
+            "raw": {
+                size: {k: [{kk: vv for kk, vv in r.items() if kk != "stdout_tail"} for r in v] for k, v in by.items()}
+                for size, by in raw.items()
+            },
         },
     )
     shutil.rmtree(root, ignore_errors=True)
