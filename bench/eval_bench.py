@@ -9,30 +9,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, QUICK, REPO, WORK, median, run, run_timed, save, say
-
-
-def tiny_model(dest: Path) -> Path:
-    if not (dest / "model.safetensors").exists():
-        r = run(
-            [
-                PY["serving"],
-                "-m",
-                "loraflow.dev.tinymodel",
-                "--out",
-                str(dest),
-                "--corpus",
-                str(REPO / "pipelines" / "data" / "parity" / "train.jsonl"),
-            ]
-        )
-        assert r["rc"] == 0, r
-    return dest
+from common import PY, QUICK, REPO, WORK, median, run_timed, save, say, tinymodel_checkpoint
 
 
 def main() -> None:
     root = WORK / "eval"
     shutil.rmtree(root, ignore_errors=True)
-    model = tiny_model(root / "tiny-llama")
+    model = tinymodel_checkpoint(root / "tiny-llama")[0]
     eval_dir = root / "evalset"
     eval_dir.mkdir(parents=True)
     shutil.copy(REPO / "pipelines" / "data" / "parity" / "eval.jsonl", eval_dir / "eval.jsonl")

@@ -177,6 +177,7 @@ def build_engine(model_dir: Path, cfg: EvaluateConfig, progress: Any = print) ->
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     started = time.monotonic()
     import vllm
+    from vllm import LLM  # vllm's top level is lazy: the engine's own modules load here (about half the import)
 
     import_s = time.monotonic() - started
     cpu = on_cpu()
@@ -184,7 +185,7 @@ def build_engine(model_dir: Path, cfg: EvaluateConfig, progress: Any = print) ->
     shown = {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")}
     progress(f"loading {model_dir} into vLLM {vllm.__version__} ({'cpu' if cpu else 'accelerator'}): {shown}")
     try:
-        llm = vllm.LLM(**kwargs)
+        llm = LLM(**kwargs)
     except Exception as exc:  # vLLM raises many kinds; say which checkpoint and settings failed
         raise LoraflowError(
             f"evaluate: vLLM could not load {model_dir} with {shown}: {type(exc).__name__}: {exc}"
