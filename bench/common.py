@@ -14,6 +14,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,23 @@ def tinymodel_checkpoint(dest: Path, dims: dict[str, int] | None = None) -> tupl
 def memory_bytes() -> int:
     """This machine's RAM."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def interleaved(reps: int, sizes: Iterable[str], methods: dict[str, str]) -> Iterator[tuple[int, str, str, str]]:
+    """(repetition, size, method label, mode) in a sweep's order: per repetition, per size, every method."""
+    sizes = list(sizes)
+    for rep in range(reps):
+        for size in sizes:
+            for label, mode in methods.items():
+                yield rep, size, label, mode
+
+
+def run_or_stop(what: str, argv: list[str], **kw: Any) -> dict[str, Any]:
+    """:func:`run_timed`, ending the benchmark with the child's error when it fails."""
+    r = run_timed(argv, **kw)
+    if r["rc"] != 0:
+        raise SystemExit(f"{what} failed: {r.get('stderr_tail', '')[-1500:]}")
+    return r
 
 
 def emit(data: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from common import (
     TARGET_SIZE,
     WORK,
     generated_checkpoint,
+    interleaved,
     machine,
     median,
     memory_bytes,
@@ -64,21 +65,18 @@ def main() -> None:
     reps = 1 if QUICK else 2
     raw: dict[str, dict[str, list[dict]]] = {label: {size: [] for size in SIZES} for label in MODES}
     skipped: dict[str, dict[str, str]] = {label: {} for label in MODES}
-    for rep in range(reps):
-        for size in SIZES:
-            base = generated_checkpoint(size)[0] / "base"
-            for label, mode in MODES.items():
-                why = skipped[label].get(size) or too_big(raw[label], facts, size)
-                if why:
-                    skipped[label][size] = why
-                    say(f"convert {size} {label}: {why}")
-                    continue
-                r = convert_once(mode, base)
-                raw[label][size].append(r)
-                say(
-                    f"convert rep {rep + 1}/{reps} {size} {label}: wall {r['wall_s']:.1f}s, peak RSS "
-                    f"{r.get('peak_rss_mib', 0):.0f} MiB, ok={r['ok']} {r.get('error', '')[:200]}"
-                )
+    for rep, size, label, mode in interleaved(reps, SIZES, MODES):
+        why = skipped[label].get(size) or too_big(raw[label], facts, size)
+        if why:
+            skipped[label][size] = why
+            say(f"convert {size} {label}: {why}")
+            continue
+        r = convert_once(mode, generated_checkpoint(size)[0] / "base")
+        raw[label][size].append(r)
+        say(
+            f"convert rep {rep + 1}/{reps} {size} {label}: wall {r['wall_s']:.1f}s, peak RSS "
+            f"{r.get('peak_rss_mib', 0):.0f} MiB, ok={r['ok']} {r.get('error', '')[:200]}"
+        )
     smallest = next(iter(SIZES))
     lazy = convert_once(LAZY[1], generated_checkpoint(smallest)[0] / "base")
     say(f"convert {smallest} {LAZY[0]}: ok={lazy['ok']} {lazy.get('error', '')[:200]}")

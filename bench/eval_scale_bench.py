@@ -11,7 +11,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, QUICK, REPO, WORK, machine, median, medians, run_timed, save, say, tinymodel_checkpoint
+from common import (
+    PY,
+    QUICK,
+    REPO,
+    WORK,
+    interleaved,
+    machine,
+    median,
+    medians,
+    run_or_stop,
+    save,
+    say,
+    tinymodel_checkpoint,
+)
 
 # Width 1536 (12 query heads, 4 KV heads of 128), MLP 4096, 20 layers: ~0.5 B; width 768 (6 / 2 heads
 # of 128), MLP 2048, 16 layers: ~0.1 B; the tiny model's 512-token vocabulary (the prompts are the
@@ -48,19 +61,15 @@ def main() -> None:
     eval_file = REPO / "pipelines" / "data" / "parity" / "eval.jsonl"
     reps = 1 if QUICK else 2
     raw: dict[str, dict[str, list[dict]]] = {size: {label: [] for label in ENGINES} for size in SIZES}
-    for rep in range(reps):
-        for size in SIZES:
-            model = root / size.replace(" ", "")
-            for label, mode in ENGINES.items():
-                argv = [PY["serving"], str(Path(__file__).parent / "_eval_child.py"), mode, str(model)]
-                r = run_timed([*argv, str(eval_file), str(root / f"out-{mode}")], timeout=3600)
-                if r["rc"] != 0:
-                    raise SystemExit(f"eval_scale {label} failed: {r.get('stderr_tail', '')[-1500:]}")
-                raw[size][label].append(r)
-                say(
-                    f"eval_scale rep {rep + 1}/{reps} {size} {label}: wall {r['wall_s']:.1f}s, start-up "
-                    f"{r['startup_s']:.1f}s, {r['tokens']} tokens in {r['generate_s']:.1f}s"
-                )
+    for rep, size, label, mode in interleaved(reps, SIZES, ENGINES):
+        model = root / size.replace(" ", "")
+        argv = [PY["serving"], str(Path(__file__).parent / "_eval_child.py"), mode, str(model)]
+        r = run_or_stop(f"eval_scale {label}", [*argv, str(eval_file), str(root / f"out-{mode}")], timeout=3600)
+        raw[size][label].append(r)
+        say(
+            f"eval_scale rep {rep + 1}/{reps} {size} {label}: wall {r['wall_s']:.1f}s, start-up "
+            f"{r['startup_s']:.1f}s, {r['tokens']} tokens in {r['generate_s']:.1f}s"
+        )
     summary = {
         size: {
             label: {

@@ -442,13 +442,12 @@ def sec_eval_scale(d: dict) -> list[str]:
         "| size | engine | process wall (s) | start-up (s) | generate (s) | tokens | tok/s | peak RSS (MiB) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for size, engines in s.items():
-        for k, v in engines.items():
-            out.append(
-                f"| {size} | {k} {v['version']} | {f(v['median_wall_s'], 1)} | {f(v['median_startup_s'], 1)} | "
-                f"{f(v['median_generate_s'], 1)} | {v['tokens']} | {f(v['tokens_per_s'], 0)} | "
-                f"{f(v['median_peak_rss_mib'], 0)} |"
-            )
+    out += size_rows(
+        s,
+        lambda size, k, v: [f"{k} {v['version']}", f(v["median_wall_s"], 1), f(v["median_startup_s"], 1),
+                            f(v["median_generate_s"], 1), str(v["tokens"]), f(v["tokens_per_s"], 0),
+                            f(v["median_peak_rss_mib"], 0)],
+    )  # fmt: skip
     for size, engines in s.items():
         v, h = engines.get("vLLM (loraflow evaluate)"), engines.get("HF transformers generate")
         if not (v and h):
@@ -499,6 +498,13 @@ def scaling_plot(
     return f"![{title}](img/bench-{name}.png)"
 
 
+def size_rows(s: dict[str, dict[str, dict]], cells) -> list[str]:
+    """Markdown rows of a summary ``{size: {method: medians}}``: ``| size | cells(size, method, medians)... |``."""
+    return [
+        "| " + " | ".join([size, *cells(size, k, v)]) + " |" for size, methods in s.items() for k, v in methods.items()
+    ]
+
+
 def size_series(s: dict[str, dict[str, dict]], x: dict[str, float]) -> dict[str, list[tuple[float, float, float]]]:
     """For :func:`scaling_plot`: a summary ``{size: {method: medians}}`` as ``{method: [(x[size], wall s, peak MiB)]}``
     over the sizes where the method ran."""
@@ -530,13 +536,12 @@ def sec_convert(d: dict) -> list[str]:
         "| size | parameters | method | runs ok | wall (s) | convert call (s) | peak RSS (MiB) | result |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    for size, methods in s.items():
-        for k, v in methods.items():
-            res = "ok" if v["ok_runs"] else f"{(v['error'] or '')[:200]}"
-            out.append(
-                f"| {size} | {models[size]['parameters'] / 1e9:.2f} B | {k} | {v['ok_runs']}/{v['runs']} | "
-                f"{f(v['median_wall_s'], 1)} | {f(v['median_convert_s'], 1)} | {f(v['median_peak_rss_mib'], 0)} | {res} |"
-            )
+    out += size_rows(
+        s,
+        lambda size, k, v: [f"{models[size]['parameters'] / 1e9:.2f} B", k, f"{v['ok_runs']}/{v['runs']}",
+                            f(v["median_wall_s"], 1), f(v["median_convert_s"], 1), f(v["median_peak_rss_mib"], 0),
+                            "ok" if v["ok_runs"] else (v["error"] or "")[:200]],
+    )  # fmt: skip
     lazy = d.get("lazy") or {}
     if lazy:
         error = (lazy.get("error") or "").replace("`", "'")[:200]
@@ -579,12 +584,11 @@ def sec_train(d: dict) -> list[str]:
         "| size | method | tokens/s | train_model (s) | set-up (s) | process wall (s) | peak RSS (MiB) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for size, methods in s.items():
-        for k, v in methods.items():
-            out.append(
-                f"| {size} | {k} | {f(v['median_tokens_per_s'], 0)} | {f(v['median_train_s'], 1)} | "
-                f"{f(v['median_setup_s'], 1)} | {f(v['median_wall_s'], 1)} | {f(v['median_peak_rss_mib'], 0)} |"
-            )
+    out += size_rows(
+        s,
+        lambda size, k, v: [k, f(v["median_tokens_per_s"], 0), f(v["median_train_s"], 1), f(v["median_setup_s"], 1),
+                            f(v["median_wall_s"], 1), f(v["median_peak_rss_mib"], 0)],
+    )  # fmt: skip
     for size, methods in s.items():
         lf, di = methods.get("loraflow lora_sft stage"), methods.get("MaxText train_sft direct")
         if lf and di:

@@ -12,7 +12,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, QUICK, WORK, machine, medians, run_timed, save, say, tinymodel_checkpoint
+from common import (
+    PY,
+    QUICK,
+    WORK,
+    interleaved,
+    machine,
+    medians,
+    run_or_stop,
+    save,
+    say,
+    tinymodel_checkpoint,
+)
 
 CHILD = str(Path(__file__).resolve().parent / "_train_child.py")
 MODES = {"loraflow lora_sft stage": "loraflow", "MaxText train_sft direct": "direct"}
@@ -40,24 +51,21 @@ def main() -> None:
     parameters = {}
     for size, (dims, _) in SIZES.items():
         parameters[size] = tinymodel_checkpoint(root / size.replace(" ", "") / "model", dims)[1]
-        prep = run_timed([PY["trainer"], CHILD, "prepare", str(root / size.replace(" ", ""))], timeout=900)
-        assert prep["rc"] == 0, prep.get("stderr_tail")
+        run_or_stop(
+            f"preparing {size}", [PY["trainer"], CHILD, "prepare", str(root / size.replace(" ", ""))], timeout=900
+        )
     reps = 1 if QUICK else 2
     raw: dict[str, dict[str, list[dict]]] = {size: {k: [] for k in MODES} for size in SIZES}
-    for rep in range(reps):
-        for size, (_, steps) in SIZES.items():
-            where = root / size.replace(" ", "")
-            for label, mode in MODES.items():
-                shutil.rmtree(where / f"out-{mode}", ignore_errors=True)
-                r = run_timed([PY["trainer"], CHILD, mode, str(where), str(steps)], timeout=1800)
-                if r["rc"] != 0:
-                    raise SystemExit(f"{label} failed: {r.get('stderr_tail')}")
-                raw[size][label].append(r)
-                say(
-                    f"train rep {rep + 1}/{reps} {size} {label}: {r['tokens_per_s']:.0f} tokens/s "
-                    f"(train {r['train_s']:.1f}s, setup {r['setup_s']:.1f}s, process {r['wall_s']:.1f}s, "
-                    f"peak RSS {r.get('peak_rss_mib', 0):.0f} MiB)"
-                )
+    for rep, size, label, mode in interleaved(reps, SIZES, MODES):
+        where = root / size.replace(" ", "")
+        shutil.rmtree(where / f"out-{mode}", ignore_errors=True)
+        r = run_or_stop(label, [PY["trainer"], CHILD, mode, str(where), str(SIZES[size][1])], timeout=1800)
+        raw[size][label].append(r)
+        say(
+            f"train rep {rep + 1}/{reps} {size} {label}: {r['tokens_per_s']:.0f} tokens/s "
+            f"(train {r['train_s']:.1f}s, setup {r['setup_s']:.1f}s, process {r['wall_s']:.1f}s, "
+            f"peak RSS {r.get('peak_rss_mib', 0):.0f} MiB)"
+        )
     summary = {
         size: {
             label: medians(rs, "tokens_per_s", "train_s", "setup_s", "wall_s", "peak_rss_mib")
