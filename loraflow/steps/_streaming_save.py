@@ -30,16 +30,16 @@ from orbax.checkpoint._src.futures import future
 from orbax.checkpoint._src.serialization import type_handlers
 from orbax.checkpoint.experimental.v1._src.serialization import numpy_leaf_handler, registry
 
-Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor is written
+OnWritten = Callable[[str, int], None]  # (tensor name, bytes) after each tensor is written
 CHUNK_BYTES = 64 << 20
 
 
 class _InTurn(type_handlers.NumpyHandler):
     """Orbax's numpy handler, materialising and writing its values one after another."""
 
-    def __init__(self, progress: Progress | None, chunk_bytes: int) -> None:
+    def __init__(self, on_written: OnWritten | None, chunk_bytes: int) -> None:
         super().__init__(deepcopy_host_arrays=False)  # each array is made for its write and owned by it
-        self._progress = progress
+        self._on_written = on_written
         self._chunk_bytes = chunk_bytes
 
     async def serialize(
@@ -60,8 +60,8 @@ class _InTurn(type_handlers.NumpyHandler):
             del value
             chunk = min(arg.chunk_byte_size or self._chunk_bytes, self._chunk_bytes)
             await self._background_serialize([array], [info], [dataclasses.replace(arg, chunk_byte_size=chunk)])
-            if self._progress is not None:
-                self._progress(str(info.name), int(array.nbytes))
+            if self._on_written is not None:
+                self._on_written(str(info.name), int(array.nbytes))
             del array
 
 
@@ -70,15 +70,15 @@ class _AbstractLazyLeaf:
 
 
 @contextlib.contextmanager
-def streaming_leaves(leaf_type: type, progress: Progress | None = None) -> Iterator[None]:
+def streaming_leaves(leaf_type: type, on_written: OnWritten | None = None) -> Iterator[None]:
     """While open, Orbax v1 saves the leaves of ``leaf_type`` (anything ``np.asarray`` turns into its array)
-    one at a time, in chunks of at most ``CHUNK_BYTES``, calling ``progress(name, nbytes)`` after each."""
+    one at a time, in chunks of at most ``CHUNK_BYTES``, calling ``on_written(name, nbytes)`` after each."""
     chunk_bytes = CHUNK_BYTES
 
     class LazyLeafHandler(numpy_leaf_handler.NumpyLeafHandler):
         def __init__(self, *, context: Any = None) -> None:
             super().__init__(context=context)
-            self._handler_impl = _InTurn(progress, chunk_bytes)
+            self._handler_impl = _InTurn(on_written, chunk_bytes)
 
     standard = registry.STANDARD_TYPE_AND_ABSTRACT_TYPE_AND_TYPESTR_TO_HANDLER
     entry = (leaf_type, _AbstractLazyLeaf, ["np.ndarray"], LazyLeafHandler)
