@@ -38,12 +38,13 @@ TINY_SPEC = REPO_ROOT / "pipelines" / "tiny-llama-lora.yaml"
 TINY_DATA = REPO_ROOT / "pipelines" / "data" / "parity"
 TERMINAL = {"success", "failed"}
 
-# The LocalExecutor's workers come from a forkserver that imported these once, when the scheduler
-# first needed a worker: Airflow's task supervisor and DAG bag, google-cloud-storage (the cache
-# lookup, the manifests), the Google provider's gs:// Asset handler (each task's lineage) and
-# pydantic (the spec). A task then starts without importing them: about 1 s less per task on
-# 2 cores (docs/benchmarks.md, section 6; docs/production.md, "Airflow settings"). loraflow's own
-# modules are not preloaded, so a changed loraflow reaches the next task without a scheduler restart.
+# The LocalExecutor's workers come from a forkserver that imported these once: Airflow's task
+# supervisor and DAG bag, google-cloud-storage (the cache lookup, the manifests), the Google
+# provider's gs:// Asset handler (each task's lineage) and pydantic (the spec). A task then starts
+# without importing them: about 1 s less per task on 2 cores (docs/benchmarks.md, section 6;
+# docs/production.md, "Airflow settings"). The scheduler starts that forkserver as it starts
+# (operators/local_scheduler.py), not when the first task is queued. loraflow's own modules are not
+# preloaded, so a changed loraflow reaches the next task without a scheduler restart.
 WORKER_PRELOAD = (
     "airflow.executors.local_executor",
     "airflow.sdk.execution_time.supervisor",
@@ -229,14 +230,26 @@ class LocalAirflow:
                     raise LoraflowError(f"an Airflow component exited at start; see {logs}")
             try:
                 self.token()
+                self._warm_execution_api()
                 return
             except (OSError, LoraflowError):
                 time.sleep(2)
         raise LoraflowError(f"Airflow did not come up on {self.url} within {timeout:.0f} s; see {logs}")
 
+    def _warm_execution_api(self) -> None:
+        """The API server builds its execution API (what task processes call) on the first request to
+        it: 2.9 s on 2 cores, which the first task of the first run waited for as it reported itself
+        running. Asked once here, while nothing waits on it."""
+        with urllib.request.urlopen(f"{self.url}/execution/health", timeout=120) as resp:
+            resp.read()
+
     def _start_component(self, component: list[str]) -> subprocess.Popen[bytes]:
         out = open(self.home / "logs" / f"{component[0]}.log", "ab")
-        return subprocess.Popen([self.airflow, *component], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        if component[0] == "scheduler":  # with its workers' forkserver started at once
+            command = [sys.executable, "-m", "operators.local_scheduler", *component[1:]]
+        else:
+            command = [self.airflow, *component]
+        return subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
     def restart(self, name: str) -> None:
         """Stop one component (e.g. ``triggerer``) as a deploy would, and start it again."""
