@@ -1,8 +1,9 @@
 """6. Orchestration: the tiny pipeline through a real local Airflow + GCS emulator
 (loraflow.dev.demo.local_stack, temporary home, emulator in memory): the run's wall time against its
 step programs' own seconds (each manifest's summary), and a cached re-run against the first run.
-Three runs: the first run right after the stack started (it also pays the stack's one-time costs:
-the scheduler's first worker, the API server's first task), the cached re-run, and a first run on
+Three runs: the first run right after the stack started (it pays whatever of the stack's start is
+unfinished: the scheduler's forkserver and the API server's execution API are readied during it since
+2026-12-05, and were paid by the first task before), the cached re-run, and a first run on
 the running stack (the cache and the registry emptied first, so every stage computes and the gate
 decides as in the first run). One run each (a run takes minutes). Run with the control env's Python.
 """

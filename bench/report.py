@@ -684,8 +684,9 @@ def sec_orch(d: dict) -> list[str]:
         "",
         f"The tiny pipeline through a real local Airflow (API server, scheduler with LocalExecutor, DAG processor) and "
         f"the GCS emulator (in memory), `loraflow.dev.demo.local_stack` in a temporary home; one run each. Stack start-up: "
-        f"{d['stack_startup_s']:.0f} s (not counted). The first run starts right after the stack did, so it also pays "
-        "the stack's one-time costs (the scheduler's first worker, the API server's first task start)"
+        f"{d['stack_startup_s']:.0f} s (not counted; it includes the scheduler's forkserver importing what tasks import, and the API server "
+        "building its execution API). The first run starts right after the stack did, so it pays whatever of the "
+        "stack's start is still unfinished"
         + (
             "; the last run is a first run again on the running stack: the cache and the registry are emptied "
             "before it, so every stage computes and the gate decides as in the first run."
