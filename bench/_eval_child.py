@@ -5,9 +5,10 @@ model: "spec" = the tiny spec's evaluation settings (400 prompts, batch 100, gre
 4, stops at EOS) and "long" = 32 new tokens per prompt, EOS ignored (decode throughput). vllm runs
 loraflow.steps.evaluate.evaluate() itself for "spec".
 
-argv: vllm-scale|hf-scale MODEL_DIR EVAL_JSONL OUT_DIR (eval_scale_bench: a larger generated model).
-One workload: the first SCALE_PROMPTS prompts in one batch, SCALE_TOKENS new tokens each, EOS ignored;
-vLLM through loraflow's build_engine, as the evaluate stage loads it.
+argv: vllm-scale|hf-scale MODEL_DIR EVAL_JSONL OUT_DIR DTYPE (eval_scale_bench: a larger generated
+model, served in DTYPE: float32 or bfloat16). One workload: the first SCALE_PROMPTS prompts in one batch,
+SCALE_TOKENS new tokens each, EOS ignored; vLLM through loraflow's build_engine with the evaluate stage's
+defaults for everything the workload does not set (its CPU KV cache among them).
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ SPEC_EVAL = {
 LONG = 32
 SCALE_PROMPTS = 128
 SCALE_TOKENS = 32
-# The larger model's KV cache: 128 sequences of ~50 tokens need ~0.5 GiB at 0.5 B (20 layers, 4 KV heads
-# of 128, float32); the CPU default of 256 MiB would queue half of them.
-SCALE_EVAL = {**SPEC_EVAL, "kv_cache_memory_bytes": 2 << 30}
+# One batch of every prompt, as HF gets them.
+SCALE_EVAL = {**SPEC_EVAL, "batch_size": SCALE_PROMPTS}
 
 
 def run_vllm(model: Path, eval_file: Path, out: Path) -> dict:
@@ -83,11 +83,11 @@ def _vllm_forced(engine, ids: list[list[int]], new_tokens: int, batch: int) -> t
     return time.perf_counter() - t, ntok
 
 
-def run_vllm_scale(model: Path, eval_file: Path, out: Path) -> dict:
+def run_vllm_scale(model: Path, eval_file: Path, out: Path, dtype: str) -> dict:
     from loraflow.steps import evaluate as ev
 
     # build_engine imports vLLM itself: its start-up then includes the import, as in the evaluate stage
-    engine = ev.build_engine(model, ev.resolve_config(SCALE_EVAL), progress=lambda m: None)
+    engine = ev.build_engine(model, ev.resolve_config({**SCALE_EVAL, "dtype": dtype}), progress=lambda m: None)
     _, ids = ev.render_prompts(engine.tokenizer, ev.load_examples(eval_file, SCALE_PROMPTS))
     seconds, ntok = _vllm_forced(engine, ids, SCALE_TOKENS, SCALE_PROMPTS)
     return {
@@ -96,10 +96,11 @@ def run_vllm_scale(model: Path, eval_file: Path, out: Path) -> dict:
         "generate_s": seconds,
         "tokens": ntok,
         "version": engine.vllm_version,
+        "kv_cache_bytes": engine.kwargs["kv_cache_memory_bytes"],
     }
 
 
-def _hf_load(model: Path):
+def _hf_load(model: Path, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -107,7 +108,7 @@ def _hf_load(model: Path):
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return tok, AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    return tok, AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).eval()
 
 
 def _hf_generate(tok, lm, ids: list[list[int]], max_new: int, force: bool, batch: int) -> tuple[float, int, list[str]]:
@@ -129,13 +130,13 @@ def _hf_generate(tok, lm, ids: list[list[int]], max_new: int, force: bool, batch
     return time.perf_counter() - t, n, texts
 
 
-def run_hf_scale(model: Path, eval_file: Path, out: Path) -> dict:
+def run_hf_scale(model: Path, eval_file: Path, out: Path, dtype: str) -> dict:
     from loraflow.steps import evaluate as ev
 
     t = time.perf_counter()  # start-up includes importing torch and transformers, as vLLM's includes vLLM
     import transformers
 
-    tok, lm = _hf_load(model)
+    tok, lm = _hf_load(model, dtype)
     startup = time.perf_counter() - t + (t - T0)
     _, ids = ev.render_prompts(tok, ev.load_examples(eval_file, SCALE_PROMPTS))
     seconds, ntok, _ = _hf_generate(tok, lm, ids, SCALE_TOKENS, True, SCALE_PROMPTS)
@@ -178,7 +179,7 @@ if __name__ == "__main__":
     mode, model, eval_file, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
     out.mkdir(parents=True, exist_ok=True)
     modes = {"vllm": run_vllm, "hf": run_hf, "vllm-scale": run_vllm_scale, "hf-scale": run_hf_scale}
-    res = modes[mode](model, eval_file, out)
+    res = modes[mode](model, eval_file, out, *sys.argv[5:])
     res["process_s_before_exit"] = time.perf_counter() - T0
     emit(res)
     from loraflow.steps._harness import exit_process

@@ -1,7 +1,8 @@
 """4b. Evaluation at 0.1 B and 0.5 B: vLLM as loraflow's evaluate stage loads it against Hugging Face
-generate on generated Llama-architecture models (float32) of ~0.1 B and ~0.5 B parameters, 128 prompts in
-one batch, 32 new tokens each, greedy, EOS ignored: enough decoding that generation, not engine start-up,
-is most of the work. Fresh process each, interleaved. Driver: any Python (stdlib only).
+generate on generated Llama-architecture models of ~0.1 B and ~0.5 B parameters served in float32, and the
+0.5 B one in bfloat16 too (the dtype production models are trained and served in), 128 prompts in one
+batch, 32 new tokens each, greedy, EOS ignored: enough decoding that generation, not engine start-up, is
+most of the work. Fresh process each, interleaved. Driver: any Python (stdlib only).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ SIZES = {
         "vocab_size": 512,
     },
 }
+# What is measured: (model, dtype both engines serve it in).
+RUNS = {"0.1 B": ("0.1 B", "float32"), "0.5 B": ("0.5 B", "float32"), "0.5 B bf16": ("0.5 B", "bfloat16")}
 TARGET_SIZE = "0.5 B"  # the size issue 18's evaluation targets name
 ENGINES = {"vLLM (loraflow evaluate)": "vllm-scale", "HF transformers generate": "hf-scale"}
 
@@ -60,11 +63,12 @@ def main() -> None:
     say(f"eval_scale: models of {', '.join(f'{p / 1e6:.0f} M' for p in parameters.values())} parameters written")
     eval_file = REPO / "pipelines" / "data" / "parity" / "eval.jsonl"
     reps = 1 if QUICK else 2
-    raw: dict[str, dict[str, list[dict]]] = {size: {label: [] for label in ENGINES} for size in SIZES}
-    for rep, size, label, mode in interleaved(reps, SIZES, ENGINES):
-        model = root / size.replace(" ", "")
-        argv = [PY["serving"], str(Path(__file__).parent / "_eval_child.py"), mode, str(model)]
-        r = run_or_stop(f"eval_scale {label}", [*argv, str(eval_file), str(root / f"out-{mode}")], timeout=3600)
+    raw: dict[str, dict[str, list[dict]]] = {run: {label: [] for label in ENGINES} for run in RUNS}
+    for rep, size, label, mode in interleaved(reps, RUNS, ENGINES):
+        model_size, dtype = RUNS[size]
+        model = root / model_size.replace(" ", "")
+        argv = [PY["serving"], str(Path(__file__).parent / "_eval_child.py"), mode, str(model), str(eval_file)]
+        r = run_or_stop(f"eval_scale {label}", [*argv, str(root / f"out-{mode}"), dtype], timeout=3600)
         raw[size][label].append(r)
         say(
             f"eval_scale rep {rep + 1}/{reps} {size} {label}: wall {r['wall_s']:.1f}s, start-up "
@@ -87,7 +91,10 @@ def main() -> None:
         {
             "reps": reps,
             "target_size": TARGET_SIZE,
-            "models": {size: {"parameters": parameters[size], "dims": SIZES[size]} for size in SIZES},
+            "models": {
+                run: {"parameters": parameters[size], "dims": SIZES[size], "dtype": dtype}
+                for run, (size, dtype) in RUNS.items()
+            },
             "summary": summary,
             "machine": machine(),
             "raw": raw,

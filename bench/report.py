@@ -426,15 +426,27 @@ def sec_eval_scale(d: dict) -> list[str]:
     shapes = "; ".join(
         f"{size}: {m['parameters'] / 1e6:.0f} M parameters, {m['dims']['num_hidden_layers']} layers of width "
         f"{m['dims']['hidden_size']}, MLP {m['dims']['intermediate_size']}, {m['dims']['num_attention_heads']}/"
-        f"{m['dims']['num_key_value_heads']} heads of {m['dims']['head_dim']}"
+        f"{m['dims']['num_key_value_heads']} heads of {m['dims']['head_dim']}, served in {m.get('dtype', 'float32')}"
         for size, m in models.items()
+    )
+    # the vLLM runs' KV cache (results before 2026-12-05 set 2 GiB and did not record it)
+    kv = {
+        size: rs[-1].get("kv_cache_bytes")
+        for size, engines in d.get("raw", {}).items()
+        if (rs := engines.get("vLLM (loraflow evaluate)"))
+    }
+    kv_note = (
+        "with the stage's default CPU KV cache for 128 sequences of 128 tokens: "
+        + ", ".join(f"{size} {b / 2**30:.2f} GiB" for size, b in kv.items() if b)
+        if any(kv.values())
+        else "KV cache 2 GiB"
     )
     out = [
         "## 4b. Evaluation at 0.1 B and 0.5 B",
         "",
-        f"Generated Llama-architecture models, float32, vocabulary 512 ({shapes}); 128 parity prompts in one "
+        f"Generated Llama-architecture models, vocabulary 512 ({shapes}); 128 parity prompts in one "
         "batch, 32 new tokens each, greedy, EOS ignored. vLLM is loaded by loraflow's `build_engine` as the "
-        "evaluate stage loads it (KV cache 2 GiB); HF `generate` batched, left-padded. *Start-up* includes "
+        f"evaluate stage loads it ({kv_note}); HF `generate` batched, left-padded. *Start-up* includes "
         "importing the engine's library (vLLM; torch and transformers); both children end as the evaluate "
         "stage's program does, without the interpreter's teardown. Fresh process each, interleaved, median of "
         f"{d['reps']}.",
@@ -465,7 +477,10 @@ def sec_eval_scale(d: dict) -> list[str]:
                 else "."
             ),
         ]
-    series = size_series(s, {size: m["parameters"] / 1e9 for size, m in models.items()})
+    float32 = {size: m for size, m in models.items() if m.get("dtype", "float32") == "float32"}
+    series = size_series(
+        {k: v for k, v in s.items() if k in float32}, {k: m["parameters"] / 1e9 for k, m in float32.items()}
+    )
     out += ["", scaling_plot("eval-scaling", "Evaluation, 128 prompts x 32 tokens, against model size", series)]
     return [*out, ""]
 
@@ -561,7 +576,10 @@ def sec_convert(d: dict) -> list[str]:
             f"{'met' if rss >= CONVERT_RSS_TARGET else '**missed**'}).",
             _target_line("wall: loraflow / to_maxtext eager", wall, CONVERT_WALL_TARGET),
         ]
-    series = size_series(s, {size: m["parameters"] / 1e9 for size, m in models.items()})
+    float32 = {size: m for size, m in models.items() if m.get("dtype", "float32") == "float32"}
+    series = size_series(
+        {k: v for k, v in s.items() if k in float32}, {k: m["parameters"] / 1e9 for k, m in float32.items()}
+    )
     out += ["", scaling_plot("convert-scaling", "Conversion (HF bf16 -> MaxText Orbax) against model size", series)]
     return [*out, ""]
 
@@ -764,6 +782,9 @@ def main() -> None:
         v = m.get("versions", {})
         parts += [
             "## Machine",
+            "",
+            "The machine of the last full `make bench`. A section re-run on its own since then names its CPU in "
+            "its *Measured* line.",
             "",
             f"- {cpu_line(m)}, {m.get('cpus')} cores, {m.get('memory')} RAM, no accelerator; {m.get('platform')}",
             f"- load average at start {', '.join(f'{x:.2f}' for x in m.get('loadavg_start', []))}, at end "

@@ -176,7 +176,9 @@ class EvaluateConfig(EvaluationSpec, StepConfig):
         "pipeline_parallel_size": _ENGINE,
         "distributed_executor_backend": _ENGINE + " (null: uni for one device, vLLM's choice otherwise)",
         "enforce_eager": _ENGINE + " (null: true on CPU)",
-        "kv_cache_memory_bytes": _ENGINE + " (null: 256 MiB on CPU, vLLM's profiling elsewhere)",
+        "kv_cache_memory_bytes": _ENGINE
+        + " (null on CPU: what batch_size sequences of max_model_len tokens fill, at most a quarter of the"
+        " memory; vLLM's profiling elsewhere)",
         "gpu_memory_utilization": _ENGINE,
         "engine_args": "any other vllm.LLM keyword arguments; never from the spec (trust_remote_code, paths)",
     }

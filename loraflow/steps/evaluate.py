@@ -17,7 +17,8 @@ Config (``loraflow.spec.step_configs.EvaluateConfig``; defaults the spec's ``eva
     ``metrics`` (the metrics scored; the planner adds ``gate.metric``), ``dtype``; internal (not spec
     keys): ``temperature`` (0 = greedy) and engine keys for serving hosts: ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (null: "uni" for one device, vLLM's choice otherwise),
-    ``enforce_eager`` (null: true on CPU), ``kv_cache_memory_bytes`` (null: 256 MiB on CPU, vLLM's
+    ``enforce_eager`` (null: true on CPU), ``kv_cache_memory_bytes`` (null: on CPU what
+    ``batch_size`` sequences of ``max_model_len`` tokens fill, at most a quarter of the memory; vLLM's
     profiling elsewhere), ``gpu_memory_utilization``, ``engine_args`` (any other ``vllm.LLM`` kwargs).
 
 Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``), exactly as
@@ -53,9 +54,16 @@ from loraflow.evaluation.examples import Example, find_eval_file, load_examples,
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
 
-#: KV cache for the CPU backend when the config does not say: vLLM's default takes about half the
-#: machine's memory and profiles a warm-up pass first (~30 s on 2 cores); eval prompts are short.
+#: The CPU backend's KV cache, when the config does not say, is what ``batch_size`` sequences of
+#: ``max_model_len`` tokens can fill (vLLM's own default takes about half the machine's memory, which it
+#: zero-fills at start-up, and profiles a warm-up pass first: ~30 s on 2 cores), at most this share of
+#: the machine's memory, and at least one whole sequence.
+CPU_KV_CACHE_MAX_SHARE = 0.25
+#: ... or this, for a checkpoint whose config.json does not give the attention's shape.
 CPU_KV_CACHE_BYTES = 256 << 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+#: vLLM's CPU backend keeps the KV cache in blocks of this many tokens (its default for Llama's attention).
+KV_BLOCK_TOKENS = 128
 
 PREDICTIONS_JSONL = "predictions.jsonl"
 PREDICTIONS_PARQUET = "predictions.parquet"
@@ -130,13 +138,39 @@ def engine_kwargs(model_dir: Path, cfg: EvaluateConfig, cpu: bool) -> dict[str, 
     backend = cfg.distributed_executor_backend or ("uni" if parallel == 1 else None)
     if backend:
         kwargs["distributed_executor_backend"] = backend
-    kv = cfg.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if cpu else None)
+    kv = cfg.kv_cache_memory_bytes or (cpu_kv_cache_bytes(model_dir, cfg, _memory_bytes()) if cpu else None)
     if kv:
         kwargs["kv_cache_memory_bytes"] = int(kv)
     if cfg.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
     kwargs.update(cfg.engine_args)
     return kwargs
+
+
+def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int | None:
+    """Keys and values of one token over all layers, from a Hugging Face config.json; None when it does
+    not give the attention's shape."""
+    try:
+        layers, heads = int(model_config["num_hidden_layers"]), int(model_config["num_attention_heads"])
+        kv_heads = int(model_config.get("num_key_value_heads") or heads)
+        head_dim = int(model_config.get("head_dim") or int(model_config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def cpu_kv_cache_bytes(model_dir: Path, cfg: EvaluateConfig, memory_bytes: int) -> int:
+    """The CPU backend's KV cache for this checkpoint and config (see :data:`CPU_KV_CACHE_MAX_SHARE`)."""
+    per_token = kv_bytes_per_token(json.loads((model_dir / "config.json").read_text()), cfg.dtype)
+    if per_token is None:
+        return CPU_KV_CACHE_BYTES
+    # a sequence holds whole blocks of the cache
+    sequence = -(-cfg.max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token
+    return max(sequence, min(cfg.batch_size * sequence, int(memory_bytes * CPU_KV_CACHE_MAX_SHARE)))
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass

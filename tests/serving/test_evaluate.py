@@ -117,12 +117,18 @@ def test_resolve_config_rejects(config: dict[str, Any], message: str) -> None:
         evaluate.resolve_config(config)
 
 
+# A Llama 3.1 8B's attention: 32 layers, 8 KV heads of 128: 128 KiB of keys and values per bf16 token.
+LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+
+
 def test_engine_kwargs_cpu_and_accelerator(tmp_path: Path) -> None:
-    cfg = evaluate.resolve_config({"tensor_parallel_size": 1})
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    cfg = evaluate.resolve_config({"tensor_parallel_size": 1, "dtype": "bfloat16", "batch_size": 8})
     cpu = evaluate.engine_kwargs(tmp_path, cfg, cpu=True)
     assert cpu["distributed_executor_backend"] == "uni"
     assert cpu["enforce_eager"] is True
-    assert cpu["kv_cache_memory_bytes"] == evaluate.CPU_KV_CACHE_BYTES
+    # 8 sequences of the default 1024 tokens, at 128 KiB each: 1 GiB, below a quarter of any test machine
+    assert cpu["kv_cache_memory_bytes"] == 8 * 1024 * (128 << 10)
     gpu = evaluate.engine_kwargs(tmp_path, evaluate.resolve_config({"tensor_parallel_size": 4}), cpu=False)
     assert gpu["tensor_parallel_size"] == 4
     assert "distributed_executor_backend" not in gpu
@@ -130,6 +136,27 @@ def test_engine_kwargs_cpu_and_accelerator(tmp_path: Path) -> None:
     assert "kv_cache_memory_bytes" not in gpu
     extra = evaluate.engine_kwargs(tmp_path, evaluate.resolve_config({"engine_args": {"swap_space": 0}}), cpu=False)
     assert extra["swap_space"] == 0
+
+
+def test_cpu_kv_cache_is_sized_from_the_model_and_the_batch(tmp_path: Path) -> None:
+    """Enough for every sequence of a batch at full length (none waits for another's blocks), in the
+    served dtype, at most a quarter of the memory, never less than one sequence (vLLM refuses to start)."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    size = evaluate.cpu_kv_cache_bytes
+    cfg = evaluate.resolve_config({"dtype": "float32", "batch_size": 4, "max_model_len": 512})
+    assert size(tmp_path, cfg, 64 << 30) == 4 * 512 * (256 << 10)  # float32: twice bf16's bytes
+    assert size(tmp_path, cfg, 1 << 30) == 256 << 20  # capped at a quarter of 1 GiB
+    assert size(tmp_path, cfg, 100 << 20) == 512 * (256 << 10)  # one whole sequence at least
+    # ... in whole blocks of the cache (128 tokens each)
+    odd = evaluate.resolve_config({"dtype": "float32", "batch_size": 4, "max_model_len": 300})
+    assert size(tmp_path, odd, 100 << 20) == 384 * (256 << 10)
+    # head_dim given explicitly wins over hidden_size / heads; no num_key_value_heads: one per head
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "head_dim": 32})
+    )
+    assert size(tmp_path, cfg, 64 << 30) == 4 * 512 * (2 * 2 * 4 * 32 * 4)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "unknown"}))
+    assert size(tmp_path, cfg, 64 << 30) == evaluate.CPU_KV_CACHE_BYTES
 
 
 def test_load_examples_formats(tmp_path: Path) -> None:
