@@ -39,7 +39,7 @@ from typing import Any
 from loraflow import models
 from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import ConvertCheckpointConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
 Progress = Callable[[str], None]  # a line for the task log after each tensor is written
@@ -130,6 +130,7 @@ def convert(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Convert ``hf_dir`` into ``out_dir/maxtext`` (Orbax); returns facts for the summary."""
+    import_permanently("maxtext.checkpoint_conversion.to_maxtext", "maxtext.configs.pyconfig", "transformers")
     from maxtext.checkpoint_conversion import to_maxtext
     from maxtext.configs import pyconfig
 

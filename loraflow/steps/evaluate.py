@@ -52,7 +52,7 @@ from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import scoring
 from loraflow.evaluation.examples import Example, find_eval_file, load_examples, render_prompts
 from loraflow.spec.step_configs import EvaluateConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 
 #: The CPU backend's KV cache, when the config does not say, is what ``batch_size`` sequences of
 #: ``max_model_len`` tokens can fill (vLLM's own default takes about half the machine's memory, which it
@@ -210,10 +210,11 @@ def build_engine(model_dir: Path, cfg: EvaluateConfig, progress: Any = print) ->
     # In-process engine core: no engine subprocess to spawn, a clean traceback on failure.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     started = time.monotonic()
+    # vllm's top level is lazy: the engine's own modules (about half the import) load with vllm.LLM
+    import_s = import_permanently("vllm", "vllm.entrypoints.llm")
     import vllm
-    from vllm import LLM  # vllm's top level is lazy: the engine's own modules load here (about half the import)
+    from vllm import LLM
 
-    import_s = time.monotonic() - started
     cpu = on_cpu()
     kwargs = engine_kwargs(model_dir, cfg, cpu)
     shown = {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")}

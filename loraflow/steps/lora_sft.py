@@ -72,7 +72,7 @@ from loraflow.pipeline import checkpoint_sync, faults, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps import _trainer_answers
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
 ADAPTER_JSON = "loraflow_adapter.json"
@@ -353,6 +353,7 @@ def _gather_ints(value: int) -> list[int]:
 
 
 def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConfig | None = None) -> dict[str, Any]:
+    import_permanently("maxtext.configs.pyconfig", "maxtext.trainers.post_train.sft.train_sft")
     from absl import flags
     from maxtext.configs import pyconfig
     from maxtext.trainers.post_train.sft import train_sft

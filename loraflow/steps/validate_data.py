@@ -52,7 +52,7 @@ from loraflow.data import dataset as ds
 from loraflow.data import expectations as contract
 from loraflow.errors import DataValidationError, LoraflowError
 from loraflow.spec.step_configs import ValidateDataConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 
 STAGE = "validate_data"
 SPLITS = ("train", "eval")
@@ -458,6 +458,7 @@ def _gx_context(docs_dir: Path) -> Any:
     """An ephemeral GX context whose one data docs site is ``docs_dir`` (a local folder)."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)  # its INFO lines are noise in task logs
+    import_permanently("great_expectations", "great_expectations.expectations")
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
