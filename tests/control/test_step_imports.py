@@ -22,6 +22,9 @@ import_permanently("email.mime.text", "xml.dom.minidom")
 seen["imported"] = all(m in sys.modules for m in ("email.mime.text", "xml.dom.minidom"))
 seen["frozen"] = gc.get_freeze_count() > frozen_before
 seen["on_after"] = gc.isenabled()
+frozen = gc.get_freeze_count()
+import_permanently("email.mime.text")  # imported already: nothing to do, nothing more frozen
+seen["again_freezes_nothing"] = gc.get_freeze_count() == frozen
 
 try:
     import_permanently("loraflow_no_such_library")
@@ -43,6 +46,7 @@ def test_heavy_imports_leave_the_garbage_collector_as_they_found_it() -> None:
         "imported": True,
         "frozen": True,
         "on_after": True,
+        "again_freezes_nothing": True,
         "missing_raises": True,
         "on_after_a_failed_import": True,
         "off_stays_off": True,
