@@ -154,7 +154,7 @@ def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int | None:
         layers, heads = int(model_config["num_hidden_layers"]), int(model_config["num_attention_heads"])
         kv_heads = int(model_config.get("num_key_value_heads") or heads)
         head_dim = int(model_config.get("head_dim") or int(model_config["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
 

@@ -155,8 +155,9 @@ def test_cpu_kv_cache_is_sized_from_the_model_and_the_batch(tmp_path: Path) -> N
         json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "head_dim": 32})
     )
     assert size(tmp_path, cfg, 64 << 30) == 4 * 512 * (2 * 2 * 4 * 32 * 4)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "unknown"}))
-    assert size(tmp_path, cfg, 64 << 30) == evaluate.CPU_KV_CACHE_BYTES
+    for unknown in ({"model_type": "unknown"}, {"num_hidden_layers": 2, "num_attention_heads": 0, "hidden_size": 64}):
+        (tmp_path / "config.json").write_text(json.dumps(unknown))
+        assert size(tmp_path, cfg, 64 << 30) == evaluate.CPU_KV_CACHE_BYTES
 
 
 def test_load_examples_formats(tmp_path: Path) -> None:
