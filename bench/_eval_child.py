@@ -97,6 +97,11 @@ def run_vllm_scale(model: Path, eval_file: Path, out: Path, dtype: str) -> dict:
         "tokens": ntok,
         "version": engine.vllm_version,
         "kv_cache_bytes": engine.kwargs["kv_cache_memory_bytes"],
+        # the workload, and what the KV cache was sized for (batch_size sequences of max_model_len tokens)
+        "prompts": SCALE_PROMPTS,
+        "new_tokens": SCALE_TOKENS,
+        "kv_sequences": SCALE_EVAL["batch_size"],
+        "kv_tokens": SCALE_EVAL["max_model_len"],
     }
 
 

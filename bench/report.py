@@ -430,13 +430,16 @@ def sec_eval_scale(d: dict) -> list[str]:
         for size, m in models.items()
     )
     # the vLLM runs' KV cache (results before 2026-12-05 set 2 GiB and did not record it)
-    kv = {
-        size: rs[-1].get("kv_cache_bytes")
-        for size, engines in d.get("raw", {}).items()
-        if (rs := engines.get("vLLM (loraflow evaluate)"))
+    vllm_runs = {
+        size: rs[-1] for size, engines in d.get("raw", {}).items() if (rs := engines.get("vLLM (loraflow evaluate)"))
     }
+    kv = {size: r.get("kv_cache_bytes") for size, r in vllm_runs.items()}
+    # the workload (results before 2026-12-05 did not record it: it was this one)
+    work = {"prompts": 128, "new_tokens": 32, "kv_sequences": 128, "kv_tokens": 128}
+    work.update(next((r for r in vllm_runs.values() if "prompts" in r), {}))
+    prompts, new_tokens = work["prompts"], work["new_tokens"]
     kv_note = (
-        "with the stage's default CPU KV cache for 128 sequences of 128 tokens: "
+        f"with the stage's default CPU KV cache for {work['kv_sequences']} sequences of {work['kv_tokens']} tokens: "
         + ", ".join(f"{size} {b / 2**30:.2f} GiB" for size, b in kv.items() if b)
         if any(kv.values())
         else "KV cache 2 GiB"
@@ -444,8 +447,8 @@ def sec_eval_scale(d: dict) -> list[str]:
     out = [
         "## 4b. Evaluation at 0.1 B and 0.5 B",
         "",
-        f"Generated Llama-architecture models, vocabulary 512 ({shapes}); 128 parity prompts in one "
-        "batch, 32 new tokens each, greedy, EOS ignored. vLLM is loaded by loraflow's `build_engine` as the "
+        f"Generated Llama-architecture models, vocabulary 512 ({shapes}); {prompts} parity prompts in one "
+        f"batch, {new_tokens} new tokens each, greedy, EOS ignored. vLLM is loaded by loraflow's `build_engine` as the "
         f"evaluate stage loads it ({kv_note}); HF `generate` batched, left-padded. *Start-up* includes "
         "importing the engine's library (vLLM; torch and transformers); both children end as the evaluate "
         "stage's program does, without the interpreter's teardown. Fresh process each, interleaved, median of "
@@ -481,7 +484,12 @@ def sec_eval_scale(d: dict) -> list[str]:
     series = size_series(
         {k: v for k, v in s.items() if k in float32}, {k: m["parameters"] / 1e9 for k, m in float32.items()}
     )
-    out += ["", scaling_plot("eval-scaling", "Evaluation, 128 prompts x 32 tokens, against model size", series)]
+    out += [
+        "",
+        scaling_plot(
+            "eval-scaling", f"Evaluation, {prompts} prompts x {new_tokens} tokens, against model size", series
+        ),
+    ]
     return [*out, ""]
 
 
