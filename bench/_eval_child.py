@@ -57,6 +57,7 @@ def run_vllm(model: Path, eval_file: Path, out: Path) -> dict:
     metrics = json.loads((out / ev.METRICS_JSON).read_text())
     _, ids = ev.render_prompts(engine.tokenizer, ev.load_examples(eval_file))
     long_s, ntok = _vllm_forced(engine, ids, LONG, 100)
+    engine.leave_to_exit()  # as the evaluate stage's program does: the process ends next
     import vllm
 
     return {
@@ -90,6 +91,7 @@ def run_vllm_scale(model: Path, eval_file: Path, out: Path, dtype: str) -> dict:
     engine = ev.build_engine(model, ev.resolve_config({**SCALE_EVAL, "dtype": dtype}), progress=lambda m: None)
     _, ids = ev.render_prompts(engine.tokenizer, ev.load_examples(eval_file, SCALE_PROMPTS))
     seconds, ntok = _vllm_forced(engine, ids, SCALE_TOKENS, SCALE_PROMPTS)
+    engine.leave_to_exit()  # as the evaluate stage's program does: the process ends next
     return {
         "startup_s": engine.startup_s,
         "import_s": engine.import_s,

@@ -173,6 +173,9 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+_LEFT_TO_EXIT: list[Any] = []  # engines kept for the end of the process (Engine.leave_to_exit)
+
+
 @dataclass
 class Engine:
     """A loaded ``vllm.LLM`` and what it was built with."""
@@ -190,12 +193,16 @@ class Engine:
     def tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
 
+    def _core(self) -> Any:
+        """vLLM's engine-core client (``InprocClient`` in this process), or None."""
+        return getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+
     def close(self) -> None:
         """Shut the engine core down and drop the model (memory back before the process ends)."""
         if self.closed:
             return
         self.closed = True
-        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        core = self._core()
         if core is not None and hasattr(core, "shutdown"):
             try:
                 core.shutdown()
@@ -203,6 +210,25 @@ class Engine:
                 pass
         self.llm = None
         gc.collect()
+
+    def leave_to_exit(self) -> None:
+        """Leave the engine to the end of the process, for a process that ends next (the step program).
+
+        Otherwise vLLM's engine core shuts itself down (a weakref finalizer: when the engine is dropped,
+        or at exit): it unfreezes every object (the frozen import too, see :func:`import_permanently`),
+        collects them all and destroys its one-rank process group. On 2 cores that took 1.4 s at exit,
+        1.8-1.9 s as :meth:`close` before the step's commit, and freed nothing the end of the process
+        does not. So the finalizer is told not to run at exit, and the engine is kept referenced until
+        then. Worker processes, where vLLM runs any, are still stopped at exit by their executor's own
+        finalizer. In a process that goes on, the engine's memory stays held: call :meth:`close` there.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        finalizer = getattr(self._core(), "_finalizer", None)
+        if finalizer is not None:
+            finalizer.atexit = False
+        _LEFT_TO_EXIT.append(self.llm)
 
 
 def build_engine(model_dir: Path, cfg: EvaluateConfig, progress: Any = print) -> Engine:
@@ -235,8 +261,9 @@ def build_engine(model_dir: Path, cfg: EvaluateConfig, progress: Any = print) ->
 # ------------------------------------------------------------------------------------ evaluate
 
 
-def evaluate(ctx: StepContext, engine: Engine | None = None) -> dict[str, Any]:
-    """:func:`run` with an optional already-loaded engine (reused by tests; closed only if built here)."""
+def evaluate(ctx: StepContext, engine: Engine | None = None, *, process_ends: bool = False) -> dict[str, Any]:
+    """:func:`run` with an optional already-loaded engine (reused by tests, and left open). One built
+    here is closed at the end, or with ``process_ends`` left to the process's end (:meth:`Engine.leave_to_exit`)."""
     started = time.monotonic()
     cfg = resolve_config(ctx.config)
     model_dir = find_model_dir(ctx.inputs["model"])
@@ -250,7 +277,9 @@ def evaluate(ctx: StepContext, engine: Engine | None = None) -> dict[str, Any]:
     try:
         return _evaluate(ctx, engine, cfg, examples, started)
     finally:
-        if own_engine:
+        if own_engine and process_ends:
+            engine.leave_to_exit()
+        elif own_engine:
             engine.close()
 
 
@@ -429,8 +458,11 @@ def _write_predictions(
 
 
 def run(ctx: StepContext) -> dict[str, Any]:
-    """The step: load the model into vLLM, generate for the eval set, score, write predictions and metrics."""
-    return evaluate(ctx)
+    """The step: load the model into vLLM, generate for the eval set, score, write predictions and metrics.
+
+    The program ends right after (``exit_process``), so the engine is left to that end rather than
+    torn down first (:meth:`Engine.leave_to_exit`); in a process that goes on, call :func:`evaluate`."""
+    return evaluate(ctx, process_ends=True)
 
 
 def stage_from_argv(argv: list[str]) -> str:

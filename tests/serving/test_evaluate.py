@@ -366,14 +366,32 @@ def test_prompt_longer_than_max_model_len(
 def test_sharded_checkpoint_through_run(
     baseline: tuple[dict[str, Any], Path], tiny_model: Path, eval_set: Path, tmp_path: Path
 ) -> None:
-    """A 2-shard checkpoint with an index loads in a fresh engine and generates exactly as the one file did."""
+    """A 2-shard checkpoint with an index loads in a fresh engine and generates exactly as the one file did.
+    The step leaves that engine to the end of its process: vLLM's teardown at exit is called off for it
+    alone (the module's engine, still open, keeps its own)."""
     sharded = shard_checkpoint(tiny_model, tmp_path / "merge_adapter" / "model")
     assert len(list(sharded.glob("*.safetensors"))) == 2
     ctx = make_ctx(tmp_path / "run", tmp_path / "merge_adapter", eval_set, CONFIG, stage="evaluate_tuned")
+    before = _engine_teardowns_at_exit()
     summary = evaluate.run(ctx)
     assert set(summary) == SUMMARY_KEYS
     _, out1 = baseline
     assert [p["generation"] for p in read_predictions(ctx.out)] == [p["generation"] for p in read_predictions(out1)]
+    after = _engine_teardowns_at_exit()
+    assert [on for key, on in after.items() if key not in before] == [False], (before, after)  # run's engine
+    assert True in before.values() and all(after.get(key, on) == on for key, on in before.items())  # the fixture's
+
+
+def _engine_teardowns_at_exit() -> dict[int, bool]:
+    """vLLM's engine-core clients alive in this process -> whether their finalizer runs at exit."""
+    import weakref
+
+    registry = weakref.finalize._registry  # type: ignore[attr-defined]
+    return {
+        id(info.weakref()): f.atexit
+        for f, info in list(registry.items())
+        if type(info.weakref()).__name__ == "InprocClient"
+    }
 
 
 # ---------------------------------------------------------------------------- the real command line
