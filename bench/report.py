@@ -22,6 +22,10 @@ except ImportError:  # pragma: no cover
     plt = None
 
 
+# machine.json's git_dirty: whether the working tree held uncommitted changes (not recorded before 2026-12-05)
+DIRTY = {True: " plus uncommitted changes", False: " (clean checkout)"}
+
+
 def load(name: str) -> dict | None:
     p = RESULTS / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
@@ -800,7 +804,8 @@ def main() -> None:
             f"- control: {v.get('control')}",
             f"- trainer: {v.get('trainer')}",
             f"- serving: {v.get('serving')}",
-            f"- loraflow at {m.get('git_head')} (plus uncommitted work of the day), {m.get('started')}",
+            f"- loraflow at {m.get('git_head')}{DIRTY.get(m.get('git_dirty'), '')}, "
+            + (f"{m['started']} to {m['finished']}" if "finished" in m else f"finished {m.get('started')}"),
             "",
         ]
     for name, fn in (

@@ -59,6 +59,9 @@ def main() -> int:
     info["git_head"] = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout
+    info["git_dirty"] = bool(dirty.strip())
+    info["started"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     say("warming the bytecode cache of the three environments (not measured)")
     warm_bytecode()
     status = {}
@@ -72,7 +75,7 @@ def main() -> int:
         say(f"=== {b}: rc={rc} in {status[b]['seconds']}s")
     shutil.rmtree(WORK / "models", ignore_errors=True)  # the size sweeps' generated checkpoints (~10 GiB)
     info["benches"] = status
-    info["started"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    info["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     save("machine", info)
     rc = subprocess.run([PY["trainer"], str(BENCH / "report.py")], cwd=REPO).returncode
     return 1 if rc or any(s["rc"] for s in status.values()) else 0
