@@ -24,7 +24,8 @@ Config (``loraflow.spec.step_configs.EvaluateConfig``; defaults the spec's ``eva
 Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``), exactly as
 training renders them, tokenised without extra special tokens (the template holds the BOS) and
 handed to vLLM as token ids. The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
-the same argv runs on a laptop CPU, a GPU host or a TPU host.
+the same argv runs on a laptop CPU, a GPU host or a TPU host. The program leaves the engine to the
+end of its process rather than tearing it down first (:meth:`Engine.leave_to_exit`).
 
 Output
     ``predictions.jsonl`` (and ``predictions.parquet`` when pyarrow or fastparquet is installed):
