@@ -110,5 +110,5 @@ mutate: envs  ## mutation testing of the modules where a silent bug costs most (
 	$(CONTROL) tools/mutate.py $(MUTATE)
 
 .PHONY: bench
-bench: envs  ## benchmarks side by side -> docs/benchmarks.md, bench/results/ (~1 h; BENCH_QUICK=1 for a smoke run)
+bench: envs  ## benchmarks side by side -> docs/benchmarks.md, bench/results/ (~35 min on 2 cores; BENCH_QUICK=1 for a smoke run)
 	$(CONTROL) bench/run_all.py
