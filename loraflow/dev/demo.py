@@ -42,9 +42,12 @@ TERMINAL = {"success", "failed"}
 # supervisor and DAG bag, google-cloud-storage (the cache lookup, the manifests), the Google
 # provider's gs:// Asset handler (each task's lineage) and pydantic (the spec). A task then starts
 # without importing them: about 1 s less per task on 2 cores (docs/benchmarks.md, section 6;
-# docs/production.md, "Airflow settings"). The scheduler starts that forkserver as it starts
-# (operators/local_scheduler.py), not when the first task is queued. loraflow's own modules are not
-# preloaded, so a changed loraflow reaches the next task without a scheduler restart.
+# docs/production.md, "Airflow settings"). pandas and its Parquet reader are for the control
+# environment's steps, which are forked from their task (loraflow/launchers/forked_step.py): the
+# gate reads the evaluations' predictions with them (0.26 s to import on 2 cores). The scheduler
+# starts that forkserver as it starts (operators/local_scheduler.py), not when the first task is
+# queued. loraflow's own modules are not preloaded, so a changed loraflow reaches the next task
+# without a scheduler restart.
 WORKER_PRELOAD = (
     "airflow.executors.local_executor",
     "airflow.sdk.execution_time.supervisor",
@@ -52,6 +55,8 @@ WORKER_PRELOAD = (
     "google.cloud.storage",
     "airflow.providers.google.assets.gcs",
     "pydantic",
+    "pandas",
+    "pyarrow.parquet",
 )
 
 

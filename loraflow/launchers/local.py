@@ -25,6 +25,7 @@ from loraflow.errors import StepError
 from loraflow.launchers.base import Launcher, LineSink, WorkloadSink, ignore_workload
 from loraflow.launchers.credentials import Redactor
 from loraflow.launchers.environments import REPO_ROOT
+from loraflow.launchers.forked_step import ForkedStep, fork_target
 
 if TYPE_CHECKING:
     from loraflow.launchers.environments import Environment
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from loraflow.spec.compute import AnyCompute
 
 __all__ = ["REFUSED_EXIT", "KillSwitch", "LineSink", "LocalLauncher", "StepRefused", "step_environment"]
+
+#: The line a step's log starts with when it was forked from the launching process (``forked_step``).
+FORKED_NOTE = "started as a fork of this process, whose environment it runs in"
 
 #: A step program's exit status when it refused its input (a LoraflowError: bad data, bad config).
 REFUSED_EXIT = 2
@@ -119,7 +123,7 @@ class LocalLauncher(Launcher):
         from loraflow.spec.compute import LocalCompute
 
         super().__init__(compute or LocalCompute(), identity or JobIdentity("", "", "", ""), output_prefix)
-        self._proc: subprocess.Popen[str] | None = None
+        self._proc: subprocess.Popen[str] | ForkedStep | None = None
         self._lock = threading.Lock()
 
     def python(self, env: Environment, *, installed: bool = True) -> str:
@@ -144,23 +148,30 @@ class LocalLauncher(Launcher):
         ``secrets`` go into the step's environment only; their values are replaced by ``***`` in every
         line passed to ``sink`` and in the error message."""
         redact = Redactor(secrets)
+        env = step_environment({**extra_env, **secrets})
         # The tether: only this process holds the write end; when it dies, however it dies, the
-        # supervisor reads end of file and kills the step's process group (loraflow/launchers/step_supervisor.py).
+        # supervisor (or the forked step itself) reads end of file and kills the step's process group
+        # (loraflow/launchers/step_supervisor.py).
         tether, held = os.pipe()
         try:
             with self._lock:
-                self._proc = subprocess.Popen(
-                    [sys.executable or "python3", "-I", "-S", str(_SUPERVISOR), str(tether), "--", *argv],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    bufsize=1,
-                    env=step_environment({**extra_env, **secrets}),
-                    cwd=str(REPO_ROOT),
-                    start_new_session=True,  # its own process group: kill() reaches every child
-                    pass_fds=(tether,),
-                )
+                module = fork_target(argv)
+                if module is not None:  # this process's own environment: no new interpreter
+                    self._proc = ForkedStep.start(module, argv, env, str(REPO_ROOT), tether, held)
+                    sink(f"{FORKED_NOTE} (pid {self._proc.pid})")
+                else:
+                    self._proc = subprocess.Popen(
+                        [sys.executable or "python3", "-I", "-S", str(_SUPERVISOR), str(tether), "--", *argv],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        text=True,
+                        bufsize=1,
+                        env=env,
+                        cwd=str(REPO_ROOT),
+                        start_new_session=True,  # its own process group: kill() reaches every child
+                        pass_fds=(tether,),
+                    )
         except BaseException:
             os.close(held)
             raise

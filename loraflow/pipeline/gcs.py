@@ -48,8 +48,21 @@ def client() -> storage.Client:
         from google.auth.credentials import AnonymousCredentials
 
         project = os.environ.get("GOOGLE_CLOUD_PROJECT", "loraflow-local")
-        return storage.Client(project=project, credentials=AnonymousCredentials())
-    return storage.Client()
+        made = storage.Client(project=project, credentials=AnonymousCredentials())
+    else:
+        made = storage.Client()
+    if os.environ.get("ENABLE_GCS_PYTHON_CLIENT_OTEL_TRACES", "").strip().lower() not in {"1", "true", "yes", "on"}:
+        # The client's bucket-metadata cache only labels OpenTelemetry spans, which are off: without
+        # it, no background thread fetches each bucket's metadata (one more request per bucket and
+        # client) or re-checks a bucket after every 404 (each cache miss is one). Such a thread, alive
+        # when a task launches its step, would keep the step from being forked (launchers/forked_step.py).
+        made._bucket_metadata_cache = None
+    return made
+
+
+# A forked process (a step forked from its task: loraflow/launchers/forked_step.py) builds its own
+# client: the parent's pooled HTTP connections must not be shared.
+os.register_at_fork(after_in_child=client.cache_clear)
 
 
 def route_native_clients() -> None:

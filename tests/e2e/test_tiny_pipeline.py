@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
+from loraflow.launchers.local import FORKED_NOTE
 from loraflow.pipeline import artifacts, gcs
 from loraflow.spec.schema import load_spec
 from tests.bad_datasets import broken_dataset
@@ -105,6 +106,18 @@ def test_every_stage_committed_a_verified_manifest_under_its_run(runs: Runs) -> 
 def test_training_progress_is_in_the_task_log(runs: Runs) -> None:
     log = runs.airflow.task_log("tiny-llama-lora", runs.results["first"], "lora_sft")
     assert "loss" in log and "step" in log
+
+
+def test_the_control_steps_are_forked_from_their_task_and_the_others_are_not(runs: Runs) -> None:
+    """On the Airflow worker (the control environment) the light steps start as a fork of their task,
+    with what it has imported (loraflow/launchers/forked_step.py); the other environments' are new
+    interpreters. Forking needs a task process with one thread at the launch."""
+    run = runs.results["first"]
+    for task in ("validate_data", "gate", "publish", "report"):
+        assert FORKED_NOTE in last_log(runs.airflow, "tiny-llama-lora", run, task), task
+    for task in ("convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned"):
+        log = last_log(runs.airflow, "tiny-llama-lora", run, task)
+        assert "launching" in log and FORKED_NOTE not in log, task
 
 
 def test_first_run_writes_its_report(runs: Runs) -> None:
