@@ -1,27 +1,29 @@
 """A step program of the launching process's own environment, started as a fork of that process.
 
 A step program is ``python -m loraflow.steps.STAGE ...`` in its stage's environment. When that
-environment is the one the launching process runs in (the Airflow task of a control-environment stage:
-validate_data, merge_adapter, gate, publish, report), a fresh interpreter would import again what the
+environment is the one the launching process runs in (on an Airflow worker of the control
+environment: validate_data, gate, publish, report), a new interpreter would import again what the
 task process has already imported: the GCS client library (about 0.6 s on 2 cores), pydantic and
-loraflow's spec models (0.3 s). Forked from the task process, the step starts with them. That is
-most of a light step's seconds: the gate and the report of a cached re-run took 1.2 and 0.8 s as
-fresh interpreters, with 0.3 s and 0.03 s of their own work (docs/benchmarks.md, section 6).
+loraflow's spec models (0.3 s). Forked from the task process, the step starts with them. That was
+most of a light step's time: the gate and the report of a cached re-run took 1.2 and 0.8 s as new
+interpreters, with 0.3 s and 0.03 s of their own work (docs/benchmarks.md, section 6).
 
-The child is made to look like a fresh step program to everything the step can see: its own process
+The child is made to look like a new step program to everything the step can see: its own process
 group; stdin from /dev/null, stdout and stderr into the launcher's pipe; exactly the launcher's
-environment variables (``step_environment``), cwd and argv; default signal handlers and an empty
-signal mask; no ``atexit`` handler or logging handler of the task, warnings not captured by logging; a new GCS
-client (``loraflow.pipeline.gcs`` drops the parent's at fork, so no HTTP connection is shared). It is
-tied to the launching process as the supervisor ties an exec'd step (``step_supervisor.py``): when
-every copy of the tether's write end is gone, it kills its process group. It always ends with
-``os._exit``: it never returns into the task's code.
+environment variables (``step_environment``), cwd and argv; the signal handlers Python starts with
+and an empty signal mask; none of the task's ``atexit`` or logging handlers; warnings not captured
+by logging; a GCS client of its own (``loraflow.pipeline.gcs`` drops the parent's at fork, so no
+HTTP connection is shared). It is tied to the launching process as the supervisor ties an exec'd
+step (``step_supervisor.py``): when every copy of the tether's write end is gone, it kills its
+process group. It always ends with ``os._exit``: it never returns into the task's code.
 
-It forks only from a process with one thread (a lock another thread holds at the fork would stay
-held in the child forever) and only for ``-m MODULE`` command lines; anything else, or
-``LORAFLOW_FORK_STEPS=0`` in the launching process's environment, is exec'd as before.
-What the child shares with the task beyond that is what is already imported: a module whose import
-read an environment variable outside the step's keeps the task's value.
+It forks only from a process with one thread, counted by the kernel (a lock another thread holds at
+the fork would stay held in the child forever), and only for ``-m MODULE`` command lines; anything
+else, or ``LORAFLOW_FORK_STEPS=0`` in the launching process's environment, is exec'd as before.
+What the child shares with the task beyond that: what is already imported (a module whose import
+read an environment variable outside the step's keeps the task's value), and the task's other open
+files, left open and unused (closing them under the Python objects that own them could later close
+a descriptor the step reuses).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def fork_target(argv: Sequence[str]) -> str | None:
     has other threads or ignores SIGCHLD, or forking is switched off."""
     if os.environ.get(SWITCH, "1").strip().lower() in {"0", "false", "no", "off"}:
         return None
-    if len(argv) < 3 or argv[1] != "-m" or threading.active_count() != 1:
+    if len(argv) < 3 or argv[1] != "-m" or _threads() != 1:
         return None
     if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:  # children are reaped unseen: no exit status
         return None
@@ -65,6 +67,14 @@ def fork_target(argv: Sequence[str]) -> str | None:
     except OSError:
         return None
     return argv[2] if same else None
+
+
+def _threads() -> int:
+    """This process's threads as the kernel counts them: native ones (a BLAS pool, gRPC) included."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 class ForkedStep:
@@ -83,11 +93,14 @@ class ForkedStep:
         """Fork; the child runs ``module`` with ``argv[3:]`` as its arguments. ``tether`` is the read end
         of the launcher's tether; ``keep_from_child`` (its write end) is closed in the child."""
         read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
+        try:
+            pid = os.fork()
+        except BaseException:
             os.close(read)
-            os.close(keep_from_child)
-            _child(module, list(argv[3:]), dict(env), cwd, write, tether)
+            os.close(write)
+            raise
+        if pid == 0:
+            _child(module, list(argv[3:]), dict(env), cwd, write, tether, (read, keep_from_child))
         os.close(write)
         with contextlib.suppress(OSError):  # the group exists when start returns, whichever side runs first
             os.setpgid(pid, pid)
@@ -116,9 +129,14 @@ class ForkedStep:
         return rc
 
 
-def _child(module: str, args: list[str], env: dict[str, str], cwd: str, out: int, tether: int) -> NoReturn:
+def _child(
+    module: str, args: list[str], env: dict[str, str], cwd: str, out: int, tether: int, parents: tuple[int, ...]
+) -> NoReturn:
+    """The forked process: never returns into the task's code, whatever happens."""
     status = 1
     try:
+        for fd in parents:  # the launcher's ends of the pipes
+            os.close(fd)
         os.setpgid(0, 0)
         _fresh_process_state(env, cwd, out)
         threading.Thread(target=kill_group_when_launcher_dies, args=(tether,), daemon=True).start()
