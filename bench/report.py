@@ -760,7 +760,8 @@ def sec_orch(d: dict) -> list[str]:
         "",
         "*step* = the step program's own `seconds` (its manifest summary: from after argument parsing to before "
         "the upload, so inputs' download included, interpreter start-up, imports, output upload and commit not); "
-        "*task* = Airflow's task-instance duration (operator, runner, launching the step program in its venv).",
+        "*task* = Airflow's task-instance duration (operator, runner, launching the step program: forked from the "
+        "task for the control environment's steps, a new interpreter in its venv for the others).",
         "",
     ]
     tasks = list(a["tasks"])

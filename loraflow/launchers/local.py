@@ -1,4 +1,5 @@
-"""How a step program is started. Here: the local launcher (a subprocess in the stage's venv).
+"""How a step program is started. Here: the local launcher (a subprocess in the stage's venv, or a fork
+of the task process where that venv is the task's own: ``loraflow/launchers/forked_step.py``).
 
 Vertex AI and GKE launchers start the stage's image with the same argv (Vertex AI:
 ``loraflow.launchers.vertex``); the local launcher is what runs the tiny pipeline on one machine.
