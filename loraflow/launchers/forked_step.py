@@ -19,7 +19,8 @@ process group. It always ends with ``os._exit``: it never returns into the task'
 
 It forks only from a process with one thread, counted by the kernel (a lock another thread holds at
 the fork would stay held in the child forever), and only for ``-m MODULE`` command lines; anything
-else, or ``LORAFLOW_FORK_STEPS=0`` in the launching process's environment, is exec'd as before.
+else, ``LORAFLOW_FORK_STEPS=0`` in the launching process's environment, or a fork that fails (the
+launcher then says so in the step's log), is exec'd as before.
 What the child shares with the task beyond that: what is already imported (a module whose import
 read an environment variable outside the step's keeps the task's value), and the task's other open
 files, left open and unused (closing them under the Python objects that own them could later close

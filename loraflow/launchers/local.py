@@ -156,11 +156,16 @@ class LocalLauncher(Launcher):
         tether, held = os.pipe()
         try:
             with self._lock:
+                self._proc = None
                 module = fork_target(argv)
                 if module is not None:  # this process's own environment: no new interpreter
-                    self._proc = ForkedStep.start(module, argv, env, str(REPO_ROOT), tether, held)
-                    sink(f"{FORKED_NOTE} (pid {self._proc.pid})")
-                else:
+                    try:
+                        self._proc = ForkedStep.start(module, argv, env, str(REPO_ROOT), tether, held)
+                    except OSError as exc:  # e.g. no memory to copy this process's page tables into
+                        sink(f"could not fork this process ({exc}); starting the step as a new interpreter")
+                    else:
+                        sink(f"{FORKED_NOTE} (pid {self._proc.pid})")
+                if self._proc is None:
                     self._proc = subprocess.Popen(
                         [sys.executable or "python3", "-I", "-S", str(_SUPERVISOR), str(tether), "--", *argv],
                         stdout=subprocess.PIPE,

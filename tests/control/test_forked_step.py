@@ -46,7 +46,7 @@ exit_process(0)  # as every step program ends: atexit handlers run
 
 # The Airflow task: its own logging, atexit handler and variables; launches the probe from its main thread.
 # argv: DIR HOW MODE, where HOW is "fork" (the default), "thread" (another thread is alive), "off"
-# (LORAFLOW_FORK_STEPS=0). On SIGTERM it pulls the launcher's kill (Airflow's on_kill).
+# (LORAFLOW_FORK_STEPS=0), "fork fails" (os.fork raises ENOMEM). On SIGTERM it pulls the launcher's kill (Airflow's on_kill).
 TASK = r"""
 import atexit, json, logging, os, signal, sys, threading, time
 where, how, mode = sys.argv[1:4]
@@ -61,6 +61,10 @@ if how == "thread":
     threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 if how == "off":
     os.environ["LORAFLOW_FORK_STEPS"] = "0"
+if how == "fork fails":
+    def no_fork():
+        raise OSError(12, "Cannot allocate memory")
+    os.fork = no_fork
 launcher = LocalLauncher()
 signal.signal(signal.SIGTERM, lambda *_: launcher.kill())
 lines = []
@@ -98,13 +102,18 @@ def run_task(tmp_path: Path, how: str, mode: str) -> dict:
     return {**result, "probe": probe}
 
 
-@pytest.mark.parametrize("how", ["fork", "thread", "off"])
+@pytest.mark.parametrize("how", ["fork", "thread", "off", "fork fails"])
 def test_the_step_sees_a_fresh_program_whether_forked_or_not(tmp_path: Path, how: str) -> None:
     result = run_task(tmp_path, how, "ok")
     probe = result["probe"]
     assert result["outcome"] == "ok"
-    # Forked only from a one-thread process with forking on; the task log says so.
+    # Forked only from a one-thread process with forking on; the task log says so, and says why not
+    # when the fork itself failed (the step is then a new interpreter).
     assert (result["lines"][0].startswith(FORKED_NOTE)) == (how == "fork"), result["lines"][:2]
+    failed_fork = (
+        "could not fork this process ([Errno 12] Cannot allocate memory); starting the step as a new interpreter"
+    )
+    assert (result["lines"][0] == failed_fork) == (how == "fork fails"), result["lines"][:2]
     assert probe["pid"] != result["task"] and probe["pgid"] != result["task_group"]  # a group on_kill can stop
     assert probe["argv"] == ["ok"] and probe["cwd"] == str(REPO) and probe["stdin"] == ""
     assert "TASK_ONLY" not in probe["env"] and "LORAFLOW_FORK_STEPS" not in probe["env"]
