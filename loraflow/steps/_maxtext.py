@@ -22,13 +22,19 @@ def overrides_args(model_name: str, overrides: dict[str, Any]) -> list[str]:
 
 
 def hardware_args(config: dict[str, Any]) -> list[str]:
-    """The hardware MaxText runs on: config ``hardware`` or ``LORAFLOW_HARDWARE``; CPU when JAX has only CPUs."""
+    """The hardware MaxText runs on: config ``hardware`` or ``LORAFLOW_HARDWARE``; CPU when JAX has only CPUs.
+
+    MaxText never starts JAX's distributed system itself: a job of several processes has joined it
+    before MaxText runs (``loraflow.launchers.multihost``), and a single process needs none. (Left to
+    MaxText, a single TPU host with checkpointing on calls ``jax.distributed.initialize()`` and waits
+    for a coordinator that does not exist.)
+    """
     hardware = config.get("hardware") or os.environ.get("LORAFLOW_HARDWARE")
     if not hardware:
         import jax
 
         hardware = "cpu" if jax.default_backend() == "cpu" else "tpu"
-    args = [f"hardware={hardware}"]
+    args = [f"hardware={hardware}", "skip_jax_distributed_system=true"]
     if hardware == "cpu":
-        args += ["skip_jax_distributed_system=true", "attention=dot_product"]
+        args.append("attention=dot_product")
     return args

@@ -58,6 +58,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,11 +158,17 @@ def _data_args(ordered: Path, tokenizer_dir: Path) -> list[str]:
 
 
 def _batch_args(cfg: dict[str, Any]) -> list[str]:
-    """The global batch split over every device of every process; rows packed or padded; no shuffle."""
+    """The global batch split over every device of every process; rows packed or padded; no shuffle.
+
+    ``dtype`` is both MaxText's compute and weight dtype: with bfloat16 activations and float32
+    weights, qwix's LoRA branch (float32 factors) promotes a layer's output to float32 and the layer
+    scan refuses a carry that changes dtype. The frozen base weights, the LoRA factors and Adam's
+    moments are then all held in ``dtype`` (half the memory in bfloat16)."""
     import jax
 
     return [
         f"dtype={cfg['dtype']}",
+        f"weight_dtype={cfg['dtype']}",
         f"per_device_batch_size={cfg['batch_size'] / jax.device_count()}",
         f"max_target_length={cfg['max_length']}",
         f"packing={str(bool(cfg['packing'])).lower()}",
@@ -231,7 +238,7 @@ def _shortest_example(train_file: Path, tokenizer_dir: Path, sample: int = 512) 
     return shortest or 1
 
 
-def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: list[tuple[int, float, float]]):
+def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: list[tuple[int, float, float, float]]):
     t_start = time.monotonic()
 
     class LoraflowHooks(base_cls):  # type: ignore[misc, valid-type]
@@ -250,7 +257,7 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
             loss = float(train_loss)
             seconds = max(time.perf_counter() - self._lf_t0, 1e-9)
             tps = self._lf_tokens / seconds
-            rows.append((int(train_step), loss, tps))
+            rows.append((int(train_step), loss, tps, seconds))
             faults.point("train_step")  # a host lost mid-training (the reliability tests)
             if train_step <= 3 or train_step % max(1, cfg["log_every"]) == 0 or train_step == cfg["steps"]:
                 ctx.progress(
@@ -368,7 +375,7 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     mt_config = pyconfig.initialize_pydantic(argv)
     train_sft.validate_config(mt_config)
 
-    rows: list[tuple[int, float, float]] = []
+    rows: list[tuple[int, float, float, float]] = []
     started = time.monotonic()
     trainer, mesh = _setup_trainer(ctx, cfg, mt_config, store, rows, n_rows)
     last_batch = _remember_last_batch(trainer)
@@ -545,7 +552,7 @@ def _setup_trainer(
     cfg: dict[str, Any],
     mt_config: Any,
     store: _Checkpoints,
-    rows: list[tuple[int, float, float]],
+    rows: list[tuple[int, float, float, float]],
     n_rows: int,
 ) -> tuple[Any, Any]:
     """MaxText's ``setup_trainer_state`` with loraflow's hooks in place of its SFT hooks (and, staged on
@@ -782,13 +789,14 @@ def run(ctx: StepContext) -> dict[str, Any]:
     return summary
 
 
-def _write_loss_csv(path: Path, rows: list[tuple[int, float, float]]) -> None:
-    """loss.csv: this attempt's steps, plus those of earlier attempts if they left one behind."""
+def _write_loss_csv(path: Path, rows: list[tuple[int, float, float, float]]) -> None:
+    """loss.csv: this attempt's steps: loss, tokens per second and wall seconds of each (the first
+    step's include compiling it)."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "loss", "tokens_per_s"])
-        for step, loss, tps in rows:
-            w.writerow([step, f"{loss:.6f}", f"{tps:.1f}"])
+        w.writerow(["step", "loss", "tokens_per_s", "seconds"])
+        for step, loss, tps, seconds in rows:
+            w.writerow([step, f"{loss:.6f}", f"{tps:.1f}", f"{seconds:.4f}"])
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
@@ -885,6 +893,9 @@ def _summary(
         "setup_seconds": round(res["setup_seconds"], 1),
         "step_seconds": round(res["train_seconds"] / max(1, len(rows)), 3),
         "tokens_per_s": round(sum(r[2] for r in trained) / len(trained), 1) if trained else None,
+        # the first step of an attempt compiles it; the median of the others is the steady step time
+        "first_step_seconds": round(rows[0][3], 3) if rows else None,
+        "median_step_seconds": round(statistics.median(r[3] for r in rows[1:]), 4) if len(rows) > 1 else None,
         "lora_b_norm": round(norm, 4),
         "peft_tensors": exported["tensors"],
         "total_seconds": round(time.monotonic() - started, 1),

@@ -246,6 +246,28 @@ def test_qlora_nf4_trains_exports_and_merges_into_the_full_precision_base(base, 
     assert report.changed == report.merged == 2 * 7, (report.changed, report.merged)
 
 
+def test_lora_sft_in_bfloat16_learns_and_its_peft_export_merges(base, trained, tmp_path):
+    """``training.dtype: bfloat16`` (the production specs') trains: MaxText gets it as compute and weight
+    dtype (with float32 weights qwix's LoRA branch made a layer's output float32 and MaxText's layer scan
+    refused the carry), the base weights are held in half the bytes, and the adapter, exported as PEFT and
+    merged into the float32 HF base, answers held-out parity prompts as the float32-trained one does."""
+    import llama_numpy
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from loraflow.steps import lora_sft
+
+    ctx = _ctx(tmp_path, "lora_sft", trained["inputs"], {**SFT, "dtype": "bfloat16"}, str(tmp_path / "remote"))
+    s = lora_sft.run(ctx)
+    assert s["steps"] == SFT["steps"] and s["final_loss"] < s["first_loss"] - 1.0, s
+    lora = trained["summary"]
+    assert s["model_bytes"] - s["adapter_bytes"] <= (lora["model_bytes"] - lora["adapter_bytes"]) / 2 + 1024
+    tensors = load_file(str(ctx.out / "peft" / "adapter_model.safetensors"))
+    assert len(tensors) == 28 and all(np.isfinite(t.astype(np.float32)).all() for t in tensors.values())
+    acc = llama_numpy.parity_accuracy(base["hf"], PARITY / "eval.jsonl", ctx.out / "peft", n=40)
+    assert acc >= 0.8, acc
+
+
 def test_a_qlora_adapter_that_changes_nothing_is_stopped_at_the_merge(base, trained, tmp_path):
     """The "adapter did nothing" guard under QLoRA: an adapter trained for real against the nf4 base,
     but with a learning rate so small that its update rounds away in the full-precision weights, merges
