@@ -29,15 +29,18 @@ checkpoint without a template is rendered as ``role: content`` lines; the report
 Outputs: train.jsonl ({"id", "messages"}), eval.jsonl ({"id", "messages": the prompt turns,
 "reference": the answer}), data_report.json (every expectation's rule, level, observed value and
 outcome, and statistics) and data_docs/ (Great Expectations' HTML data docs of both suites, built
-by GX's own renderer; data_docs/index.html is the page the Airflow task links). On a fail-level
-failure only data_report.json and data_docs/ are written and DataValidationError lists every
-failed rule in plain words; the harness keeps them under ``<output>/_rejected/`` and commits
-nothing, so a rejected dataset can never be an input of a later stage.
+by GX's own renderer from results whose dataset strings are HTML-escaped first, so an id or prompt
+holding markup reads as text and never runs: ``escape_stored_results``; data_docs/index.html is the
+page the Airflow task links). On a fail-level failure only data_report.json and data_docs/ are
+written and DataValidationError lists every failed rule in plain words; the harness keeps them
+under ``<output>/_rejected/`` and commits nothing, so a rejected dataset can never be an input of a
+later stage.
 """
 
 from __future__ import annotations
 
 import functools
+import html
 import json
 import logging
 import os
@@ -476,8 +479,52 @@ def _gx_context(docs_dir: Path) -> Any:
 
 
 def build_data_docs(context: Any) -> None:
-    """GX renders the suites and the validation results it stored into the site's folder."""
+    """GX renders the suites and the validation results it stored into the site's folder, every
+    dataset string in those results HTML-escaped first (``escape_stored_results``)."""
+    escape_stored_results(context.validation_results_store)
     context.build_data_docs(site_names=[_DOCS_SITE])
+
+
+def escape_stored_results(store: Any) -> None:
+    """HTML-escape what GX's renderer writes into the data docs unescaped, in every stored result.
+
+    GX's page templates escape nothing (Jinja autoescapes only ``.html``/``.xml`` templates; GX's are
+    ``.j2``): the unexpected-values tables write each value, its count and the ids of its rows
+    as they are, and the index query and an exception's traceback are written as markup. Those come
+    from the dataset (an id, a prompt), so a row holding ``<script>`` would run in the reader's browser.
+    Escaped here, once, they read in the page exactly as in the dataset, beside the same row numbers.
+    Left to GX: string template parameters (the leakage check's train prompts, an exception's
+    message), which GX >= 1.24 escapes itself (escaping them here too would show ``&lt;``).
+    data_report.json keeps the values as read (JSON, never rendered as HTML). One call per context.
+    """
+    for key in store.list_keys():
+        suite_result = store.get(key)
+        for res in suite_result.results:
+            res.result = _html_escaped(res.result)
+            _escape_tracebacks(res.exception_info)
+        store.set(key, suite_result)
+
+
+def _html_escaped(value: Any) -> Any:
+    """``value`` with every string in it, dictionary keys too, HTML-escaped (quotes included)."""
+    if isinstance(value, str):
+        return html.escape(value)
+    if isinstance(value, dict):
+        return {_html_escaped(k): _html_escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_html_escaped(v) for v in value]
+    return value
+
+
+def _escape_tracebacks(info: Any) -> None:
+    """Escape each ``exception_traceback`` in a result's exception info (flat, or one per metric)."""
+    if not isinstance(info, dict):
+        return
+    for key, value in info.items():
+        if key == "exception_traceback" and isinstance(value, str):
+            info[key] = html.escape(value)
+        else:
+            _escape_tracebacks(value)
 
 
 def validate(context: Any, split: str, frame: Any, checks: list[Check]) -> list[tuple[Check, Any]]:

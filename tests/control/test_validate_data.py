@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from loraflow.errors import DataValidationError
 from loraflow.steps import validate_data
+from tests.bad_datasets import SCRIPT_PAYLOADS, script_payload_rows
 from tests.control.conftest import task_inputs
 
 PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
@@ -352,6 +354,61 @@ def test_data_docs_are_built_by_great_expectations(run_step: Callable) -> None:
     assert len(pages) == 2, pages  # one validation result page per suite
     train_page = next(p for p in pages if "train_dataset" in str(p)).read_text()
     assert "n_tokens" in train_page and "Failed" in train_page
+
+
+def test_dataset_strings_reach_the_data_docs_escaped(run_step: Callable) -> None:
+    """Ids and prompts carrying markup are shown as text in every page GX writes, never as markup
+    (they used to land raw in the unexpected-values tables: script from a dataset ran in the reader's
+    browser); data_report.json keeps them as read, beside the rows that failed."""
+    train, eval_ = script_payload_rows()
+    result, ctx = run_step(train, eval_, **contract(row_count={"min": 100}, token_length={"max": 64}))
+    assert isinstance(result, DataValidationError)
+    assert "[unique_ids] train: 6 rows share their id" in str(result) and "[leakage] eval: 1 prompt" in str(result)
+    docs = ctx.out / "data_docs"
+    pages = {p.relative_to(docs).as_posix(): p.read_text() for p in docs.rglob("*.html")}
+    assert len(pages) == 5, sorted(pages)  # the index, both suites, both validation results
+    for name, text in pages.items():
+        for raw in ("<script>window", "<img src=x", "<svg onload"):
+            assert raw not in text, f"{name} writes {raw!r} raw"
+        assert "&amp;lt;" not in text, f"{name} escapes a value twice"
+    train_page = next(text for name, text in pages.items() if name.startswith("validations/train_dataset/"))
+    for payload in SCRIPT_PAYLOADS:  # each id as the reader typed it, in the table of the rows sharing it
+        assert html.escape(payload) in train_page
+    eval_page = next(text for name, text in pages.items() if name.startswith("validations/eval_dataset/"))
+    assert html.escape(train[11]["prompt"].casefold()) in eval_page  # the leaked prompt, as text
+    report = json.loads((ctx.out / "data_report.json").read_text())
+    ids = next(e for e in report["expectations"] if e["dataset"] == "train" and e["rule"] == "unique_ids")
+    assert ids["unexpected_examples"][:2] == [{"id": SCRIPT_PAYLOADS[0], "row": row} for row in (1, 2)]
+
+
+def test_stored_results_and_exception_tracebacks_are_escaped_once() -> None:
+    """What GX writes as markup (result fields, tracebacks: an exception may quote a value) is
+    escaped; what it escapes itself (an exception's message, a template parameter) is left alone."""
+    from types import SimpleNamespace
+
+    payload = SCRIPT_PAYLOADS[1]
+    flat = {"raised_exception": True, "exception_message": payload, "exception_traceback": payload}
+    per_metric = {("metric", "id"): dict(flat)}
+    results = [
+        SimpleNamespace(result={"partial_unexpected_list": [payload, None, 3]}, exception_info=flat),
+        SimpleNamespace(result={"unexpected_index_list": [{"id": payload, "row": 2}]}, exception_info=per_metric),
+    ]
+    stored = {"key": SimpleNamespace(results=results)}
+    store = SimpleNamespace(list_keys=lambda: list(stored), get=stored.__getitem__, set=stored.__setitem__)
+    validate_data.escape_stored_results(store)
+    escaped = html.escape(payload)
+    assert results[0].result == {"partial_unexpected_list": [escaped, None, 3]}
+    assert results[1].result == {"unexpected_index_list": [{"id": escaped, "row": 2}]}
+    for info in (flat, per_metric[("metric", "id")]):
+        assert info == {"raised_exception": True, "exception_message": payload, "exception_traceback": escaped}
+
+
+def test_a_role_carrying_markup_is_refused_before_any_page_is_written(run_step: Callable) -> None:
+    train = [dict(r) for r in PARITY_TRAIN[:20]]
+    chat = [{"role": SCRIPT_PAYLOADS[0], "content": "Is 1 even?"}, {"role": "assistant", "content": "odd"}]
+    result, ctx = run_step([*train[:19], {"messages": chat}], _eval(), **contract(row_count={"min": 20}))
+    assert isinstance(result, DataValidationError) and "invalid role" in str(result)
+    assert sorted(p.name for p in ctx.out.iterdir()) == ["data_report.json"]
 
 
 class _TI:
