@@ -11,19 +11,21 @@ from typing import Any
 PARITY = Path(__file__).resolve().parents[1] / "pipelines" / "data" / "parity" / "train.jsonl"
 
 
-def prepare_sft_inputs(root: Path, hf_dir: Path, model: str, overrides: dict[str, Any]) -> None:
+def prepare_sft_inputs(
+    root: Path, hf_dir: Path, model: str, overrides: dict[str, Any], save_dtype: str = "float32"
+) -> None:
     from loraflow.steps import convert_checkpoint as cc
     from loraflow.steps._maxtext import CHECKPOINT_JSON
 
     ckpt = root / "ckpt"
-    cc.convert(hf_dir, ckpt, model, overrides, True, {}, "float32")
+    cc.convert(hf_dir, ckpt, model, overrides, True, {}, save_dtype)
     meta = {
         "format": "loraflow.maxtext_checkpoint/1",
         "load_parameters_path": cc.PARAMS_RELPATH,
         "model_name": model,
         "model_overrides": overrides,
         "scan_layers": True,
-        "save_dtype": "float32",
+        "save_dtype": save_dtype,
     }
     (ckpt / CHECKPOINT_JSON).write_text(json.dumps(meta))
     data = root / "data"

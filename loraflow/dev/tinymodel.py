@@ -49,7 +49,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def hf_config(dims: Mapping[str, int] = DIMS) -> dict[str, object]:
+def hf_config(dims: Mapping[str, int] = DIMS, dtype: str = "float32") -> dict[str, object]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -72,30 +72,47 @@ def hf_config(dims: Mapping[str, int] = DIMS) -> dict[str, object]:
         "bos_token_id": 1,
         "eos_token_id": 2,
         "pad_token_id": 0,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
 
 
-def _weights(seed: int, dims: Mapping[str, int]) -> dict[str, object]:
+def _weights(seed: int, dims: Mapping[str, int], dtype: str = "float32") -> dict[str, object]:
+    """Random weights: float32 normal (std 0.02); or bfloat16 drawn as bit patterns, random sign and
+    mantissa at one binade (|w| in [2**-7, 2**-6), std ~0.011), made at memory speed for the benchmarks'
+    multi-billion-parameter models (a normal draw of 3 B values takes minutes)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     d, f, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
     hd, nq, nkv = dims["head_dim"], dims["num_attention_heads"], dims["num_key_value_heads"]
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        stored = np.dtype(ml_dtypes.bfloat16)
+    elif dtype == "float32":
+        stored = np.dtype(np.float32)
+    else:
+        raise ValueError(f"dtype must be float32 or bfloat16, not {dtype!r}")
 
     def normal(*shape: int) -> object:
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        if dtype == "float32":
+            return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+        return ((bits & 0x807F) | 0x3C00).view(stored)  # sign and mantissa random, exponent 2**-7
+
+    def ones(n: int) -> object:
+        return np.ones(n, stored)
 
     tensors: dict[str, object] = {
         "model.embed_tokens.weight": normal(v, d),
-        "model.norm.weight": np.ones(d, np.float32),
+        "model.norm.weight": ones(d),
         "lm_head.weight": normal(v, d),
     }
     for i in range(dims["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {
-            p + "input_layernorm.weight": np.ones(d, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+            p + "input_layernorm.weight": ones(d),
+            p + "post_attention_layernorm.weight": ones(d),
             p + "self_attn.q_proj.weight": normal(nq * hd, d),
             p + "self_attn.k_proj.weight": normal(nkv * hd, d),
             p + "self_attn.v_proj.weight": normal(nkv * hd, d),
@@ -161,10 +178,11 @@ def create(
     seed: int = 0,
     dims: Mapping[str, int] = DIMS,
     numbers: str = "digits",
+    dtype: str = "float32",
 ) -> Path:
     """Write a complete HF checkpoint directory (config, weights, tokenizer) into ``out``; ``dims``
     (the keys of ``DIMS``) makes a larger model of the same architecture (the benchmarks do);
-    ``numbers`` is how the tokenizer splits numbers (``NUMBERS``)."""
+    ``numbers`` is how the tokenizer splits numbers (``NUMBERS``); ``dtype`` the weights' (see ``_weights``)."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -190,11 +208,11 @@ def create(
     (out / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}, indent=2)
     )
-    (out / "config.json").write_text(json.dumps(hf_config(dims), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(dims, dtype), indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2)
     )
-    save_file(_weights(seed, dims), str(out / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
+    save_file(_weights(seed, dims, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
     return out
 
 

@@ -353,3 +353,24 @@ def test_lora_sft_killed_mid_training_resumes_through_gcs_to_the_same_adapter(ba
     worst = max(float(np.max(np.abs(resumed[k] - reference[k]))) for k in reference)
     scale = max(float(np.max(np.abs(reference[k]))) for k in reference)
     assert worst <= 1e-3 * scale, (worst, scale)
+
+
+@pytest.mark.parametrize("hardware", ["tpu", "gpu", "cpu"])
+def test_maxtext_never_starts_the_distributed_system_itself(base, hardware):
+    """One TPU host with checkpointing on: left to MaxText, it calls jax.distributed.initialize() and waits
+    for a coordinator nobody runs. loraflow's multihost module joins a job of several processes before
+    MaxText runs, so MaxText is told to skip it on every hardware; the spec's dtype is its weight dtype too."""
+    from maxtext.configs import pyconfig
+
+    from loraflow.spec.step_configs import LoraSftConfig, parse
+    from loraflow.steps import lora_sft
+
+    cfg = parse(LoraSftConfig, {**SFT, "dtype": "bfloat16", "hardware": hardware}).model_dump()
+    cfg |= {"scan_layers": True, "load_parameters_path": "/nowhere"}
+    train = base["dataset"] / "train.jsonl"
+    argv = lora_sft._maxtext_argv(cfg, train, base["hf"], str(base["root"] / f"argv-{hardware}"), 100)
+    assert "skip_jax_distributed_system=true" in argv and f"hardware={hardware}" in argv
+    if hardware == "cpu":
+        mt = pyconfig.initialize_pydantic(argv)
+        assert mt.skip_jax_distributed_system is True
+        assert {str(mt.dtype).lower(), str(mt.weight_dtype).lower()} == {"dtype.bfloat16"}

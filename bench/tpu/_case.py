@@ -1,0 +1,311 @@
+"""One measured case of the TPU check, in a process of its own (the chip's peak memory is per process,
+and one process at a time can hold the chip). Run by ``bench/tpu/check.py``; argv: one JSON object.
+
+``{"kind": "matmul"}``
+    the chip's bf16 matrix-product rate: an 8192 x 8192 x 8192 product, ten times, wall clock.
+``{"kind": "prepare", "size": S, "root": DIR[, "hf": HF_DIR]}``
+    the HF checkpoint of size ``S`` (``SIZES``; generated, or ``hf`` when given), converted by loraflow's
+    convert_checkpoint stage function into ``DIR/ckpt``, JAX on the host's CPU; the parity training set
+    as chat messages in ``DIR/data``.
+``{"kind": "train", "size": S, "root": DIR, "mode": "loraflow"|"maxtext", "dtype": D, "quantization": Q, "steps": N}``
+    ``loraflow``: the lora_sft stage function (``loraflow.steps.lora_sft.run``: loraflow's MaxText
+    arguments, hooks, checkpoints, adapter and PEFT export); ``maxtext``: MaxText's own SFT entry
+    points (``setup_trainer_state``, ``train_model``) with the same MaxText arguments, nothing of
+    loraflow's around them. Both time every step the same way (the gap between consecutive step ends,
+    read in MaxText's own ``on_train_step_end`` hook) and report the chip's peak memory.
+
+Prints ``BENCH_JSON {...}`` last.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+T0 = time.perf_counter()
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+PARITY = REPO / "pipelines" / "data" / "parity" / "train.jsonl"
+
+# Llama 3.x shapes (HF config keys). tiny: loraflow.dev.tinymodel's; 1b, 3b, 8b: Llama-3.2-1B,
+# Llama-3.2-3B and Llama-3.1-8B's blocks and vocabulary, untied embeddings.
+LLAMA_VOCAB = 128256
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 512,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": LLAMA_VOCAB,
+    },
+    "3b": {
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": LLAMA_VOCAB,
+    },
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": LLAMA_VOCAB,
+    },
+}
+# Training per size: the tiny model learns the parity task (the CPU tests' configuration); the larger
+# ones train 8 packed rows of 1,024 tokens a step (8,192 tokens), rank 16 on all seven projections.
+TRAINING: dict[str, dict[str, Any]] = {
+    "tiny": {"batch_size": 8, "max_length": 64, "learning_rate": 3e-3, "checkpoint_period": 50},
+    "large": {"batch_size": 8, "max_length": 1024, "learning_rate": 1e-4, "checkpoint_period": 100000},
+}
+LORA = {"rank": 16, "alpha": 32.0, "seed": 0, "quantized_eval_examples": 0}
+TILE = 64  # QLoRA's quantization tile: divides every contracted dimension of every size
+
+
+def emit(data: dict[str, Any]) -> None:
+    print("BENCH_JSON " + json.dumps(data, default=str), flush=True)
+
+
+def parameters(dims: dict[str, int]) -> dict[str, int]:
+    """Parameter counts: all, the linear layers' (their matmuls are the FLOPs: the 7 projections and the
+    LM head; not the embedding lookup), the LoRA factors' at ``LORA['rank']`` on the 7 projections."""
+    d, f, v, n = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"], dims["num_hidden_layers"]
+    q, kv, r = (
+        dims["num_attention_heads"] * dims["head_dim"],
+        dims["num_key_value_heads"] * dims["head_dim"],
+        LORA["rank"],
+    )
+    projections = n * (2 * d * q + 2 * d * kv + 3 * d * f)
+    lora = n * r * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+    return {"total": projections + 2 * v * d + n * 2 * d + d, "linear": projections + v * d, "lora": lora}
+
+
+def model_flops_per_token(dims: dict[str, int], seq: int) -> dict[str, float]:
+    """FLOPs one trained token costs under LoRA, counted from the model (not from what XLA runs).
+
+    Frozen weights get no weight gradient, so a linear layer costs 2 FLOPs per parameter forward and 2
+    backward (the activation gradient), not 6 as in full fine-tuning; the LoRA factors cost the usual 6.
+    Attention's score and value products: 4 * seq * heads * head_dim per layer forward, halved for the
+    causal mask, and twice that backward. Rematerialisation (MaxText recomputes activations in the
+    backward pass) is work the chip does but not model FLOPs: ``with_remat`` adds one more forward.
+    """
+    p = parameters(dims)
+    attn_fwd = dims["num_hidden_layers"] * 4 * seq * dims["num_attention_heads"] * dims["head_dim"] / 2
+    model = 4 * p["linear"] + 6 * p["lora"] + 3 * attn_fwd
+    return {
+        "lora_model": model,
+        "with_remat": model + 2 * p["linear"] + attn_fwd,
+        "full_ft": 6 * p["linear"] + 3 * attn_fwd,
+    }
+
+
+def device_facts() -> dict[str, Any]:
+    import jax
+
+    dev = jax.devices()[0]
+    facts: dict[str, Any] = {
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "devices": jax.device_count(),
+    }
+    facts["jax"] = jax.__version__
+    try:
+        import jaxlib
+
+        facts["jaxlib"] = jaxlib.__version__
+    except Exception:  # a fact we only record
+        pass
+    try:
+        from importlib.metadata import version
+
+        facts["libtpu"] = version("libtpu")
+    except Exception:  # a fact we only record
+        facts["libtpu"] = None
+    return facts
+
+
+def peak_memory() -> dict[str, Any]:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: stats.get(k) for k in ("peak_bytes_in_use", "bytes_limit", "bytes_in_use")}
+
+
+# ------------------------------------------------------------------------------------ cases
+
+
+def matmul() -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192 if jax.default_backend() != "cpu" else 1024  # a CPU rehearsal only checks the code runs
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    flops = 2 * n**3
+    return {
+        "n": n,
+        "seconds": times,
+        "tflops_mean": flops / statistics.mean(times) / 1e12,
+        "tflops_best": flops / min(times) / 1e12,
+    }
+
+
+def prepare(size: str, root: Path, hf: str | None) -> dict[str, Any]:
+    from _sft_inputs import prepare_sft_inputs
+
+    from loraflow.dev import tinymodel
+    from loraflow.models import llama
+
+    dims = SIZES[size]
+    hf_dir = Path(hf) if hf else root / "hf"
+    t = time.perf_counter()
+    if not hf:
+        tinymodel.create(hf_dir, [PARITY], dims=dims, dtype="float32" if size == "tiny" else "bfloat16")
+    generated = time.perf_counter() - t
+    save_dtype = "float32" if size == "tiny" else "bfloat16"
+    t = time.perf_counter()
+    prepare_sft_inputs(root, hf_dir, tinymodel.MAXTEXT_MODEL, llama.maxtext_overrides(dims), save_dtype)
+    (root / "hf_dir").write_text(str(hf_dir))
+    return {"generate_s": generated, "convert_s": time.perf_counter() - t, "parameters": parameters(dims)}
+
+
+def _step_clock(ends: list[float]) -> None:
+    """MaxText's SFT hooks, with each step's end time read into ``ends`` (the same clock for both modes:
+    loraflow's hooks subclass whatever ``SFTTrainingHooks`` is when the stage builds its trainer)."""
+    from maxtext.trainers.post_train.sft import hooks as sft_hooks
+
+    base = sft_hooks.SFTTrainingHooks
+
+    class Clocked(base):  # type: ignore[misc, valid-type]
+        def on_train_step_end(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().on_train_step_end(*args, **kwargs)
+            ends.append(time.perf_counter())
+            return out
+
+    sft_hooks.SFTTrainingHooks = Clocked
+
+
+def _context(root: Path, case: dict[str, Any], config: dict[str, Any]) -> Any:
+    from loraflow.steps._harness import StepContext
+
+    name = f"{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}"
+    out = root / "runs" / name
+    for sub in ("out", "work"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    hf_dir = Path((root / "hf_dir").read_text())
+    inputs = {"checkpoint": root / "ckpt", "dataset": root / "data", "tokenizer": hf_dir}
+    return StepContext("lora_sft", str(out / "remote"), inputs, {}, out / "out", out / "work", config)
+
+
+def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
+    size = case["size"]
+    config = {
+        **LORA,
+        **TRAINING["tiny" if size == "tiny" else "large"],
+        "steps": case["steps"],
+        "dtype": case["dtype"],
+        "quantization": case["quantization"],
+        "tile_size": TILE if case["quantization"] != "none" else None,
+    }
+    ctx = _context(root, case, config)
+    ends: list[float] = []
+    _step_clock(ends)
+    t = time.perf_counter()
+    if case["mode"] == "loraflow":
+        from loraflow.steps import lora_sft
+
+        summary = lora_sft.run(ctx)
+        result: dict[str, Any] = {"summary": summary, "out": str(ctx.out)}
+    else:
+        result = {"summary": _maxtext_direct(ctx)}
+    result["stage_s"] = time.perf_counter() - t
+    gaps = [b - a for a, b in itertools.pairwise(ends)]
+    seq = config["max_length"]
+    tokens = config["batch_size"] * seq
+    result |= {
+        "config": config,
+        "steps_timed": len(gaps),
+        "step_s_median": statistics.median(gaps) if gaps else None,
+        "step_s_all": [round(g, 5) for g in gaps],
+        "tokens_per_step": tokens,
+        "flops_per_token": model_flops_per_token(SIZES[size], seq),
+        "parameters": parameters(SIZES[size]),
+        **peak_memory(),
+    }
+    if gaps:
+        result["tokens_per_s"] = tokens / result["step_s_median"]
+    return result
+
+
+def _maxtext_direct(ctx: Any) -> dict[str, Any]:
+    """MaxText's SFT entry points as ``train_sft.train`` calls them, with the stage's MaxText arguments."""
+    from absl import flags
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.post_train.sft import train_sft
+
+    from loraflow.steps import lora_sft
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    cfg = lora_sft._resolve_config(ctx)  # pylint: disable=protected-access
+    train_file, n_rows = lora_sft._training_data(ctx)  # pylint: disable=protected-access
+    argv = lora_sft._maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], str(ctx.work / "maxtext"), n_rows)  # pylint: disable=protected-access
+    t = time.perf_counter()
+    mt_config = pyconfig.initialize_pydantic(argv)
+    train_sft.validate_config(mt_config)
+    trainer, mesh = train_sft.setup_trainer_state(mt_config)
+    t_train = time.perf_counter()
+    train_sft.train_model(mt_config, trainer, mesh)
+    return {
+        "setup_seconds": t_train - t,
+        "train_seconds": time.perf_counter() - t_train,
+        "steps": int(trainer.train_steps),
+    }
+
+
+def main() -> None:
+    case = json.loads(sys.argv[1])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    res: dict[str, Any] = {"case": case}
+    if case["kind"] == "matmul":
+        res |= matmul()
+    elif case["kind"] == "prepare":
+        res |= prepare(case["size"], Path(case["root"]), case.get("hf"))
+    else:
+        res |= train(case, Path(case["root"]))
+    res["device"] = device_facts()
+    res["process_s"] = time.perf_counter() - T0
+    emit(res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The training stage on a TPU chip: loraflow's own convert and lora_sft code, measured (bench/tpu/README.md).
+
+Runs on the TPU machine (after ``bench/tpu/install.sh``), from the repository root::
+
+    python3 bench/tpu/check.py PHASE [--out DIR] [--work DIR]
+
+PHASE ``tiny``: the chip's bf16 matmul rate; the tiny model (carried in ``.tpu-inputs/tiny``, made
+here by ``make tpu-inputs`` so that TPU and CPU train the same base) converted, then trained 150 steps
+on the parity task with LoRA in float32 and in bfloat16 and with nf4, and once by MaxText's own entry
+point. ``1b`` and ``3b``: a generated Llama-3.2-1B / 3B-shaped model (bf16, random) converted, then
+LoRA through loraflow and through MaxText's own entry point, and QLoRA int8 and nf4. ``8b``: an
+8B Llama-3.1-shaped model with nf4 (the one-chip QLoRA question). Every case runs in a process of its
+own (``_case.py``); results go to ``OUT/tpu-PHASE.json`` after each case, so a case that fails or
+runs out of time leaves the others'. The tiny phase also writes ``OUT/tpu-tiny-adapters.tar.gz``
+(each run's PEFT export and loss.csv) for the CPU-side comparison (``bench/tpu/compare.py``).
+Stdlib only: it runs before anything is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CASE = str(HERE / "_case.py")
+
+
+def _train(size: str, mode: str, dtype: str, quantization: str, steps: int) -> dict[str, Any]:
+    return {"kind": "train", "size": size, "mode": mode, "dtype": dtype, "quantization": quantization, "steps": steps}
+
+
+def phases() -> dict[str, list[dict[str, Any]]]:
+    """Each phase's cases, in order; each must fit one device call (10 minutes) with the install."""
+    tiny = [
+        {"kind": "matmul"},
+        {"kind": "prepare", "size": "tiny", "hf": str(REPO / ".tpu-inputs" / "tiny")},
+        _train("tiny", "loraflow", "float32", "none", 150),
+        _train("tiny", "loraflow", "bfloat16", "none", 150),
+        _train("tiny", "loraflow", "bfloat16", "nf4", 150),
+        _train("tiny", "maxtext", "float32", "none", 150),
+    ]
+    large = {
+        size: [
+            {"kind": "prepare", "size": size},
+            _train(size, "loraflow", "bfloat16", "none", 30),
+            _train(size, "maxtext", "bfloat16", "none", 30),
+            _train(size, "loraflow", "bfloat16", "int8", 30),
+            _train(size, "loraflow", "bfloat16", "nf4", 30),
+        ]
+        for size in ("1b", "3b")
+    }
+    eight = [{"kind": "prepare", "size": "8b"}, _train("8b", "loraflow", "bfloat16", "nf4", 10)]
+    return {"tiny": tiny, **large, "8b": eight}
+
+
+def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float) -> dict[str, Any]:
+    """One case in its own process; its result, or what went wrong with the tail of its output."""
+    case = {**case, "root": str(root)}
+    env = dict(os.environ)
+    if case["kind"] == "prepare":
+        env["JAX_PLATFORMS"] = "cpu"  # converting needs no chip (and must not hold it)
+    t = time.perf_counter()
+    with log.open("a") as sink:
+        sink.write(f"\n===== {json.dumps(case)}\n")
+        sink.flush()
+        try:
+            proc = subprocess.run(
+                [sys.executable, CASE, json.dumps(case)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout,
+            )
+            output, rc = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            rc = "timeout"
+        sink.write(output)
+    wall = time.perf_counter() - t
+    found = [line for line in output.splitlines() if line.startswith("BENCH_JSON ")]
+    if rc == 0 and found:
+        return {**json.loads(found[-1][len("BENCH_JSON ") :]), "wall_s": wall}
+    return {"case": case, "failed": rc, "wall_s": wall, "tail": output[-4000:]}
+
+
+def pack_adapters(root: Path, dest: Path) -> None:
+    """Every tiny run's peft/ and loss.csv, for the CPU-side merge and comparison."""
+    with tarfile.open(dest, "w:gz") as tar:
+        for run in sorted((root / "runs").glob("*")):
+            for name in ("peft/adapter_model.safetensors", "peft/adapter_config.json", "loss.csv"):
+                path = run / "out" / name
+                if path.is_file():
+                    tar.add(path, arcname=f"{run.name}/{name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    table = phases()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("phase", choices=sorted(table))
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/tpu-out")))
+    p.add_argument("--work", type=Path, default=Path("/tmp/tpu-work"))
+    p.add_argument("--budget", type=float, default=560.0, help="seconds for the whole phase (one device call)")
+    p.add_argument("--steps", type=int, help="train this many steps in every case (a quick rehearsal on CPU)")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = args.work / args.phase
+    root.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    results: list[dict[str, Any]] = []
+    for case in table[args.phase]:
+        if args.steps and case["kind"] == "train":
+            case = {**case, "steps": args.steps}
+        left = deadline - time.monotonic()
+        if left < 30:
+            results.append({"case": case, "failed": "no time left in this call"})
+            continue
+        print(f"[tpu-check] {time.strftime('%H:%M:%S')} {json.dumps(case)} ({left:.0f}s left)", flush=True)
+        res = run_case(case, root, args.out / f"tpu-{args.phase}.log", left)
+        results.append(res)
+        brief = {k: res.get(k) for k in ("failed", "wall_s", "tokens_per_s", "step_s_median", "peak_bytes_in_use")}
+        print(f"[tpu-check] -> {json.dumps(brief, default=str)}", flush=True)
+        (args.out / f"tpu-{args.phase}.json").write_text(json.dumps({"phase": args.phase, "results": results}, indent=1))
+        if case["kind"] == "prepare" and "failed" in res:
+            break  # nothing to train
+    if args.phase == "tiny":
+        pack_adapters(root, args.out / "tpu-tiny-adapters.tar.gz")
+    return 0 if all("failed" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
