@@ -59,7 +59,9 @@ def _answers(merged: Path) -> list[str]:
     out = []
     for line in EVAL.read_text().splitlines()[:N_EVAL]:
         prompt = [{"role": "user", "content": json.loads(line)["prompt"]}]
-        ids = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+        ids = tok.encode(
+            tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
         out.append(tok.decode(llama_numpy.greedy(cfg, w, ids, tok.eos_token_id), skip_special_tokens=True).strip())
     return out
 
@@ -102,7 +104,9 @@ def main() -> int:
         rows.append(
             {
                 "run": name,
-                "accuracy": {w: sum(a == r for a, r in zip(ans, references, strict=True)) / N_EVAL for w, ans in answers.items()},
+                "accuracy": {
+                    w: sum(a == r for a, r in zip(ans, references, strict=True)) / N_EVAL for w, ans in answers.items()
+                },
                 "answers_agree": sum(a == b for a, b in zip(answers["tpu"], answers["cpu"], strict=True)) / N_EVAL,
                 "loss_tpu": tpu_loss,
                 "loss_cpu": cpu_loss,
