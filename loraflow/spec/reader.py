@@ -9,6 +9,12 @@ deeper than ``MAX_YAML_DEPTH``, or an alias inside its own anchor is refused bef
 constructed, so no later dump (JSON, the spec cache, the trigger form) can blow up. Anchors and
 aliases themselves stay allowed: a shipped spec shares one compute section between two stages.
 
+The document must also be plain data (``check_plain``): a key given twice in one mapping (YAML keeps
+the last, so a second ``training:`` silently replaced the first) is refused naming both lines, and so
+is any value whose tag is not one of JSON's types (``!!binary``, ``!!set``, ``!!omap``, a date read
+from an unquoted ``2026-01-01``, a custom ``!tag``): the spec holds strings, numbers, booleans, null,
+lists and mappings only. Merge keys (``<<: *base``) stay allowed.
+
 YAML is imported when a spec is parsed, not with this module (the spec cache reads files on
 every DAG parse and needs no YAML on a hit).
 """
@@ -71,6 +77,8 @@ def load_yaml(text: bytes | str, source: str) -> Any:
         return yaml.load(text, Loader=_loader())
     except _TooLarge as exc:
         raise SpecError(source, [("(yaml)", str(exc))]) from None
+    except _NotPlain as exc:
+        raise SpecError(source, exc.problems) from None
     except yaml.reader.ReaderError as exc:  # bytes that are not UTF-8 (or UTF-16 with a BOM) text
         raise SpecError(
             source, [(f"byte {exc.position}", f"not valid YAML: not UTF-8 text ({exc.reason}); save the spec as UTF-8")]
@@ -138,6 +146,86 @@ def check_expansion(root: Any) -> None:
         stack.extend((k, False) for k in kids if id(k) not in size)
 
 
+class _NotPlain(Exception):
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__(problems)
+        self.problems = problems
+
+
+_YAML = "tag:yaml.org,2002:"
+# The tags of JSON's types, and the merge key: a spec is plain data.
+_PLAIN_TAGS = {_YAML + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "merge")}
+
+
+def _line(node: Any) -> int:
+    return int(node.start_mark.line) + 1
+
+
+def _shown(tag: str) -> str:
+    return "!!" + tag.removeprefix(_YAML) if tag.startswith(_YAML) else tag
+
+
+def _key(node: Any) -> Any:
+    """What a scalar mapping key means once constructed (``on`` and ``true`` are one key), or None."""
+    from yaml import ScalarNode
+    from yaml.constructor import ConstructorError, SafeConstructor
+
+    if not isinstance(node, ScalarNode) or node.tag not in _PLAIN_TAGS:
+        return None
+    if node.tag == _YAML + "str":
+        return node.value
+    try:
+        return SafeConstructor().construct_object(node)
+    except (ConstructorError, ValueError):
+        return None
+
+
+def check_plain(root: Any) -> None:
+    """Raise ``_NotPlain`` naming every key given twice in one mapping (with both lines) and every
+    node tagged other than as a JSON type, under ``root`` (each distinct node once)."""
+    from yaml import MappingNode, SequenceNode
+
+    problems: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.tag not in _PLAIN_TAGS:
+            if node.tag == _YAML + "timestamp" and not getattr(node, "style", None):
+                why = f"{node.value} is read as a date; quote it ('{node.value}') if it is text"
+            else:
+                why = (
+                    f"not valid YAML for a spec: the tag {_shown(node.tag)} is not allowed; a spec holds strings, "
+                    "numbers, booleans, null, lists and mappings only: remove the tag"
+                )
+            problems.append((f"line {_line(node)}", why))
+            continue  # its content is no spec data
+        if isinstance(node, MappingNode):
+            first: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = _key(key_node)
+                if key is None or key_node.tag == _YAML + "merge":
+                    continue
+                earlier = first.setdefault(key, key_node)  # scalars: hashable
+                if earlier is not key_node:
+                    problems.append(
+                        (
+                            f"line {_line(key_node)}",
+                            f"duplicate key {key!r} (first at line {_line(earlier)}): YAML keeps only the last one, "
+                            "so the first would be ignored without a word; merge the two into one",
+                        )
+                    )
+            stack.extend(n for pair in reversed(node.value) for n in reversed(pair))
+        elif isinstance(node, SequenceNode):
+            stack.extend(reversed(node.value))
+    if problems:
+        problems.sort(key=lambda p: int(p[0].split()[1]))
+        raise _NotPlain(problems)
+
+
 @cache
 def _loader() -> type:
     """libyaml's safe loader where present (about 8x faster: DAG parsing reads every spec), else
@@ -149,6 +237,7 @@ def _loader() -> type:
     class BoundedSafeLoader(base):  # type: ignore[valid-type, misc]
         def construct_document(self, node: Any) -> Any:
             check_expansion(node)
+            check_plain(node)
             return super().construct_document(node)
 
     return BoundedSafeLoader

@@ -129,4 +129,11 @@ def files(tiny_text: bytes) -> list[tuple[str, bytes, str, str]]:
         ("deeper-than-libyaml", tiny_text + _deep(5000), "line", "not valid YAML"),
         ("python-tag", tiny_text + b"tags: !!python/object/apply:os.system ['touch /tmp/pwned']\n", "line", "not valid YAML"),
         ("not-a-mapping", b"- just\n- a list\n", "(top level)", "a spec is a YAML mapping"),
+        ("duplicate-section", tiny_text + b"training:\n  steps: 1\n", "line", "duplicate key 'training'"),
+        ("duplicate-nested-key", tiny_text + b"retry:\n  retries: 1\n  retries: 5\n", "line", "duplicate key 'retries'"),
+        ("binary-tag", tiny_text + b"retry: !!binary aGVsbG8=\n", "line", "the tag !!binary is not allowed"),
+        ("set-tag", tiny_text + b"notify: !!set {a, b}\n", "line", "the tag !!set is not allowed"),
+        ("omap-tag", tiny_text + b"publish: !!omap [{registry: gs://a-b/r}]\n", "line", "the tag !!omap is not allowed"),
+        ("custom-tag", tiny_text + b"notify: [!evil {kind: file}]\n", "line", "the tag !evil is not allowed"),
+        ("date-value", tiny_text + b"publish: {registry: 2026-01-01}\n", "line", "is read as a date"),
     ]  # fmt: skip

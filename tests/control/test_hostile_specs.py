@@ -152,3 +152,29 @@ def test_a_spec_that_breaks_loading_in_an_unforeseen_way_is_still_only_its_own_i
     message = dags["_loraflow_invalid_specs"].doc_md or ""
     assert "odd.yaml: cannot be loaded (RecursionError: maximum recursion depth exceeded)" in message
     assert "loraflow validate" in message
+
+
+def test_a_duplicate_key_names_both_lines() -> None:
+    text = TINY_TEXT + b"training:\n  steps: 1\n"
+    first = TINY_TEXT.decode().splitlines().index("training:") + 1
+    second = len(TINY_TEXT.decode().splitlines()) + 1
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, Path("tiny-llama-lora.yaml"))
+    [(where, says)] = err.value.problems
+    assert where == f"line {second}"
+    assert f"duplicate key 'training' (first at line {first})" in says
+
+
+def test_every_duplicate_and_tag_is_named_at_once() -> None:
+    text = TINY_TEXT + b"retry: {retries: 1, retries: 2}\nnotify: !!set {a}\ntags: [a]\n"
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, Path("tiny-llama-lora.yaml"))
+    says = " | ".join(m for _, m in err.value.problems)
+    assert "duplicate key 'retries'" in says and "!!set" in says and "duplicate key 'tags'" in says
+
+
+def test_merge_keys_and_anchors_are_no_duplicates() -> None:
+    from loraflow.spec.reader import load_yaml
+
+    data = load_yaml(b"a: &base {x: 1, y: 2}\nb: {<<: *base, y: 3}\nc: *base\n", "merge.yaml")
+    assert data == {"a": {"x": 1, "y": 2}, "b": {"x": 1, "y": 3}, "c": {"x": 1, "y": 2}}
