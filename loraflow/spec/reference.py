@@ -21,10 +21,14 @@ when this file and the schema disagree. A spec is one YAML file in `pipelines/` 
 what a spec resolves to.
 
 A spec is read with limits (`loraflow/spec/reader.py`: at most 1 MiB, YAML aliases bounded once
-expanded). Values that end up in a Google Cloud or Kubernetes request (regions, project ids, bucket
-names, machine types, images, namespaces, service accounts, networks, reservations) must have their
-kind's form (`loraflow/spec/resource_names.py`), and `compute.*.env` and `secrets` may not name variables
-that change the interpreter, the loader, TLS, proxies, credentials or loraflow's own wiring
+expanded) and must be plain data: a key given twice in one mapping, and values tagged other than as
+strings, numbers, booleans, null, lists and mappings (`!!binary`, `!!set`, an unquoted date), are
+refused. Every number is finite and at most 2**53 in size (`loraflow/spec/fields.py`); tags and
+display names hold no control, invisible or direction-changing characters. Values that end up in a
+Google Cloud or Kubernetes request (regions, project ids, bucket names, machine types, images,
+namespaces, service accounts, networks, reservations) must have their kind's form
+(`loraflow/spec/resource_names.py`), and `compute.*.env` and `secrets` may not name variables that
+change the interpreter, the loader, TLS, proxies, credentials or loraflow's own wiring
 (`loraflow/spec/env_rules.py`). See [security.md](security.md).
 """
 

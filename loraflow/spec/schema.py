@@ -10,7 +10,7 @@ import difflib
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -23,15 +23,15 @@ from loraflow.evaluation import metrics as metric_table
 from loraflow.pipeline.stages import STAGES
 from loraflow.spec import resource_names as rn
 from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute
-from loraflow.spec.fields import EnvName, Image, ProjectId, Region
+from loraflow.spec.fields import EnvName, Image, ProjectId, Region, Tag, Text, check_name, number_problems
 from loraflow.spec.fields import SpecModel as _Model
 from loraflow.spec.reader import load_yaml, read_spec_file
 
 # data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/data/handoff.py).
 HANDOFF_VERSION = "{version}"
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # whole names only: fullmatch (a `$` lets "\n" through)
-_CRON_FIELD = re.compile(r"[0-9*/,\-A-Za-z?LW#]+")
 _CRON_PRESETS = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
+GCS_OBJECT_NAME_MAX_BYTES = 1024  # Google Cloud Storage's limit
 
 
 def _gs_uri(value: str) -> str:
@@ -45,7 +45,76 @@ def _gs_uri(value: str) -> str:
         raise ValueError(f"{value!r} contains a control character; write the path without it")
     if "." in path.split("/") or "//" in path.rstrip("/") or path.startswith("/"):  # gs://B//x: object "/x"
         raise ValueError(f"{value!r} has an empty or '.' path segment; write gs://BUCKET/PATH with plain segments")
+    if len(path.encode()) > GCS_OBJECT_NAME_MAX_BYTES:
+        raise ValueError(
+            f"gs://{bucket}/... has a path of {len(path.encode())} bytes; GCS object names are at most "
+            f"{GCS_OBJECT_NAME_MAX_BYTES} bytes: shorten it"
+        )
     return value.rstrip("/")
+
+
+# Cron as Airflow's timetables read it (croniter), in its common form only: five fields of numbers,
+# names, *, ranges, steps and lists. croniter's extensions (L, W, #, ?) are refused, and so is a
+# day that no month listed has (the 31st of February), which Airflow takes and never runs.
+_CRON_UNITS: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day of month", 1, 31, ()),
+    ("month", 1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")),
+    ("day of week", 0, 7, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")),
+)
+_DAYS_IN_MONTH = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)  # February's 29th comes every 4 years
+
+
+def _cron_values(field: str, unit: tuple[str, int, int, tuple[str, ...]]) -> set[int]:
+    """The values a cron field stands for; ValueError naming the part it cannot read."""
+    name, lowest, highest, names = unit
+
+    def value(token: str) -> int:
+        if token.isdigit() and token.isascii():
+            if not lowest <= int(token) <= highest:
+                raise ValueError(f"{name} {token} is outside {lowest}-{highest}")
+            return int(token)
+        if token.upper() in names:
+            return names.index(token.upper()) + (lowest if name == "month" else 0)
+        spelled = f" or a name ({names[0]}-{names[-1]})" if names else ""
+        raise ValueError(f"{name} {token!r} is not a number from {lowest} to {highest}{spelled}")
+
+    values: set[int] = set()
+    for item in field.split(","):
+        base, slash, step_text = item.partition("/")
+        step = 1
+        if slash:
+            if not (step_text.isdigit() and step_text.isascii() and 1 <= int(step_text) <= highest - lowest + 1):
+                raise ValueError(
+                    f"step {step_text!r} in {name} {item!r} is not a number from 1 to {highest - lowest + 1}"
+                )
+            step = int(step_text)
+        if base == "*":
+            first, last = lowest, highest
+        else:
+            start, dash, end = base.partition("-")
+            first = value(start)
+            last = value(end) if dash else (highest if slash else first)
+            if last < first:
+                raise ValueError(f"{name} range {base!r} runs backwards; write it from the lower to the higher value")
+        values.update(range(first, last + 1, step))
+    return values
+
+
+def _cron_problem(expression: str) -> str | None:
+    fields = expression.split()
+    if len(fields) != len(_CRON_UNITS):
+        return "write five fields like '0 3 * * 1' or @daily"
+    try:
+        _, _, days, months, weekdays = (_cron_values(f, u) for f, u in zip(fields, _CRON_UNITS, strict=True))
+    except ValueError as exc:
+        return f"{exc}; write five fields like '0 3 * * 1' or @daily"
+    if {d % 7 for d in weekdays} != set(range(7)):
+        return None  # runs on the days of the week it lists (or on the days of the month it lists too)
+    if min(days) > max(_DAYS_IN_MONTH[m - 1] for m in months):
+        return "never fires: no month it lists has that day; fix the day of month or the month"
+    return None
 
 
 GsUri = Annotated[str, Field(description="a gs://BUCKET/PATH URI")]
@@ -246,7 +315,9 @@ class VertexModelRegistrySpec(_Model):
         None, description="GCP project id; default LORAFLOW_VERTEX_PROJECT or GOOGLE_CLOUD_PROJECT"
     )
     region: Region = Field("us-central1", description="Vertex AI region of the registry, e.g. us-central1")
-    display_name: str | None = Field(None, description="the model's display name; default the pipeline's name")
+    display_name: Annotated[str, AfterValidator(lambda v: check_name(v, 128, "display name"))] | None = Field(
+        None, description="the model's display name; default the pipeline's name"
+    )
     serving_container_image: Image = Field(description="container image that serves the merged model (e.g. vLLM)")
     serving_container_args: list[str] = Field(default_factory=list, description="arguments of the serving container")
     labels: dict[str, str] = Field(default_factory=dict, description="extra labels on every version")
@@ -285,7 +356,7 @@ class RetrySpec(_Model):
     retries: int = Field(2, ge=0, le=10, description="retries per task after its first try")
     delay_seconds: float = Field(30, ge=0, le=3600, description="wait before the first retry")
     backoff: float = Field(2.0, ge=1, le=10, description="each further retry waits this many times longer")
-    max_delay_seconds: float = Field(600, ge=0, description="longest wait between two tries")
+    max_delay_seconds: float = Field(600, ge=0, le=86400, description="longest wait between two tries")
 
 
 _SECRET_FIELD = re.compile(r"password|login|host|extra\.[A-Za-z0-9_.-]+")
@@ -329,7 +400,7 @@ class ParamSpec(_Model):
     """A setting a person may change when triggering a run from the UI."""
 
     path: str = Field(description="dotted key of the setting, e.g. training.steps")
-    description: str | None = None
+    description: Text | None = None
     minimum: int | float | None = None
     maximum: int | float | None = None
     enum: list[Any] | None = None
@@ -395,7 +466,7 @@ _FIXED_AT_TRIGGER = {"name", "artifact_root", "compute", "params", "schedule", "
 
 class PipelineSpec(_Model):
     name: str = Field(description="pipeline name: lowercase letters, digits, dashes; the DAG id")
-    description: str = Field("", description="shown in the Airflow UI")
+    description: Text = Field("", description="shown in the Airflow UI")
     schedule: ScheduleSpec = None
     artifact_root: GsUri = Field(description="gs:// prefix under which every run writes")
     base_model: BaseModelSpec
@@ -421,7 +492,9 @@ class PipelineSpec(_Model):
         "[failure, promotion, verdict]] (docs/data-handoff.md)",
     )
     params: list[ParamSpec] = Field(default_factory=list, description="settings overridable at trigger time")
-    tags: list[str] = Field(default_factory=list, description="extra Airflow DAG tags (loraflow is always one)")
+    tags: list[Tag] = Field(
+        default_factory=list, description="extra Airflow DAG tags (loraflow is always one), each 1-100 characters"
+    )
 
     _uris = field_validator("artifact_root")(_gs_uri)
 
@@ -467,9 +540,8 @@ class PipelineSpec(_Model):
             return {"asset": _gs_uri(v["asset"])}
         if v in _CRON_PRESETS:
             return v
-        fields = v.split()
-        if len(fields) != 5 or not all(_CRON_FIELD.fullmatch(f) for f in fields):
-            raise ValueError(f"{v!r} is not a cron expression; write five fields like '0 3 * * 1' or @daily")
+        if problem := _cron_problem(v):
+            raise ValueError(f"{v!r} is not a cron expression Airflow runs: {problem}")
         return v
 
     @field_validator("compute")
@@ -512,6 +584,8 @@ class PipelineSpec(_Model):
                 continue
             if isinstance(value, (dict, list, BaseModel)):
                 problems.append(f"{p.path} is a section, not a single setting")
+                continue
+            problems.extend(_param_default_problems(p, value))
             if p.path.split(".")[0] in _FIXED_AT_TRIGGER:
                 problems.append(f"{p.path} cannot be overridden at trigger time")
         if problems:
@@ -529,6 +603,29 @@ class PipelineSpec(_Model):
     @property
     def registry_uri(self) -> str:
         return self.publish.registry or f"{self.artifact_root}/_registry"
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """Equal as JSON Schema's ``enum`` compares: true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return bool(a == b)
+
+
+def _param_default_problems(p: ParamSpec, value: Any) -> list[str]:
+    """The spec's own value is the trigger form's default: it must pass the param's bounds and choices
+    (Airflow refuses to schedule a DAG whose Param defaults do not, and the form would start invalid)."""
+    out = []
+    if p.minimum is not None and p.maximum is not None and p.minimum > p.maximum:
+        out.append(f"{p.path}: its minimum {p.minimum} is above its maximum {p.maximum}; swap them")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if p.minimum is not None and value < p.minimum:
+            out.append(f"{p.path}: the spec's value {value} is below its minimum {p.minimum}; lower the minimum")
+        if p.maximum is not None and value > p.maximum:
+            out.append(f"{p.path}: the spec's value {value} is above its maximum {p.maximum}; raise the maximum")
+    if p.enum is not None and not any(_json_equal(value, choice) for choice in p.enum):
+        out.append(f"{p.path}: the spec's value {value!r} is not one of its enum {p.enum}; add it to the enum")
+    return out
 
 
 # --------------------------------------------------------------------------------- dotted paths
@@ -552,13 +649,29 @@ def param_name(path: str) -> str:
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
+def _json_type(spec: PipelineSpec, path: str) -> str | list[str]:
+    """The JSON type of a setting's trigger field: its value's; for a setting without a value (null),
+    its declared type or null (a scheduled DAG's Param defaults must pass their own schema)."""
+    default = get_path(spec, path)
+    if default is not None:
+        return _JSON_TYPES.get(type(default), "string")
+    *parents, leaf = path.split(".")
+    section = get_path(spec, ".".join(parents)) if parents else spec
+    kinds = [
+        get_args(a)[0] if get_origin(a) is Annotated else a
+        for a in get_args(type(section).model_fields[leaf].annotation)
+    ]
+    declared = [_JSON_TYPES[k] for k in kinds if k in _JSON_TYPES]
+    return ["null", declared[0] if declared else "string"]
+
+
 def trigger_fields(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
     """The spec's overridable settings as trigger-form fields, by Param name: the current value
     (``default``), ``title``, ``description`` and the JSON schema (type, bounds, choices)."""
     fields = {}
     for p in spec.params:
         default = get_path(spec, p.path)
-        schema: dict[str, Any] = {"type": _JSON_TYPES.get(type(default), "string")}
+        schema: dict[str, Any] = {"type": _json_type(spec, p.path)}
         if p.minimum is not None:
             schema["minimum"] = p.minimum
         if p.maximum is not None:
@@ -648,17 +761,34 @@ def _error_path(loc: tuple[Any, ...]) -> str:
     return ".".join(p for p in parts if not p.startswith("function-")) or "(top level)"
 
 
+# pydantic's errors that a refused number (not finite, too large) makes as well: the number check says why.
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
 def validate_spec(data: Any, source: str) -> PipelineSpec:
+    """``data`` (a spec as plain data) as a ``PipelineSpec``, or ``SpecError`` listing every problem.
+
+    Every number, wherever it sits, is checked by one rule (``fields.number_problems``): in the data
+    as written (with the other problems), then in the validated spec (text such as "1e29" becomes a
+    number only there)."""
     if not isinstance(data, dict):
         raise SpecError(source, [("(top level)", "a spec is a YAML mapping of keys such as name, base_model, data")])
+    numbers = number_problems(data)
     try:
-        return PipelineSpec.model_validate(data)
+        spec = PipelineSpec.model_validate(data)
     except ValidationError as exc:
-        problems: dict[tuple[str, str], None] = {}
+        problems: dict[tuple[str, str], None] = dict.fromkeys(numbers)
+        refused = {key for key, _ in numbers}
         for err in exc.errors():
             key = _error_path(err["loc"]) + (".launcher" if err["type"] == "unknown_launcher" else "")
+            if key in refused and err["type"] in _BOUND_ERRORS:
+                continue
             problems[(key, _fix_hint(dict(err)))] = None
         raise SpecError(source, list(problems)) from None
+    numbers = numbers or number_problems(spec.model_dump())
+    if numbers:
+        raise SpecError(source, numbers)
+    return spec
 
 
 def load_spec(path: str | Path) -> PipelineSpec:

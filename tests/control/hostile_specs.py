@@ -16,6 +16,11 @@ GKE = {"launcher": "gke", "image": "us-docker.pkg.dev/acme-ml/loraflow/trainer:0
 INTERPRETER = "changes the Python interpreter"
 LOADER = "changes the dynamic loader"
 CLOUD = "changes which credentials, project or service endpoint"
+NOT_FINITE = "is not a finite number"
+TOO_LARGE = "is too large"
+INVISIBLE = "invisible or direction-changing character"
+INF = float("inf")
+NAN = float("nan")
 
 
 def env(name: str, value: str = "x") -> dict[str, Any]:
@@ -93,6 +98,59 @@ EDITS: list[tuple[str, dict[str, Any], str, str]] = [
     ("maxtext-key-syntax", {"base_model.model_overrides": {"vocab_size=1 load_parameters_path": 1}}, "base_model.model_overrides", "not a MaxText setting name"),
     ("maxtext-path-value", {"base_model.model_overrides.decoder_block": "gs://evil/x"}, "base_model.model_overrides", "is a path, a URL"),
     ("asset-bucket", {"schedule": {"asset": "gs://a/x"}}, "schedule", "not a GCS bucket name"),
+    # Values Airflow cannot take: each passed `loraflow validate` and then took every DAG of the folder down.
+    ("tag-too-long", {"tags": ["x" * 101]}, "tags.0", "longer than 100 characters"),
+    ("tag-empty", {"tags": [""]}, "tags.0", "is empty"),
+    ("tag-newline", {"tags": ["a\nb"]}, "tags.0", "control character"),
+    ("retry-max-delay-inf", {"retry.max_delay_seconds": INF}, "retry.max_delay_seconds", NOT_FINITE),
+    ("retry-max-delay-1e300", {"retry.max_delay_seconds": 1e300}, "retry.max_delay_seconds", TOO_LARGE),
+    ("retry-max-delay-years", {"retry.max_delay_seconds": 1e12}, "retry.max_delay_seconds", "less than or equal to 86400"),
+    ("cron-out-of-range", {"schedule": "99 99 * * *"}, "schedule", "minute 99 is outside 0-59"),
+    ("cron-unknown-name", {"schedule": "0 3 * * FOO"}, "schedule", "day of week 'FOO' is not"),
+    ("cron-extension", {"schedule": "0 0 LW * *"}, "schedule", "day of month 'LW' is not"),
+    ("cron-never-fires", {"schedule": "0 0 31 2 *"}, "schedule", "never fires"),
+    ("cron-zero-step", {"schedule": "*/0 * * * *"}, "schedule", "step '0' in minute"),
+    ("param-default-below-minimum", {"schedule": "@daily", "params": [{"path": "training.steps", "minimum": 100000}]}, "(top level)", "training.steps: the spec's value 200 is below its minimum 100000"),
+    ("param-default-not-in-enum", {"schedule": "@daily", "params": [{"path": "training.steps", "enum": [1, 2]}]}, "(top level)", "training.steps: the spec's value 200 is not one of its enum"),
+    ("param-minimum-above-maximum", {"params": [{"path": "training.steps", "minimum": 300, "maximum": 100}]}, "(top level)", "minimum 300 is above its maximum 100"),
+    ("asset-too-long", {"schedule": {"asset": "gs://loraflow-demo/" + "x" * 1300}}, "schedule", "at most 1024 bytes"),
+    ("description-nul", {"description": "a\x00b"}, "description", "control character"),
+    ("param-description-nul", {"params": [{"path": "training.steps", "description": "a\x00b"}]}, "params.0.description", "control character"),
+    # Numbers: finite and of a size a pipeline can mean, in every section (one check: loraflow/spec/fields.py).
+    ("alpha-inf", {"lora.alpha": INF}, "lora.alpha", NOT_FINITE),
+    ("alpha-inf-string", {"lora.alpha": "inf"}, "lora.alpha", NOT_FINITE),
+    ("alpha-huge-string", {"lora.alpha": "1e29"}, "lora.alpha", TOO_LARGE),
+    ("steps-1e29", {"training.steps": 1e29}, "training.steps", TOO_LARGE),
+    ("steps-huge-int", {"training.steps": 10**29}, "training.steps", TOO_LARGE),
+    ("seed-huge-int", {"evaluation.seed": 2**64}, "evaluation.seed", TOO_LARGE),
+    ("override-nan", {"base_model.model_overrides.head_dim": NAN}, "base_model.model_overrides.head_dim", NOT_FINITE),
+    ("param-minimum-inf", {"params": [{"path": "training.steps", "minimum": -INF}]}, "params.0.minimum", NOT_FINITE),
+    ("param-enum-nan", {"params": [{"path": "training.steps", "enum": [200, NAN]}]}, "params.0.enum.1", NOT_FINITE),
+    ("expectation-huge", {"data.expectations.row_count.min": 10**20}, "data.expectations.row_count.min", TOO_LARGE),
+    # Invisible and direction-changing characters in tags and names (what the UI shows is not what it is).
+    ("tag-zero-width-space", {"tags": ["prod\u200b"]}, "tags.0", INVISIBLE),
+    ("tag-right-to-left-override", {"tags": ["\u202etxt.exe"]}, "tags.0", INVISIBLE),
+    ("tag-isolate", {"tags": ["a\u2066b"]}, "tags.0", INVISIBLE),
+    ("tag-byte-order-mark", {"tags": ["\ufeffdemo"]}, "tags.0", INVISIBLE),
+    ("display-name-bidi", {"publish.vertex_model_registry": {"serving_container_image": "vllm/vllm-openai:v1", "display_name": "llama\u202e"}}, "publish.vertex_model_registry.display_name", INVISIBLE),
+]  # fmt: skip
+
+# Unusual values the schema accepts: each must build a DAG that Airflow takes (they are no refusals).
+ACCEPTED: list[tuple[str, dict[str, Any]]] = [
+    ("tag-of-100-characters", {"tags": ["x" * 100, "é" * 100]}),
+    ("tags-repeated", {"tags": ["loraflow", "a", "a"]}),
+    ("param-on-a-null-setting-with-a-schedule", {"schedule": "@daily", "params": [{"path": "evaluation.max_examples", "minimum": 1}]}),
+    ("param-choice-with-a-schedule", {"schedule": "0 3 * * 1", "params": [{"path": "evaluation.answer_format", "enum": ["pattern", "tagged"]}]}),
+    ("param-float-bounds", {"schedule": "@hourly", "params": [{"path": "lora.alpha", "minimum": 0.5, "maximum": 64}]}),
+    ("cron-with-names-and-steps", {"schedule": "*/15 0-23/2 1,15 JAN-jun mon-FRI"}),
+    ("cron-on-the-29th-of-february", {"schedule": "0 0 29 2 *"}),
+    ("cron-31st-or-mondays", {"schedule": "0 0 31 4 1"}),
+    ("once", {"schedule": "@once"}),
+    ("annually", {"schedule": "@annually"}),
+    ("asset-of-1024-bytes", {"schedule": {"asset": "gs://loraflow-demo/" + "é" * 512}}),
+    ("retry-at-its-bounds", {"retry": {"retries": 10, "delay_seconds": 3600, "backoff": 10, "max_delay_seconds": 86400}}),
+    ("description-with-lines-and-tabs", {"description": "\n\tfirst\r\nsecond"}),
+    ("largest-number", {"training.seed": 2**53, "evaluation.seed": 0}),
 ]  # fmt: skip
 
 
@@ -136,4 +194,7 @@ def files(tiny_text: bytes) -> list[tuple[str, bytes, str, str]]:
         ("omap-tag", tiny_text + b"publish: !!omap [{registry: gs://a-b/r}]\n", "line", "the tag !!omap is not allowed"),
         ("custom-tag", tiny_text + b"notify: [!evil {kind: file}]\n", "line", "the tag !evil is not allowed"),
         ("date-value", tiny_text + b"publish: {registry: 2026-01-01}\n", "line", "is read as a date"),
+        ("yaml-infinity", tiny_text.replace(b"alpha: 32", b"alpha: .inf"), "lora.alpha", NOT_FINITE),
+        ("yaml-not-a-number", tiny_text.replace(b"alpha: 32", b"alpha: .NaN"), "lora.alpha", NOT_FINITE),
+        ("yaml-huge-float", tiny_text.replace(b"steps: 200", b"steps: 1.0e+29"), "training.steps", TOO_LARGE),
     ]  # fmt: skip

@@ -4,6 +4,7 @@ pipeline beside it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from loraflow.cli import main
 from loraflow.errors import SpecError
 from loraflow.spec.schema import load_spec, parse_spec, validate_spec
 
-from .hostile_specs import EDITS, alias_bomb, files, tiny_with
+from .hostile_specs import ACCEPTED, EDITS, alias_bomb, files, tiny_with
 from .test_dags import parse
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,3 +181,112 @@ def test_merge_keys_and_anchors_are_no_duplicates() -> None:
 
     data = load_yaml(b"a: &base {x: 1, y: 2}\nb: {<<: *base, y: 3}\nc: *base\n", "merge.yaml")
     assert data == {"a": {"x": 1, "y": 2}, "b": {"x": 1, "y": 3}, "c": {"x": 1, "y": 2}}
+
+
+def build(data: dict, tmp_path: Path) -> None:
+    """Validate ``data``, build its DAG as the DAG file does and take it through what the DAG processor
+    does with it: Airflow's own checks and the serialization written to its database."""
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from loraflow.pipeline.plan import stage_plans
+    from loraflow.spec.cache import CompiledSpec
+    from loraflow.spec.schema import trigger_fields
+    from operators.dag_factory import build_dag
+
+    spec = validate_spec(data, f"{data['name']}.yaml")
+    plain = json.loads(json.dumps(spec.model_dump(mode="json"), allow_nan=False))  # as the spec cache holds it
+    pipeline = CompiledSpec(plain, {s: list(p.upstream) for s, p in stage_plans(spec).items()}, trigger_fields(spec))
+    dag = build_dag(pipeline, tmp_path / f"{spec.name}.yaml")
+    dag.validate()
+    dag.params.validate()  # the trigger form's defaults hold (Airflow refuses a scheduled DAG whose don't)
+    json.dumps(DagSerialization.to_dict(dag), allow_nan=False)
+
+
+@pytest.mark.parametrize("edits", [c[1] for c in ACCEPTED], ids=[c[0] for c in ACCEPTED])
+def test_an_unusual_value_the_schema_accepts_builds_a_dag_airflow_takes(edits: dict, tmp_path: Path) -> None:
+    build(tiny_with(TINY, "unusual", edits), tmp_path)
+
+
+def test_the_tag_length_limit_is_airflows() -> None:
+    from airflow.sdk.definitions.dag import TAG_MAX_LEN
+
+    from loraflow.spec import fields
+
+    assert fields.TAG_MAX_LEN == TAG_MAX_LEN
+
+
+_CRON_ITEM = st.one_of(
+    st.just("*"),
+    st.integers(-1, 62).map(str),
+    st.sampled_from(["JAN", "dec", "Feb", "MON", "sun", "Sat", "FOO", "L", "W", "?", "1#2", "LW", "5L"]),
+)
+_CRON_RANGE = st.tuples(_CRON_ITEM, st.sampled_from(["", "-"]), _CRON_ITEM, st.sampled_from(["", "/"]),
+                        st.integers(0, 70)).map(lambda t: t[0] + (t[1] + t[2] if t[1] else "") + (f"/{t[4]}" if t[3] else ""))  # fmt: skip
+_CRON_FIELD = st.lists(_CRON_RANGE, min_size=1, max_size=3).map(",".join)
+
+
+@given(st.lists(_CRON_FIELD, min_size=5, max_size=5).map(" ".join))
+@example("0 0 31 2 *")
+@example("0 0 30 2 */1")
+@example("0 0 31 4,6,9,11 *")
+@example("0 0 31 2 1")
+@example("0 0 29 2 *")
+@example("5-1 * * * *")
+def test_a_cron_expression_the_schema_accepts_is_one_airflow_takes_and_that_fires(cron: str) -> None:
+    """Five fields of numbers, names, ranges and steps, in and out of range: whatever the schema accepts,
+    Airflow's timetable takes and croniter finds the next run of (a cron that never fires is refused)."""
+    import datetime as dt
+
+    from airflow.sdk.definitions.timetables.trigger import CronTriggerTimetable
+    from croniter import croniter
+
+    try:
+        validate_spec(tiny_with(TINY, "cron", {"schedule": cron}), "cron.yaml")
+    except SpecError as err:
+        assert [p for p, _ in err.problems] == ["schedule"], err.problems
+        return
+    CronTriggerTimetable(cron, timezone="UTC").validate()
+    assert croniter(cron, dt.datetime(2026, 1, 1)).get_next(dt.datetime) > dt.datetime(2026, 1, 1)
+
+
+def _number_settings(model: type, prefix: str = "") -> list[tuple[str, type]]:
+    """Every int or float setting of the spec's sections (their own models, the data contract's too)."""
+    from types import UnionType
+    from typing import Union, get_args, get_origin
+
+    from pydantic import BaseModel
+
+    out = []
+    for name, field in model.model_fields.items():
+        if get_origin(field.annotation) not in (None, Union, UnionType):
+            continue  # a list or a mapping of settings: the corpus above covers those
+        kinds = {a for a in (field.annotation, *get_args(field.annotation)) if isinstance(a, type)}
+        models = [k for k in kinds if issubclass(k, BaseModel)]
+        if models:
+            out += _number_settings(models[0], f"{prefix}{name}.")
+        elif kinds & {int, float} and bool not in kinds:
+            out.append((f"{prefix}{name}", float if float in kinds else int))
+    return out
+
+
+def test_every_number_of_the_schema_is_finite_and_bounded() -> None:
+    """One check refuses inf, nan and absurd sizes wherever a number sits, written as a number or as text
+    pydantic turns into one: no section can forget it."""
+    from loraflow.spec.schema import PipelineSpec
+
+    settings = _number_settings(PipelineSpec)
+    assert {"training.steps", "lora.alpha", "retry.max_delay_seconds", "data.expectations.row_count.min"} <= {
+        path for path, _ in settings
+    }
+    for path, kind in settings:
+        hostile = (
+            [float("inf"), float("-inf"), float("nan"), 10**20, 1e20] if kind is float else [10**20, 1e20, -(10**20)]
+        )
+        for value in hostile:
+            with pytest.raises(SpecError) as err:
+                validate_spec(tiny_with(TINY, "numbers", {path: value}), "numbers.yaml")
+            assert any(p == path and ("finite" in m or "too large" in m) for p, m in err.value.problems), (
+                path,
+                value,
+                err.value.problems,
+            )

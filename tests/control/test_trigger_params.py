@@ -145,4 +145,4 @@ def test_a_param_for_a_setting_without_a_value_is_a_text_field() -> None:
     data = yaml.safe_load(yaml.safe_dump(DATA))
     data["params"] = [{"path": "base_model.tokenizer"}]
     field = trigger_fields(validate_spec(data, "tiny"))["base_model_tokenizer"]
-    assert field["type"] == "string" and field["default"] is None
+    assert field["type"] == ["null", "string"] and field["default"] is None
