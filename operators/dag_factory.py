@@ -64,6 +64,7 @@ def build_dag(pipeline: CompiledSpec, source: Path) -> DAG:
         max_active_runs=4,
         tags=["loraflow", *spec["tags"]],
         default_args=retry_args(spec["retry"]),
+        auto_register=False,  # a DAG reaches the DagBag only whole, through load_pipelines
     ) as dag:
         tasks = {stage: OPERATORS[stage].for_spec(spec) for stage in pipeline.upstream}
         for stage, upstream in pipeline.upstream.items():
@@ -105,7 +106,13 @@ def load_pipelines(folder: Path) -> dict[str, DAG]:
         if pipeline.name in dags:
             errors.append(f"{path}: pipeline name {pipeline.name!r} is used by another spec; names must be unique")
             continue
-        dags[pipeline.name] = build_dag(pipeline, path)
+        try:
+            dags[pipeline.name] = build_dag(pipeline, path)
+        except Exception as exc:  # a value the schema let through that Airflow refuses: a bug, but this spec's alone
+            errors.append(
+                f"{path}: its DAG cannot be built ({type(exc).__name__}: {exc}); the spec passed validation, "
+                "so this is a loraflow bug: report it with the spec"
+            )
     if errors:
         message = "invalid pipeline spec(s); their DAGs are not loaded, the others are:\n" + "\n".join(errors)
         dags["_loraflow_invalid_specs"] = InvalidSpecs(dag_id="_loraflow_invalid_specs", doc_md=message, schedule=None)

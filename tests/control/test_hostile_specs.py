@@ -290,3 +290,59 @@ def test_every_number_of_the_schema_is_finite_and_bounded() -> None:
                 value,
                 err.value.problems,
             )
+
+
+PARSE_WITH_OLD_TAG_LIMIT = r"""
+import json, os, sys
+from loraflow.spec import fields
+fields.TAG_MAX_LEN = 1000  # the schema before tags were bounded: a 101-character tag passes validation
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=os.environ["DAGS"])
+print(json.dumps({"dags": sorted(bag.dag_ids), "errors": dict(bag.import_errors)}))
+"""
+
+
+def test_a_spec_that_validates_but_cannot_build_is_its_own_import_error(tmp_path: Path) -> None:
+    """The second depth: should the schema let through a value Airflow refuses, building that DAG fails
+    for that spec alone, named in the import error; the other pipelines load and the broken DAG is not
+    registered half-built."""
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "tiny-llama-lora.yaml").write_bytes(TINY_TEXT)
+    (folder / "long-tag.yaml").write_text(yaml.safe_dump(tiny_with(TINY, "long-tag", {"tags": ["x" * 101]})))
+    result = parse(folder, tmp_path, PARSE_WITH_OLD_TAG_LIMIT, LORAFLOW_SPEC_CACHE_DIR="off")
+    assert result["dags"] == ["tiny-llama-lora"]
+    [message] = result["errors"].values()
+    assert f"{folder / 'long-tag.yaml'}: its DAG cannot be built (ValueError: tag cannot be longer than 100" in message
+
+
+def test_a_dag_whose_build_fails_after_its_tasks_exist_is_not_registered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DAG used as a context manager registers itself with its module when the block ends, even when
+    the block raised: the pipeline's DAG must not reach the DagBag that way, half-built."""
+    from airflow.sdk.definitions._internal.contextmanager import DagContext
+
+    from loraflow.spec import cache as spec_cache
+    from operators import dag_factory
+
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "tiny-llama-lora.yaml").write_bytes(TINY_TEXT)
+    (folder / "odd.yaml").write_text(yaml.safe_dump(tiny_with(TINY, "odd", {})))
+    real = dag_factory.attach_notifiers
+
+    def attach_notifiers(spec: dict, dag: object) -> None:
+        if spec["name"] == "odd":
+            raise ValueError("a notifier cannot be attached")
+        real(spec, dag)
+
+    monkeypatch.setattr(dag_factory, "attach_notifiers", attach_notifiers)
+    monkeypatch.setattr(dag_factory, "compiled", lambda path: spec_cache.compiled(path, cache_dir=tmp_path / "cache"))
+    monkeypatch.setattr(DagContext, "current_autoregister_module_name", __name__)
+    monkeypatch.setattr(DagContext, "autoregistered_dags", set())
+    dags = dag_factory.load_pipelines(folder)
+    assert sorted(dags) == ["_loraflow_invalid_specs", "tiny-llama-lora"]
+    message = dags["_loraflow_invalid_specs"].doc_md or ""
+    assert f"{folder / 'odd.yaml'}: its DAG cannot be built (ValueError: a notifier cannot be attached)" in message
+    assert DagContext.autoregistered_dags == set()
