@@ -1,9 +1,11 @@
 """A person in the Airflow UI: trigger the tiny pipeline from the trigger form with a changed parameter,
-watch it succeed, open the run report from the report task's "Run report" link.
+watch it succeed, open the run report from the report task's "Run report" link. And a person opening
+the data docs of a dataset whose ids and prompts carry script: none of it runs.
 
 Playwright drives the system Chromium (``apt-get install -y chromium``; ``make test-e2e`` installs it)
-against a real local Airflow and the GCS emulator. Screenshots of every step are kept under
-tests/_artifacts/browser/ (ignored by git); the test prints the folder. About 5 minutes.
+against a real local Airflow and the GCS emulator (the data docs test needs the emulator only).
+Screenshots of every step are kept under tests/_artifacts/browser/ (ignored by git); the test prints
+the folder. About 5 minutes.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare
+from tests.bad_datasets import SCRIPT_PAYLOADS, script_payload_dataset
 
 if TYPE_CHECKING:
-    from playwright.sync_api import BrowserContext, Page
+    from playwright.sync_api import Browser, BrowserContext, Page
 
 pytestmark = pytest.mark.e2e
 
@@ -28,6 +31,7 @@ TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
 DAG = "tiny-llama-lora"
 CHROMIUM = Path(os.environ.get("LORAFLOW_CHROMIUM", "/usr/lib/chromium/chromium"))
 SHOTS = REPO / "tests" / "_artifacts" / "browser"
+DOCS_SHOTS = REPO / "tests" / "_artifacts" / "browser-data-docs"
 STEPS = 50  # changed in the form from the spec's 200: a shorter run that still succeeds (promoted or not)
 UI_TIMEOUT_MS = 60_000
 
@@ -135,3 +139,85 @@ def latest_run(airflow: LocalAirflow, dag_id: str, timeout: float = 60) -> str:
             return str(runs[0]["dag_run_id"])
         time.sleep(1)
     raise AssertionError(f"the trigger form started no run of {dag_id}")
+
+
+def test_script_in_a_dataset_never_runs_in_its_data_docs(tmp_path: Path, gcs_bucket: str) -> None:
+    """validate_data, as Airflow's task runs it, refuses a dataset whose ids and prompts carry script
+    (tests/bad_datasets.py); Chromium opens every page of its data docs where the "Data docs" link
+    and the run report send a reader (the emulator's origin): no payload runs, each id reads as typed.
+    No Airflow: the pages are the step's, served by the store."""
+    from playwright.sync_api import sync_playwright
+
+    from loraflow.errors import LoraflowError
+    from loraflow.pipeline import artifacts, gcs, runner
+    from loraflow.reporting import report
+
+    assert CHROMIUM.exists(), f"{CHROMIUM} is missing: install Chromium with `apt-get install -y chromium`"
+    spec = _spec_on(script_payload_dataset(tmp_path / "data"), tmp_path, gcs_bucket)
+    with pytest.raises(LoraflowError, match="the data contract is broken"):
+        runner.run_stage(spec, "validate_data", "run-xss", {}, print)
+    stage = artifacts.stage_prefix(spec.artifact_root, spec.name, "run-xss", "validate_data")
+    docs = report.data_docs_uri(stage, rejected=True).rsplit("/", 1)[0]
+    bucket, base = gcs.split_uri(docs)
+    names = sorted(b.name for b in gcs.client().list_blobs(bucket, prefix=f"{base}/") if b.name.endswith(".html"))
+    assert len(names) == 5, names  # the index, both suites, both validation results
+    host = os.environ["STORAGE_EMULATOR_HOST"]
+    urls = [report.site_url(f"gs://{bucket}/{name}", host) for name in names]
+    shutil.rmtree(DOCS_SHOTS, ignore_errors=True)
+    DOCS_SHOTS.mkdir(parents=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            _a_raw_payload_is_caught(browser)
+            for i, url in enumerate(urls):
+                _open_and_check(browser, url, DOCS_SHOTS / f"{i}-{url.rsplit('/', 1)[1]}.png")
+        finally:
+            browser.close()
+
+
+def _spec_on(data: Path, tmp: Path, gcs_bucket: str):  # type: ignore[no-untyped-def]
+    """The tiny spec reading ``data``'s train.jsonl and eval.jsonl and a tokenizer from the emulator."""
+    from loraflow.pipeline import gcs
+    from loraflow.spec.schema import load_spec, with_overrides
+    from tests.control.conftest import write_tokenizer
+
+    bucket_name, base = gcs.split_uri(gcs_bucket)
+    bucket = gcs.client().bucket(bucket_name)
+    tokenizer = tmp / "tokenizer"
+    tokenizer.mkdir()
+    for path in [*data.iterdir(), *write_tokenizer(tokenizer, data / "train.jsonl").iterdir()]:
+        bucket.blob(f"{base}/{path.parent.name}/{path.name}").upload_from_filename(str(path))
+    spec = load_spec(TINY)
+    sources = {"train": f"{gcs_bucket}/data/train.jsonl", "eval": f"{gcs_bucket}/data/eval.jsonl"}
+    model = spec.base_model.model_copy(update={"tokenizer": f"{gcs_bucket}/tokenizer"})
+    spec = spec.model_copy(
+        update={"artifact_root": f"{gcs_bucket}/artifacts", "data": spec.data.model_copy(update=sources)}
+        | {"base_model": model}
+    )
+    return with_overrides(spec, {})
+
+
+def _a_raw_payload_is_caught(browser: Browser) -> None:
+    """The check below sees a payload that does run: each written raw into a table cell sets __pwned."""
+    page = browser.new_page()
+    for n, payload in enumerate(SCRIPT_PAYLOADS, start=1):
+        page.set_content(f"<table><tr><td><div>{payload}</div></td></tr></table>", wait_until="load")
+        page.wait_for_function("window.__pwned !== undefined", timeout=10_000)
+        assert page.evaluate("window.__pwned") == n
+    page.close()
+
+
+def _open_and_check(browser: Browser, url: str, shot: Path) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    response = page.goto(url, wait_until="load", timeout=UI_TIMEOUT_MS)
+    assert response is not None and response.ok, url
+    page.wait_for_timeout(500)  # an onerror/onload handler fires after the image fails; give it time
+    assert page.evaluate("window.__pwned") is None and page.title() != "pwned", f"a dataset payload ran in {url}"
+    assert not dialogs, dialogs
+    if "/validations/train_dataset/" in url:  # each id as the data team wrote it, as text (not as tags)
+        text = page.text_content("body") or ""
+        assert all(payload in text for payload in SCRIPT_PAYLOADS), url
+    page.screenshot(path=shot, full_page=True)
+    page.close()
