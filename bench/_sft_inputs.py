@@ -12,13 +12,16 @@ PARITY = Path(__file__).resolve().parents[1] / "pipelines" / "data" / "parity" /
 
 
 def prepare_sft_inputs(
-    root: Path, hf_dir: Path, model: str, overrides: dict[str, Any], save_dtype: str = "float32"
+    root: Path, hf_dir: Path, model: str, overrides: dict[str, Any], save_dtype: str = "float32", convert: bool = True
 ) -> None:
+    """``convert=False`` writes the checkpoint's record only (a benchmark whose MaxText initialises at random)."""
     from loraflow.steps import convert_checkpoint as cc
     from loraflow.steps._maxtext import CHECKPOINT_JSON
 
     ckpt = root / "ckpt"
-    cc.convert(hf_dir, ckpt, model, overrides, True, {}, save_dtype)
+    if convert:
+        cc.convert(hf_dir, ckpt, model, overrides, True, {}, save_dtype)
+    ckpt.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": "loraflow.maxtext_checkpoint/1",
         "load_parameters_path": cc.PARAMS_RELPATH,

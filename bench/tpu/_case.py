@@ -64,6 +64,15 @@ SIZES: dict[str, dict[str, int]] = {
         "head_dim": 128,
         "vocab_size": LLAMA_VOCAB,
     },
+    "6b": {  # 8B's layers, 24 of them: where one chip's limit lies
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": LLAMA_VOCAB,
+    },
     "8b": {
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -179,7 +188,7 @@ def matmul() -> dict[str, Any]:
     }
 
 
-def prepare(size: str, root: Path, hf: str | None) -> dict[str, Any]:
+def prepare(size: str, root: Path, hf: str | None, weights: bool = True) -> dict[str, Any]:
     from _sft_inputs import prepare_sft_inputs
 
     from loraflow.dev import tinymodel
@@ -187,6 +196,8 @@ def prepare(size: str, root: Path, hf: str | None) -> dict[str, Any]:
 
     dims = SIZES[size]
     hf_dir = Path(hf) if hf else root / "hf"
+    if not weights:
+        return _random_init(size, root, hf_dir)
     t = time.perf_counter()
     if not hf:
         tinymodel.create(hf_dir, [PARITY], dims=dims, dtype="float32" if size == "tiny" else "bfloat16")
@@ -196,6 +207,23 @@ def prepare(size: str, root: Path, hf: str | None) -> dict[str, Any]:
     prepare_sft_inputs(root, hf_dir, tinymodel.MAXTEXT_MODEL, llama.maxtext_overrides(dims), save_dtype)
     (root / "hf_dir").write_text(str(hf_dir))
     return {"generate_s": generated, "convert_s": time.perf_counter() - t, "parameters": parameters(dims)}
+
+
+def _random_init(size: str, root: Path, hf_dir: Path) -> dict[str, Any]:
+    """No checkpoint: the tokenizer and the training data, and a checkpoint record whose weights MaxText
+    initialises at random (``"init": "random"`` training cases). For the sizes whose question is whether
+    MaxText can build the model on the chip at all: it builds it before it reads any checkpoint."""
+    from _sft_inputs import prepare_sft_inputs
+
+    from loraflow.dev import tinymodel
+    from loraflow.models import llama
+
+    tinymodel.create(hf_dir, [PARITY])  # the tokenizer (and a tiny model nobody reads)
+    (hf_dir / "config.json").write_text(json.dumps(tinymodel.hf_config(SIZES[size], "bfloat16"), indent=2))
+    overrides = llama.maxtext_overrides(SIZES[size])
+    prepare_sft_inputs(root, hf_dir, tinymodel.MAXTEXT_MODEL, overrides, "bfloat16", convert=False)
+    (root / "hf_dir").write_text(str(hf_dir))
+    return {"parameters": parameters(SIZES[size]), "init": "random"}
 
 
 def _step_clock(ends: list[float]) -> None:
@@ -214,11 +242,14 @@ def _step_clock(ends: list[float]) -> None:
     sft_hooks.SFTTrainingHooks = Clocked
 
 
+def run_name(case: dict[str, Any]) -> str:
+    return f"{case['size']}-{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}"
+
+
 def _context(root: Path, case: dict[str, Any], config: dict[str, Any]) -> Any:
     from loraflow.steps._harness import StepContext
 
-    name = f"{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}"
-    out = root / "runs" / name
+    out = root / "runs" / run_name(case)
     for sub in ("out", "work"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     hf_dir = Path((root / "hf_dir").read_text())
@@ -246,7 +277,7 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
         summary = lora_sft.run(ctx)
         result: dict[str, Any] = {"summary": summary, "out": str(ctx.out)}
     else:
-        result = {"summary": _maxtext_direct(ctx)}
+        result = {"summary": _maxtext_direct(ctx, case.get("init") == "random")}
     result["stage_s"] = time.perf_counter() - t
     gaps = [b - a for a, b in itertools.pairwise(ends)]
     seq = config["max_length"]
@@ -266,7 +297,7 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
     return result
 
 
-def _maxtext_direct(ctx: Any) -> dict[str, Any]:
+def _maxtext_direct(ctx: Any, random_init: bool = False) -> dict[str, Any]:
     """MaxText's SFT entry points as ``train_sft.train`` calls them, with the stage's MaxText arguments."""
     from absl import flags
     from maxtext.configs import pyconfig
@@ -279,6 +310,8 @@ def _maxtext_direct(ctx: Any) -> dict[str, Any]:
     cfg = lora_sft._resolve_config(ctx)  # pylint: disable=protected-access
     train_file, n_rows = lora_sft._training_data(ctx)  # pylint: disable=protected-access
     argv = lora_sft._maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], str(ctx.work / "maxtext"), n_rows)  # pylint: disable=protected-access
+    if random_init:
+        argv = [a for a in argv if not a.startswith("load_parameters_path=")]
     t = time.perf_counter()
     mt_config = pyconfig.initialize_pydantic(argv)
     train_sft.validate_config(mt_config)
@@ -299,7 +332,7 @@ def main() -> None:
     if case["kind"] == "matmul":
         res |= matmul()
     elif case["kind"] == "prepare":
-        res |= prepare(case["size"], Path(case["root"]), case.get("hf"))
+        res |= prepare(case["size"], Path(case["root"]), case.get("hf"), case.get("weights", True))
     else:
         res |= train(case, Path(case["root"]))
     res["device"] = device_facts()

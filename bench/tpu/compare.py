@@ -46,8 +46,7 @@ def _train_on_cpu(work: Path, case: dict[str, Any]) -> Path:
     if not (root / "ckpt").exists():
         _case.prepare("tiny", root, str(TINY))
     _case.train(case, root)
-    name = f"{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}"
-    return root / "runs" / name / "out"
+    return root / "runs" / _case.run_name(case) / "out"
 
 
 def _answers(merged: Path) -> list[str]:
@@ -93,7 +92,7 @@ def main() -> int:
         case = run.get("case", {})
         if case.get("kind") != "train" or case.get("mode") != "loraflow" or "failed" in run:
             continue
-        name = f"{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}"
+        name = _case.run_name(case)
         tpu_out, cpu_out = work / "tpu" / name, _train_on_cpu(work, case)
         merged = {}
         for where, out in (("tpu", tpu_out), ("cpu", cpu_out)):
