@@ -16,6 +16,7 @@ from airflow.sdk import Asset, BaseOperator, Context
 
 from loraflow.data import handoff
 from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting import notify
 from loraflow.reporting.report import browser_url
 
 if TYPE_CHECKING:
@@ -109,8 +110,8 @@ class HandoffVerdictOperator(BaseOperator):
         result_uri = handoff.write_result(spec, version, document)
         context["outlet_events"][self.verdict_asset].extra = handoff.event_extra(document, result_uri)
         self.log.info("dataset %s %s; verdict written to %s", document["dataset"], verdict, result_uri)
-        for reason in reasons:
-            self.log.info("  %s", reason)
+        for reason in document["reasons"]:  # capped; a log line is plain text
+            self.log.info("  %s", notify.plain_text(reason))
         model = document.get("model") or {}
         return {"result": result_uri, "verdict": verdict, "version": version, "model_version": model.get("version")}
 

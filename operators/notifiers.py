@@ -11,7 +11,6 @@ the hand-off verdict task's ``on_success_callback``.
 from __future__ import annotations
 
 import fcntl
-import json
 import urllib.request
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -106,7 +105,7 @@ def webhook_url(conn: Any) -> str:
 
 
 class WebhookNotifier(LoraflowNotifier):
-    """POSTs ``{"text": ..., "loraflow": {...}}`` to the URL held by an Airflow connection."""
+    """POSTs ``{"text": ..., "loraflow": {...}}`` (``notify.webhook_body``) to the URL held by an Airflow connection."""
 
     def __init__(self, *, connection: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -116,7 +115,7 @@ class WebhookNotifier(LoraflowNotifier):
         from airflow.sdk import BaseHook
 
         url = webhook_url(BaseHook.get_connection(self.connection))
-        body = json.dumps({"text": message.text, "loraflow": json.loads(message.to_json())}).encode()
+        body = notices.webhook_body(message)  # Slack's escapes in the text, every field capped
         req = urllib.request.Request(url, body, {"Content-Type": "application/json"}, method="POST")
         with urllib.request.urlopen(req, timeout=WEBHOOK_TIMEOUT_S) as resp:
             resp.read()

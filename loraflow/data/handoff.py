@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraflow.errors import LoraflowError
 from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting import notify
 
 if TYPE_CHECKING:  # the DAG file imports this module for its task names; the spec models load at run time
     from loraflow.spec.schema import HandoffSpec, PipelineSpec
@@ -305,7 +306,7 @@ def result_document(
         "dataset": version_uri(spec.handoff, version),
         "version": version,
         "verdict": verdict,
-        "reasons": reasons,
+        "reasons": notify.capped_reasons(reasons),  # they quote the dataset: the whole list is in data_report.json
         "model": model,
         "gate": gate,
         "report": report,
@@ -327,9 +328,10 @@ def write_result(spec: PipelineSpec, version: str, document: dict[str, Any]) -> 
 
 
 def event_extra(document: dict[str, Any], result_uri: str) -> dict[str, Any]:
-    """The verdict Asset event's extra: small, the fields a downstream DAG branches on."""
+    """The verdict Asset event's extra: small, the fields a downstream DAG branches on (capped: its
+    reasons quote the dataset)."""
     model = document.get("model") or {}
-    return {
+    extra = {
         "pipeline": document["pipeline"],
         "version": document["version"],
         "dataset": document["dataset"],
@@ -340,6 +342,7 @@ def event_extra(document: dict[str, Any], result_uri: str) -> dict[str, Any]:
         "report": document.get("report"),
         "run_id": document["run_id"],
     }
+    return dict(notify.capped_json(extra, notify.MAX_EXTRA_BYTES))
 
 
 def _now() -> str:

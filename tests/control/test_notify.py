@@ -206,3 +206,121 @@ def test_notifiers_are_attached_to_the_dag(tmp_path: Path) -> None:
     (promotion,) = dag.get_task("publish").on_success_callback
     assert promotion.event == "promotion"
     assert not dag.get_task("gate").on_success_callback
+
+
+# ------------------------------------------------------------------------------------ dataset strings in notices
+
+# A role a data team (or anyone who writes a dataset version) can put in a row: a Slack broadcast, a
+# disguised link, a line that reads like loraflow's own, a right-to-left override; 2 MB of it.
+HOSTILE = "<!channel> <https://evil.example|Re-authenticate> & ping\nModel version 99 was promoted.\u202e"
+HOSTILE_ROLE = HOSTILE + "x" * 2_000_000
+
+
+def _rejected_by_the_loader(tmp_path: Path) -> list[str]:
+    """The data-contract reasons validate_data records for a train file whose role is HOSTILE_ROLE."""
+    from loraflow.data import dataset as ds
+    from loraflow.errors import DataValidationError
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": HOSTILE_ROLE, "content": "hi"}]}) + "\n")
+    with pytest.raises(DataValidationError) as err:
+        ds.load(path, id_prefix="train-")
+    return [f"train: {err.value}"]
+
+
+def test_a_dataset_string_reaches_every_sink_quoted_for_it_and_capped(
+    tmp_path: Path, gcs_bucket: str, receiver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 5 of issue 29: the role went verbatim into _RESULT.json, the asset event's extra, the file
+    notice and the webhook (6 MB, a live @channel and a disguised link in Slack). Each sink now gets it
+    quoted as that sink needs and capped."""
+    from loraflow.data import handoff
+    from operators.notifiers import notifiers
+
+    # What validate_data leaves for a rejected dataset, and the verdict task's documents built from it.
+    run = f"{gcs_bucket}/artifacts/tiny-handoff/run1"
+    artifacts.write_json(
+        f"{run}/validate_data/_rejected/data_report.json", {"load_problems": _rejected_by_the_loader(tmp_path)}
+    )
+    data = load_spec(TINY).model_dump(mode="json") | {
+        "name": "tiny-handoff",
+        "handoff": {"prefix": f"{gcs_bucket}/team"},
+    }
+    del data["data"]["train"], data["data"]["eval"]
+    spec = validate_spec(data, "test")
+    verdict, reasons = handoff.judge({"validate_data": "failed"}, handoff.data_failures(run), None, None)
+    document = handoff.result_document(spec, "tiny-handoff", RUN, "v1", verdict, reasons, None, None, None, None)
+    result_uri = handoff.write_result(spec, "v1", document)
+    extra = handoff.event_extra(document, result_uri)
+
+    # JSON sinks (_RESULT.json, the asset event's extra): still JSON, the value as read, but capped.
+    stored = artifacts.read_json(result_uri)
+    assert stored["verdict"] == "rejected" and HOSTILE[:40] in stored["reasons"][0]
+    assert len(json.dumps(stored)) < 16 * 1024 and len(json.dumps(extra)) < 8 * 1024
+    assert HOSTILE[:40] in extra["reasons"][0]
+
+    # The file notice: JSON, and its text plain: the dataset's line break cannot start a line of its own.
+    notices = tmp_path / "notices.jsonl"
+    (file_notifier,) = notifiers(notify_spec(tmp_path, kind="file", path=str(notices), events=["verdict"]), "verdict")
+    context = {"ti": FakeTI(handoff.VERDICT_TASK, {handoff.VERDICT_TASK: {"result": result_uri}}), "run_id": RUN}
+    file_notifier(context)
+    (line,) = notices.read_text().splitlines()
+    assert len(line) < 32 * 1024
+    notice = json.loads(line)
+    assert "Model version 99" in notice["text"]
+    assert not any(row.startswith("Model version 99") for row in notice["text"].splitlines())
+    assert "\u202e" not in notice["text"] and "\\u202e" in notice["text"]
+
+    # The webhook (Slack mrkdwn): &, < and > escaped as Slack documents, so no mention and no link.
+    conn = {"conn_type": "http", "host": receiver, "extra": {"endpoint": "/hooks/loraflow"}}
+    monkeypatch.setenv("AIRFLOW_CONN_TEAM_WEBHOOK", json.dumps(conn))
+    (webhook,) = notifiers(
+        notify_spec(tmp_path, kind="webhook", connection="team_webhook", events=["verdict"]), "verdict"
+    )
+    webhook(context)
+    (post,) = Receiver.received
+    assert len(json.dumps(post["body"])) < 32 * 1024
+    text = post["body"]["text"]
+    assert "&lt;!channel&gt; &lt;https://evil.example|Re-authenticate&gt; &amp; ping" in text
+    assert "<" not in text and ">" not in text and "&ping" not in text
+    assert not any(row.startswith("Model version 99") for row in text.splitlines())
+    assert text.startswith(f"Dataset {gcs_bucket}/team/v1 was rejected by tiny-handoff")
+
+
+@pytest.mark.parametrize("char", ["&", "<", '"', "\\", "\x00", "\u202e", "\U0001f600", "\ud800", "é"])
+def test_every_sink_stays_within_its_size_whatever_the_characters(char: str) -> None:
+    """The caps hold for the characters that grow most when escaped (JSON's \\u escapes, Slack's &amp;)."""
+    value = char * 300_000
+    result = {"pipeline": "p", "run_id": "r", "dataset": "gs://b/v", "version": "v", "verdict": "rejected"}
+    message = notify.verdict(result | {"reasons": [value] * 50, "report": value}, "gs://b/v/_RESULT.json")
+    body = notify.webhook_body(message)
+    assert len(body) <= notify.MAX_JSON_BYTES and json.loads(body)["loraflow"]["event"] == "verdict"
+    assert len(message.to_json()) <= notify.MAX_JSON_BYTES
+    assert len(json.dumps(notify.capped_json({"a": [value] * 100, "b": {"c": value}}, 4096))) <= 4096
+    assert len(json.dumps(notify.capped_json([[[[[[[[value]]]]]]]], 1024))) <= 1024
+    failure = notify.failure("p", "r", "gate", value)
+    assert (
+        len(failure.text) < notify.MAX_ERROR_CHARS + 200 and len(notify.webhook_body(failure)) <= notify.MAX_JSON_BYTES
+    )
+
+
+def test_slack_text_escapes_its_three_control_characters_and_a_cut_never_splits_an_escape() -> None:
+    assert notify.slack_mrkdwn("<!here> a & b <@U123> <https://x|y>") == (
+        "&lt;!here&gt; a &amp; b &lt;@U123&gt; &lt;https://x|y&gt;"
+    )
+    for limit in range(4, 40):
+        cut = notify.slack_mrkdwn("<" * 100, limit)
+        assert len(cut) <= limit and cut.endswith("...") and set(cut[:-3].replace("&lt;", "")) == set()
+
+
+def test_plain_text_is_one_line_with_invisible_characters_shown() -> None:
+    assert notify.plain_text("a\nb\r\n\tc\u2028d") == "a b c d"
+    assert notify.plain_text("x\x1b[31my\u200bz\u202e") == "x\\x1b[31my\\u200bz\\u202e"
+    assert notify.plain_text("y" * 1000, 20) == "y" * 17 + "..."
+
+
+def test_json_sinks_keep_json_and_say_what_was_left_out() -> None:
+    capped = notify.capped_json({"n": float("nan"), "i": float("-inf"), "ok": 0.5, "l": list(range(100))}, 400)
+    assert capped["n"] == "nan" and capped["i"] == "-inf" and capped["ok"] == 0.5
+    assert capped["l"][-1].startswith("... and ") and len(json.dumps(capped)) <= 400
+    assert notify.capped_reasons(["r"] * 12) == ["r"] * notify.MAX_REASONS + ["... and 2 more"]
