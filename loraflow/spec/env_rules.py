@@ -8,6 +8,7 @@ which certificates are trusted, where traffic goes, which credentials or project
 clients use, the process basics the deployer sets, or loraflow's own wiring (of loraflow's own
 variables only ``STEP_TUNABLES`` are the spec's). ``refusal(name)``
 says which rule a name breaks (or ``None``); the spec schema calls it for every name it accepts.
+A ``secrets`` name must also be named for a secret (``secret_refusal``: ``SECRET_SUFFIXES``).
 
 Names are matched case-insensitively against the rules (``http_proxy`` is a proxy too), and must
 then be portable upper-case names (``[A-Z_][A-Z0-9_]*``, at most 128 characters).
@@ -122,6 +123,33 @@ def refusal(name: str) -> str | None:
             f"(not starting with a digit, at most {MAX_NAME_LENGTH} characters), e.g. HF_TOKEN"
         )
     return None
+
+
+# A secret goes only into a variable named for one. A library reads its settings (JAX_PLATFORMS,
+# XLA_FLAGS, ...), splits them and may print a piece in an error (JAX printed one comma-separated
+# piece of a token mapped to JAX_PLATFORMS), which the log masker, knowing only the whole value and
+# its lines, cannot recognise; a variable named as a credential is read whole, as one.
+SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
+
+
+def secret_refusal(name: str) -> str | None:
+    """Why ``secrets`` may not map a secret to ``name`` (the rule and the fix), or None."""
+    reason = refusal(name)
+    if reason is not None or name.endswith(SECRET_SUFFIXES):
+        return reason
+    return (
+        f"{name} is not named for a secret: a library may read it as a setting, split the value and print "
+        "a piece of it, which the log masker cannot recognise; map the secret to the variable the step "
+        "reads it from, named ending in _TOKEN, _KEY, _SECRET or _PASSWORD (e.g. HF_TOKEN)"
+    )
+
+
+def check_secret_name(name: str) -> str:
+    """``name`` if ``secrets`` may map a secret to it; else ``ValueError`` naming the rule and the fix."""
+    reason = secret_refusal(name)
+    if reason is not None:
+        raise ValueError(reason)
+    return name
 
 
 def check_name(name: str) -> str:

@@ -22,6 +22,7 @@ class SpecModel(BaseModel):
 # Names a spec gives to environment variables of a step (compute.*.env, secrets): loraflow/spec/env_rules.py.
 EnvName = Annotated[str, AfterValidator(env_rules.check_name)]
 EnvValue = Annotated[str, AfterValidator(env_rules.check_value)]
+SecretName = Annotated[str, AfterValidator(env_rules.check_secret_name)]  # also named for a secret (HF_TOKEN)
 # Names that go into Google Cloud and Kubernetes requests: loraflow/spec/resource_names.py.
 Region = Annotated[str, AfterValidator(rn.check_region)]
 ProjectId = Annotated[str, AfterValidator(rn.check_project)]

@@ -23,7 +23,7 @@ from loraflow.evaluation import metrics as metric_table
 from loraflow.pipeline.stages import STAGES
 from loraflow.spec import resource_names as rn
 from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute
-from loraflow.spec.fields import EnvName, Image, ProjectId, Region, Tag, Text, check_name, number_problems
+from loraflow.spec.fields import Image, ProjectId, Region, SecretName, Tag, Text, check_name, number_problems
 from loraflow.spec.fields import SpecModel as _Model
 from loraflow.spec.reader import load_yaml, read_spec_file
 
@@ -478,7 +478,7 @@ class PipelineSpec(_Model):
     publish: PublishSpec = PublishSpec()
     compute: dict[str, ComputeSpec] = Field(default_factory=dict, description="per stage (or 'default') where it runs")
     retry: RetrySpec = RetrySpec()
-    secrets: dict[EnvName, SecretSpec] = Field(
+    secrets: dict[SecretName, SecretSpec] = Field(
         default_factory=dict, description="environment variable name -> the Airflow connection holding its value"
     )
     handoff: HandoffSpec | None = Field(

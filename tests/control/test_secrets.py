@@ -61,8 +61,30 @@ def test_bad_secret_entries_are_refused_with_the_fix(secrets: dict, message: str
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "name", ["JAX_PLATFORMS", "XLA_FLAGS", "LIBTPU_INIT_ARGS", "VLLM_PLUGINS", "HF_HUB_CACHE", "MY_VAR"]
+)
+def test_a_secret_goes_only_into_a_variable_named_for_a_secret(name: str) -> None:
+    """Issue 29, item 9: a token mapped to JAX_PLATFORMS reached the logs in pieces (JAX splits the
+    value at its commas and prints a piece, which no masker knows). A library parses a setting; only a
+    variable named for a secret is read whole as one."""
+    with pytest.raises(SpecError) as err:
+        spec_with({name: {"connection": "hf"}})
+    ((path, message),) = err.value.problems
+    assert path == f"secrets.{name}"
+    assert f"{name} is not named for a secret" in message and "_TOKEN, _KEY, _SECRET or _PASSWORD" in message
+    assert "e.g. HF_TOKEN" in message
+
+
+@pytest.mark.parametrize(
+    "name", ["HF_TOKEN", "GCP_KEY", "WANDB_API_KEY", "DB_PASSWORD", "CLIENT_SECRET", "VLLM_API_KEY"]
+)
+def test_names_made_for_secrets_are_taken(name: str) -> None:
+    assert set(spec_with({name: {"connection": "hf"}}).secrets) == {name}
+
+
 def test_a_missing_connection_or_field_is_named_without_any_value() -> None:
-    spec = spec_with({"HF_TOKEN": {"connection": "hf"}, "OTHER": {"connection": "other", "field": "login"}})
+    spec = spec_with({"HF_TOKEN": {"connection": "hf"}, "OTHER_TOKEN": {"connection": "other", "field": "login"}})
 
     def lookup(conn_id: str) -> object:
         if conn_id == "hf":
