@@ -120,13 +120,39 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [round(first + i * step, 10) for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
-def _fmt(x: float) -> str:
+def _fmt(x: float, exponent: int = 0) -> str:
+    """A tick label; ``exponent``: the axis is drawn in units of 10**exponent."""
+    if exponent and x:
+        return f"{x:.4g}e{exponent}"
     return f"{x:.4g}"
 
 
-def loss_svg(rows: Sequence[Sequence[float]], width: int = 640, height: int = 260) -> str:
-    """The training loss curve (``rows`` of (step, loss[, ...])) as a standalone SVG document."""
-    points = [(float(r[0]), float(r[1])) for r in rows if len(r) >= 2 and math.isfinite(float(r[1]))]
+def _finite_points(rows: Sequence[Sequence[Any]]) -> list[tuple[float, float]]:
+    """The (step, loss) of each row whose both are finite numbers; any other row is left out."""
+    points = []
+    for row in rows:
+        try:
+            x, y = float(row[0]), float(row[1])
+        except (TypeError, ValueError, IndexError):
+            continue
+        if math.isfinite(x) and math.isfinite(y):
+            points.append((x, y))
+    return points
+
+
+def _unit_exponent(values: Sequence[float]) -> int:
+    """``k`` such that ``values / 10**k`` lie within +-10: differences and padding near the ends of the
+    float range (1e308 - -1e308) overflow; 0 for values that cannot."""
+    largest = max(abs(v) for v in values)
+    return math.floor(math.log10(largest)) if largest > 1e15 else 0
+
+
+def loss_svg(rows: Sequence[Sequence[Any]], width: int = 640, height: int = 260) -> str:
+    """The training loss curve (``rows`` of (step, loss[, ...])) as a standalone SVG document.
+
+    Rows without a finite step and loss are left out; values beyond 1e15 are drawn in units of a
+    power of ten (so that no difference overflows), the ticks labelled with it."""
+    points = _finite_points(rows)
     esc = html.escape
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -138,7 +164,9 @@ def loss_svg(rows: Sequence[Sequence[float]], width: int = 640, height: int = 26
         k = math.ceil(len(points) / 1500)
         points = points[::k] + ([points[-1]] if (len(points) - 1) % k else [])
     left, right, top, bottom = 56, 16, 14, 40
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    kx, ky = _unit_exponent([p[0] for p in points]), _unit_exponent([p[1] for p in points])
+    xs, ys = [p[0] / 10.0**kx for p in points], [p[1] / 10.0**ky for p in points]
+    points = list(zip(xs, ys, strict=True))
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     y0, y1 = min(ys), max(ys)
     pad = (y1 - y0) * 0.05 or abs(y1) * 0.05 or 1.0
@@ -155,11 +183,11 @@ def loss_svg(rows: Sequence[Sequence[float]], width: int = 640, height: int = 26
     for t in _ticks(y0, y1):
         parts.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
-            f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="11">{esc(_fmt(t))}</text>'
+            f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="11">{esc(_fmt(t, ky))}</text>'
         )
     for t in _ticks(x0, x1):
         parts.append(
-            f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle" font-size="11">{esc(_fmt(t))}</text>'
+            f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle" font-size="11">{esc(_fmt(t, kx))}</text>'
         )
     line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
     parts.append(f'<polyline fill="none" stroke="#1a73e8" stroke-width="1.5" points="{line}"/>')

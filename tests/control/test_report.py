@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from html.parser import HTMLParser
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.plan import REPORTED
@@ -164,6 +167,62 @@ def test_loss_svg_is_a_standalone_svg() -> None:
     svg = report.loss_svg([(1, 6.0), (2, 5.0), (3, float("nan")), (4, 2.0)])
     assert svg.startswith("<svg") and svg.endswith("</svg>") and svg.count(",") >= 3
     assert "no loss recorded" in report.loss_svg([])
+
+
+INF, NAN, HUGE = float("inf"), float("nan"), 1e308
+
+
+def _plotted(svg: str) -> list[tuple[float, float]]:
+    """The polyline's points, after checking the SVG is well-formed XML with finite coordinates only."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(svg)
+    for element in root.iter():
+        for name in ("x", "y", "x1", "x2", "y1", "y2", "width", "height"):
+            if name in element.attrib:
+                assert math.isfinite(float(element.attrib[name])), (name, element.attrib)
+    lines = [e for e in root.iter() if e.tag.endswith("polyline")]
+    if not lines:
+        return []
+    return [(float(x), float(y)) for x, y in (p.split(",") for p in lines[0].attrib["points"].split())]
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(1, 2.0), (INF, 1.0), (NAN, 1.0), (-INF, 1.5), (3, 1.0)],  # steps that are not finite
+        [(1, HUGE), (2, -HUGE), (3, 0.0)],  # losses at the ends of the float range
+        [(1, 1.7e308), (2, -1.7e308)],
+        [(1, 5e-324), (2, 0.0), (3, 1e-320)],  # subnormal losses
+        [(1e308, 1.0), (-1e308, 2.0)],  # steps at the ends of the range
+        [(1, 1.0), (1, 1.0)],  # one point twice
+        [(0, 1e-300), (1, 2e-300)],
+        [(1, "x"), ("y", 1.0), (None, 2.0), (2,), (3, 1.0), (4, 0.5)],  # rows that are not numbers
+    ],
+)
+def test_the_loss_curve_draws_the_finite_points_of_any_row(rows: list) -> None:
+    """Issue 29, item 10: inf/nan steps raised ValueError, +/-1e308 losses OverflowError, and the report
+    step failed with them. Rows without a finite step and loss are left out; the rest are drawn inside
+    the plot, scaled without overflowing."""
+    svg = report.loss_svg(rows)
+    points = _plotted(svg)
+    finite = [r for r in rows if len(r) >= 2 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in r[:2])]
+    assert len(points) == len(finite)
+    assert all(56 <= x <= 640 - 16 and 14 <= y <= 260 - 40 for x, y in points), points
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(), st.floats()), max_size=12))
+def test_any_loss_rows_make_a_curve_of_their_finite_points(rows: list[tuple[float, float]]) -> None:
+    points = _plotted(report.loss_svg(rows))
+    assert len(points) == sum(math.isfinite(x) and math.isfinite(y) for x, y in rows)
+    assert all(56 <= x <= 640 - 16 and 14 <= y <= 260 - 40 for x, y in points), points
+
+
+def test_the_loss_curve_keeps_its_scale_at_the_ends_of_the_range() -> None:
+    """Scaled, not clipped: the point at 1e308 is drawn above the one at 0 and that one above -1e308."""
+    (_, top), (_, middle), (_, bottom) = _plotted(report.loss_svg([(1, HUGE), (2, 0.0), (3, -HUGE)]))
+    assert top < middle < bottom and abs((top + bottom) / 2 - middle) < 1
 
 
 def test_browser_urls() -> None:
