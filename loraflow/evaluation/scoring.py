@@ -1,14 +1,15 @@
 """Scoring one generation against its reference: answer extraction, normalisation, the scorers.
 
-Pure functions on strings (standard library only), shared by the evaluate step program and anything
+Pure functions on strings (the standard library, and the ``regex`` module for the time limit), shared by the evaluate step program and anything
 that re-scores its ``predictions``. Which scorers an evaluation runs, and the metric each one
 makes, is the metric table's (:mod:`loraflow.evaluation.metrics`). The exact-match scorer behind
 ``accuracy`` works in three steps:
 
-1. **extract**: ``answer_pattern`` (a regular expression, searched with :func:`re.search`) picks the
-   answer out of the generation; group 1 is the answer (the whole match when the pattern has no
-   group). A generation the pattern does not match, or whose answer normalises to nothing, is a
-   *format failure*: it has no answer and counts as wrong.
+1. **extract**: ``answer_pattern`` (a regular expression in Python's syntax) picks the answer out of
+   the generation; group 1 is the answer (the whole match when the pattern has no group). A
+   generation the pattern does not match, or whose answer normalises to nothing, is a *format
+   failure*: it has no answer and counts as wrong. The search runs under a time limit per
+   generation (:data:`PATTERN_TIME_LIMIT_S`, see :func:`extract_answer`).
 2. **normalise**: strip whitespace, casefold, strip trailing punctuation (``"Even."`` -> ``"even"``).
    The reference is normalised the same way.
 3. **compare**: exact match of the two normalised strings.
@@ -31,12 +32,15 @@ for its metric.
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 import unicodedata
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Literal
+from typing import Any, Literal
+
+from loraflow.errors import LoraflowError
 
 #: First "word-ish" token of the generation: everything up to whitespace or a ``<`` (the start of
 #: a special token such as ``<|end|>`` if it was not stripped).
@@ -59,6 +63,17 @@ _TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 _ANSWER_TAGGED = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
 # The tutorial's layout: reasoning, then (after anything) the answer, nothing but whitespace around.
 _TAGGED_LAYOUT = re.compile(r"\s*<reasoning>(.*?)</reasoning>.*?<answer>(.*?)</answer>\s*", re.DOTALL)
+
+
+#: The longest one search of ``answer_pattern`` may take in one generation, in seconds. A sound
+#: pattern takes microseconds to milliseconds on the longest generation; one that backtracks
+#: catastrophically (``((a|aa)+)+b`` took 81 s on 20 characters with :mod:`re`, and doubles every few
+#: characters more) is stopped here and fails the evaluation naming itself (:class:`AnswerPatternTimeout`).
+PATTERN_TIME_LIMIT_S = 1.0
+
+
+class AnswerPatternTimeout(LoraflowError):
+    """``answer_pattern`` took longer than :data:`PATTERN_TIME_LIMIT_S` on one generation."""
 
 
 def compile_pattern(pattern: str | re.Pattern[str] | None = None) -> re.Pattern[str]:
@@ -89,14 +104,46 @@ def normalize(text: str) -> str:
     return out[:end]
 
 
+# re's flags and the regex module's (their values differ: re.ASCII is 256, regex.ASCII 128).
+_FLAGS = ("IGNORECASE", "MULTILINE", "DOTALL", "VERBOSE", "ASCII")
+
+
+@functools.lru_cache(maxsize=16)
+def _timed(pattern: str, flags: int) -> Any:
+    """``pattern`` compiled by the ``regex`` module, whose searches take a ``timeout`` (re's cannot be
+    stopped: it holds the interpreter until it is done). Its default mode (VERSION0) is re's syntax and
+    matching; the spec's pattern was checked with re.compile."""
+    import regex
+
+    regex_flags = 0
+    for name in _FLAGS:
+        if flags & getattr(re, name):
+            regex_flags |= getattr(regex, name)
+    try:
+        return regex.compile(pattern, regex_flags)
+    except regex.error as exc:
+        raise ValueError(f"answer_pattern {pattern!r} is not a valid regular expression ({exc})") from None
+
+
 def extract_answer(generation: str, pattern: str | re.Pattern[str] | None = None) -> str | None:
     """The raw answer the pattern finds in ``generation`` (group 1, else the whole match), or ``None``.
 
     ``None`` means a format failure: no match, or an empty capture. The answer is returned as
-    matched (not normalised); see :func:`normalize`.
+    matched (not normalised); see :func:`normalize`. A search that takes longer than
+    :data:`PATTERN_TIME_LIMIT_S` raises :class:`AnswerPatternTimeout`: the pattern backtracks
+    catastrophically, and scoring that generation as wrong would bias the metric without a word.
     """
     compiled = compile_pattern(pattern)
-    m = compiled.search(generation)
+    try:
+        m = _timed(compiled.pattern, compiled.flags).search(generation, timeout=PATTERN_TIME_LIMIT_S)
+    except TimeoutError:
+        raise AnswerPatternTimeout(
+            f"evaluation.answer_pattern {compiled.pattern!r} took more than {PATTERN_TIME_LIMIT_S:g} s on one "
+            f"generation of {len(generation)} characters (starting {generation[:40]!r}): it backtracks "
+            "catastrophically, trying exponentially many ways to split the text between nested or overlapping "
+            "repetitions such as (a+)+, (a|aa)+ or (\\w+\\s?)*. Rewrite it so that each character can be "
+            "matched one way only, e.g. a+ for (a|aa)+, and check it on a long generation"
+        ) from None
     if m is None:
         return None
     answer = m.group(1) if compiled.groups >= 1 else m.group(0)
