@@ -112,3 +112,10 @@ mutate: envs  ## mutation testing of the modules where a silent bug costs most (
 .PHONY: bench
 bench: envs  ## benchmarks side by side -> docs/benchmarks.md, bench/results/ (~35 min on 2 cores; BENCH_QUICK=1 for a smoke run)
 	$(CONTROL) bench/run_all.py
+
+# The training stage on a TPU chip (bench/tpu/README.md): what travels to the device machine is made here.
+.PHONY: tpu-prepare
+tpu-prepare: $(VENVS)/trainer/.synced  ## make what bench/tpu/check.py needs on a TPU machine: .whl-tpu/ (wheels) and .tpu-inputs/ (the tiny base)
+	bash bench/tpu/wheels.sh
+	$(TRAINER) -c "from pathlib import Path; from loraflow.dev import tinymodel; \
+		tinymodel.create(Path('.tpu-inputs/tiny'), [Path('pipelines/data/parity/train.jsonl')])"

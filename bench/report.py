@@ -683,6 +683,93 @@ def sec_qlora(d: dict) -> list[str]:
     return [*out, ""]
 
 
+def _tpu_runs() -> tuple[list[dict], dict | None]:
+    """Every case of the TPU check's phases (bench/tpu/check.py), and the chip's matmul result."""
+    runs: list[dict] = []
+    for phase in ("tiny", "1b", "3b", "8b"):
+        runs += (load(f"tpu-{phase}") or {}).get("results", [])
+    mm = next((r for r in runs if r.get("case", {}).get("kind") == "matmul" and "failed" not in r), None)
+    return runs, mm
+
+
+def _tpu_row(r: dict, peak_tflops: float | None) -> str:
+    c, s = r["case"], r.get("summary", {})
+    what = f"{c['size']} | {c['mode']} | {c['dtype']} | {c['quantization']}"
+    if "failed" in r:
+        tail = [ln for ln in r.get("tail", "").splitlines() if "Error" in ln or "error" in ln]
+        return f"| {what} | failed: {(tail[-1] if tail else str(r['failed']))[:160].replace('|', '/')} |||||||"
+    flops = r["flops_per_token"]["lora_model"] * r["tokens_per_s"] / 1e12
+    compile_s = s["first_step_seconds"] - s["median_step_seconds"] if s.get("first_step_seconds") else None
+    loss = f"{f(s.get('first_loss'), 3)} -> {f(s.get('final_loss'), 3)}" if "first_loss" in s else "-"
+    mfu = f"{100 * flops / peak_tflops:.0f} %" if peak_tflops else "-"
+    state = s.get("train_state_bytes")
+    return (
+        f"| {what} | {f(r['tokens_per_s'], 0)} | {f(r['step_s_median'], 4)} | {f(compile_s, 1)} | "
+        f"{f(r['peak_bytes_in_use'] / 2**30 if r.get('peak_bytes_in_use') else None, 2)} | "
+        f"{f(state / 2**30 if state else None, 2)} | {f(flops, 1)} | {mfu} | {loss} |"
+    )
+
+
+def sec_tpu(d: dict) -> list[str]:
+    runs, mm = _tpu_runs()
+    trained = [r for r in runs if r.get("case", {}).get("kind") == "train"]
+    dev = next((r["device"] for r in runs if r.get("device", {}).get("backend") == "tpu"), {})
+    peak = mm["tflops_mean"] if mm else None
+    out = [
+        "## 9. Training on a TPU v5e chip",
+        "",
+        f"loraflow's convert and lora_sft stage functions on one {dev.get('device_kind', '?')} chip "
+        f"(JAX {dev.get('jax')}, jaxlib {dev.get('jaxlib')}, libtpu {dev.get('libtpu')}; `bench/tpu/check.py`, "
+        "bench/tpu/README.md says how to run it and how each figure is taken). Generated Llama-shaped models "
+        "(random weights, bf16), rank 16 on all seven projections, 8 packed rows of 1,024 tokens a step (the "
+        "tiny model: 8 x 64); QLoRA tile 64. *step* = median gap between step ends, first step left out; "
+        "*compile* = first step minus that; *peak HBM* = the process's peak on the chip (set-up and checkpoint "
+        "load included); *state* = model + optimizer arrays as lora_sft measures them; *model TFLOP/s* = LoRA "
+        "model FLOPs per token (4 x linear parameters + 6 x LoRA parameters + causal attention, no "
+        "rematerialisation) x tokens/s; *util* = that over the chip's measured bf16 matmul rate"
+        + (f" ({peak:.0f} TFLOP/s, 8192^3 products)." if peak else "."),
+        "",
+        "| size | entry | dtype | base weights | tokens/s | step (s) | compile (s) | peak HBM (GiB) | state (GiB) "
+        "| model TFLOP/s | util | loss first -> last |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    out += [_tpu_row(r, peak) for r in trained]
+    ok = [r for r in trained if "failed" not in r]
+    for direct in (r for r in ok if r["case"]["mode"] == "maxtext"):
+        twin = {**direct["case"], "mode": "loraflow"}
+        lf = next((r for r in ok if r["case"] == twin), None)
+        if lf:
+            ratio = lf["tokens_per_s"] / direct["tokens_per_s"]
+            out += [
+                "",
+                f"{twin['size']}, {twin['dtype']}: loraflow / MaxText's own entry point, tokens/s **{ratio:.3f}x** "
+                "(goal: at least 0.98x).",
+            ]
+    out += _tpu_compare(load("tpu_compare"))
+    return [*out, ""]
+
+
+def _tpu_compare(d: dict | None) -> list[str]:
+    if not d:
+        return []
+    out = [
+        "",
+        f"The chip's tiny adapters against CPU-trained twins (`bench/tpu/compare.py`): the same base, data and "
+        f"configuration trained on this machine's CPU; both merged into the float32 HF base by loraflow's merge "
+        f"and answering the first {d['eval_examples']} held-out parity prompts (an independent numpy Llama, greedy).",
+        "",
+        "| run | accuracy TPU / CPU | answers that agree | loss max abs diff | merged weights: max abs diff / max update |",
+        "| --- | --- | ---: | ---: | --- |",
+    ]
+    for r in d["runs"]:
+        acc, w = r["accuracy"], r["merged_weights"]
+        out.append(
+            f"| {r['run']} | {acc['tpu']:.2f} / {acc['cpu']:.2f} | {100 * r['answers_agree']:.0f} % | "
+            f"{r['loss_max_abs_diff']:.3f} | {w['max_abs_diff']:.2e} / {w['max_abs_update']:.2e} ({100 * w['relative']:.1f} %) |"
+        )
+    return out
+
+
 def measured(d: dict) -> str:
     load = d.get("loadavg_start"), d.get("loadavg_end")
     when = d.get("saved_at") or "in an earlier run (2026-12-02, before results recorded their time)"
@@ -819,6 +906,7 @@ def main() -> None:
         ("orchestration", sec_orch),
         ("train", sec_train),
         ("qlora", sec_qlora),
+        ("tpu-tiny", sec_tpu),
     ):
         d = load(name)
         if d is None:
