@@ -9,6 +9,7 @@ threads. The real thing, jax.distributed processes as separate hosts, is tests/t
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -132,3 +133,92 @@ def test_a_checkpoint_of_n_hosts_is_refused_by_a_run_of_another_count(gcs_bucket
     with pytest.raises(ArtifactError, match="this run has 4"):
         checkpoint_sync.download_latest(remote, tmp_path / "four", host=0, hosts=4)
     assert not (tmp_path / "one").exists() and not (tmp_path / "four").exists()
+
+
+def _poll_all(syncers: list[checkpoint_sync.HostSyncer]) -> None:
+    """Every host polls once, at the same point (the collective waits for all), as lora_sft's hosts do."""
+    threads = [_in_thread(s.poll) for s in syncers]
+    for thread, _ in threads:
+        thread.join(HANG_GUARD)
+    assert not any(thread.is_alive() for thread, _ in threads), "a host is still polling"
+    errors = [e for _, errs in threads for e in errs]
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_hosts_that_uploaded_different_steps_commit_the_newest_step_all_of_them_uploaded(
+    gcs_bucket: str, tmp_path: Path, ahead: int
+) -> None:
+    """One host is a checkpoint ahead of the other (its Orbax finalised step 4, the other's has not yet):
+    host 0 commits step 2, the newest step every host uploaded, and step 4 only once both uploaded it.
+    (The other hosts' polls in the first test all see the same step.)"""
+    remote = f"{gcs_bucket}/ck"
+    collective = Collective(HOSTS)
+    local = [tmp_path / f"host{i}" for i in range(HOSTS)]
+    syncers = [checkpoint_sync.HostSyncer(local[i], remote, i, HOSTS, collective.of(i), keep=2) for i in range(HOSTS)]
+    for host in range(HOSTS):
+        _finalised_step(local[host], 2, host)
+    _finalised_step(local[ahead], 4, ahead)
+
+    _poll_all(syncers)
+    assert checkpoint_sync.remote_steps(remote) == [2]
+    assert artifacts.read_json(f"{remote}/4/host-{ahead}/{checkpoint_sync.HOST_MARKER}") is not None
+    assert [s.committed for s in syncers] == [2, 2]
+
+    _finalised_step(local[1 - ahead], 4, 1 - ahead)
+    _poll_all(syncers)
+    assert checkpoint_sync.remote_steps(remote) == [2, 4]
+    assert set(artifacts.read_json(f"{remote}/4/{checkpoint_sync.MARKER}")["files"]) == {
+        f"host-{h}/model_params/{name}" for h in range(HOSTS) for name in ("_METADATA", f"ocdbt.process_{h}/d")
+    }
+
+
+def test_a_run_of_several_hosts_keeps_the_two_newest_committed_steps(gcs_bucket: str, tmp_path: Path) -> None:
+    """HostSyncer's default: the newest committed step and the one before it (a resume falls back to that
+    one should the newest prove unreadable); older steps go, parts and commit markers alike."""
+    remote = f"{gcs_bucket}/ck"
+    collective = Collective(HOSTS)
+    local = [tmp_path / f"host{i}" for i in range(HOSTS)]
+    syncers = [checkpoint_sync.HostSyncer(local[i], remote, i, HOSTS, collective.of(i)) for i in range(HOSTS)]
+    for step in (2, 4, 6):
+        for host in range(HOSTS):
+            _finalised_step(local[host], step, host)
+        _poll_all(syncers)
+    assert checkpoint_sync.remote_steps(remote) == [4, 6]
+    assert sorted({b.name.split("/ck/", 1)[1].split("/")[0] for b in _blobs(remote)}) == ["4", "6"]
+
+
+def _blobs(remote: str) -> list:
+    from loraflow.pipeline import gcs
+
+    bucket, path = gcs.split_uri(remote)
+    return list(gcs.client().list_blobs(bucket, prefix=path + "/"))
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_prune_keeps_the_two_newest_complete_steps_and_nothing_else_goes(
+    where: str, gcs_bucket: str, tmp_path: Path
+) -> None:
+    """One host (``Syncer`` and ``prune`` by default): steps 1-3 complete, step 4 uploaded without its
+    marker (interrupted): 2 and 3 stay, 1 goes, the incomplete 4 is not touched."""
+    remote = f"{gcs_bucket}/ck" if where == "gcs" else str(tmp_path / "remote")
+    local = tmp_path / "local"
+    syncer = checkpoint_sync.Syncer(local, remote)
+    for step in (1, 2, 3):
+        _finalised_step(local, step, 0)
+        assert syncer.poll() == [step]
+    assert checkpoint_sync.remote_steps(remote) == [2, 3]
+    _finalised_step(local, 4, 0)
+    if where == "gcs":
+        artifacts.upload_tree(local / "4", f"{remote}/4")  # its files, no marker
+    else:
+        shutil.copytree(local / "4", Path(remote) / "4")
+    checkpoint_sync.prune(remote)
+    assert checkpoint_sync.remote_steps(remote) == [2, 3]
+    if where == "gcs":
+        left = {b.name.split("/ck/", 1)[1].split("/")[0] for b in _blobs(remote)}
+    else:
+        left = {p.name for p in Path(remote).iterdir()}
+    assert left == {"2", "3", "4"}
+    checkpoint_sync.prune(remote, keep=1)
+    assert checkpoint_sync.remote_steps(remote) == [3]
