@@ -24,6 +24,20 @@ if TYPE_CHECKING:
 
 LineSink = Callable[[str], None]
 
+#: What every step's environment holds, whatever the worker, the spec's compute.env or a secret says:
+#: every launcher sets it last (``local.step_environment``, ``vertex_job.container_env``,
+#: ``gke_jobset.container_env``). Steps read models from the stage's inputs, never from the Hugging
+#: Face hub; no library reports usage to its makers (vLLM sends usage statistics unless told not to;
+#: DO_NOT_TRACK is the convention vLLM and others honour; the hub client's telemetry off as well).
+STEP_ENV: Mapping[str, str] = {
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -25,6 +25,7 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.launchers import vertex_job as vertex
+from loraflow.launchers.base import STEP_ENV
 from loraflow.launchers.identity import JobIdentity
 from loraflow.launchers.multihost import DEFAULT_COORDINATOR_PORT
 from loraflow.spec.compute import GkeCompute
@@ -101,8 +102,8 @@ def tpu_resources(compute: GkeCompute) -> tuple[str, int] | None:
 def container_env(
     compute: GkeCompute, name: str, extra_env: Mapping[str, str] = {}, port: int = DEFAULT_COORDINATOR_PORT
 ) -> list[dict[str, str]]:
-    """BASE_ENV < compute.env < extra < the multi-host wiring, sorted by name (as for Vertex)."""
-    env = dict(vertex.BASE_ENV) | dict(compute.env) | dict(extra_env)
+    """compute.env < extra < base.STEP_ENV < the multi-host wiring, sorted by name (as for Vertex)."""
+    env = dict(compute.env) | dict(extra_env) | dict(STEP_ENV)
     env |= {
         "LORAFLOW_LAUNCHER": "gke",
         "LORAFLOW_EXPECTED_HOSTS": str(compute.hosts),

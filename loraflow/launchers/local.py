@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from loraflow.errors import StepError
-from loraflow.launchers.base import Launcher, LineSink, WorkloadSink, ignore_workload
+from loraflow.launchers.base import STEP_ENV, Launcher, LineSink, WorkloadSink, ignore_workload
 from loraflow.launchers.credentials import Redactor
 from loraflow.launchers.environments import REPO_ROOT
 from loraflow.launchers.forked_step import ForkedStep, fork_target
@@ -93,13 +93,9 @@ def step_environment(extra: Mapping[str, str] = {}) -> dict[str, str]:
     env = {k: os.environ[k] for k in _PASSTHROUGH if k in os.environ}
     env.setdefault("JAX_PLATFORMS", os.environ.get("LORAFLOW_JAX_PLATFORMS", "cpu"))
     env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("LORAFLOW_LOG_LEVEL", "WARNING").upper())
-    env |= {
-        "PYTHONPATH": str(REPO_ROOT),
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
+    env["PYTHONPATH"] = str(REPO_ROOT)
     env |= dict(extra)
+    env |= STEP_ENV  # last: offline, no usage statistics (base.STEP_ENV)
     return env
 
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.launchers.base import STEP_ENV
 from loraflow.launchers.identity import JobIdentity
 from loraflow.spec.compute import RemoteCompute, VertexCompute
 
@@ -26,8 +27,6 @@ DEFAULT_LOCATION = "us-central1"
 PLACEHOLDER_PROJECT = "PROJECT"
 # The label a specific Compute Engine reservation is selected by (machineSpec.reservationAffinity).
 RESERVATION_KEY = "compute.googleapis.com/reservation-name"
-# What every replica gets from loraflow, besides the spec's compute.env.
-BASE_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # Machine types whose GPUs Vertex AI wants named in machineSpec (type, count); TPU types are ct*.
 _GPU_FAMILIES: tuple[tuple[str, str, Mapping[str, int] | None], ...] = (
@@ -99,8 +98,8 @@ def parent(project: str, location: str) -> str:
 
 
 def container_env(compute: RemoteCompute, extra_env: Mapping[str, str] = {}) -> list[dict[str, str]]:
-    """BASE_ENV < the spec's compute.env < extra < loraflow's multi-host wiring, sorted by name."""
-    env = dict(BASE_ENV) | dict(compute.env) | dict(extra_env)
+    """The spec's compute.env < extra < base.STEP_ENV < loraflow's multi-host wiring, sorted by name."""
+    env = dict(compute.env) | dict(extra_env) | dict(STEP_ENV)
     env |= {"LORAFLOW_LAUNCHER": "vertex", "LORAFLOW_EXPECTED_HOSTS": str(compute.hosts)}
     return [{"name": k, "value": env[k]} for k in sorted(env)]
 
