@@ -213,6 +213,52 @@ def read_json(uri: str) -> Any | None:
         return None
 
 
+#: What ``read_json_object`` reads at most unless told otherwise: markers and pointers are a few hundred bytes.
+SMALL_JSON_MAX_BYTES = 64 << 10
+
+
+class JsonObjectError(ArtifactError):
+    """An object in GCS that should hold a small JSON object does not: too large, not JSON, not an object."""
+
+    def __init__(self, uri: str, problem: str) -> None:
+        self.uri, self.problem = uri, problem
+        super().__init__(f"{uri} {problem}")
+
+
+def read_json_object(uri: str, *, max_bytes: int = SMALL_JSON_MAX_BYTES, blob: Any = None) -> dict[str, Any] | None:
+    """The JSON object stored at ``uri`` (a marker, a pointer, a registry entry), or None when there is none.
+
+    Anyone who can write the bucket wrote it, so at most ``max_bytes`` are downloaded (a ranged read: a
+    200 MB object costs ``max_bytes``, never its size) and anything but one JSON object is refused with
+    ``JsonObjectError`` naming the URI and the problem: larger than the cap, not UTF-8 JSON (nesting too
+    deep to parse included), a list or a number. ``blob``: the object already looked up (publish holds it
+    for its generation); it is read as it is.
+    """
+    from google.api_core.exceptions import NotFound, RequestRangeNotSatisfiable
+
+    if blob is None:
+        bucket, path = gcs.split_uri(uri)
+        blob = gcs.client().bucket(bucket).blob(path)
+    if isinstance(blob.size, int) and blob.size > max_bytes:  # known from a listing: not even the first bytes
+        raise JsonObjectError(uri, f"is larger than {max_bytes} bytes ({blob.size})")
+    try:
+        data = blob.download_as_bytes(start=0, end=max_bytes, checksum=None)  # ``end`` is inclusive
+    except NotFound:
+        return None
+    except RequestRangeNotSatisfiable:  # GCS answers a range on an empty object so
+        data = b""
+    if len(data) > max_bytes:
+        raise JsonObjectError(uri, f"is larger than {max_bytes} bytes")
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        reason = "nested too deep" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise JsonObjectError(uri, f"is not JSON ({reason})") from None
+    if not isinstance(value, dict):
+        raise JsonObjectError(uri, f"is not a JSON object (it holds a {type(value).__name__})")
+    return value
+
+
 # --------------------------------------------------------------------------------------- reading
 
 
@@ -386,12 +432,12 @@ _RUN_SEGMENT = r"[A-Za-z0-9._-]+"
 _PIPELINE_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
-def stage_manifest_problem(uri: Any, artifact_root: str, stage: str) -> str | None:
+def stage_manifest_problem(uri: Any, artifact_root: str, stage: str, pipeline: str | None = None) -> str | None:
     """Why ``uri`` is not the manifest of a commit of ``stage`` under ``artifact_root``, or None.
 
     Such a manifest is ``{artifact_root}/PIPELINE/RUN/{stage}[-KEY12]/_MANIFEST.json``: same bucket,
-    inside the root, not in ``_cache`` or ``_registry``, and of the stage asked for. This is the only
-    shape a cache entry or a registry version may point at.
+    inside the root, not in ``_cache`` or ``_registry``, and of the stage asked for (and of ``pipeline``,
+    when given). This is the only shape a cache entry or a registry version may point at.
     """
     root = artifact_root.rstrip("/") + "/"
     if not isinstance(uri, str) or not uri:
@@ -408,6 +454,8 @@ def stage_manifest_problem(uri: Any, artifact_root: str, stage: str) -> str | No
         return f"it is not {root}PIPELINE/RUN/{stage}/{MANIFEST}"
     if not re.fullmatch(rf"{re.escape(stage)}(-[0-9a-f]{{12}})?", match[3]):
         return f"it is a commit of {match[3]!r}, not of stage {stage}"
+    if pipeline is not None and match[1] != pipeline:
+        return f"it is a commit of pipeline {match[1]!r}, not of {pipeline}"
     return None
 
 
