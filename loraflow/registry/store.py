@@ -2,16 +2,32 @@
 
 Layout under ``{registry_uri}/{pipeline}/``: ``versions/NNNN.json`` (one per promoted model,
 never overwritten) and ``aliases/champion.json`` (points at the current champion's version).
+
+Anyone who can write the bucket can write these files, so the gate trusts nothing a version entry
+merely says: ``champion`` follows the alias only to a version of this registry whose model is a
+committed ``merge_adapter`` of this pipeline, and finds the committed ``evaluate_tuned`` of that very
+model; the gate measures the champion's figure from that evaluation's predictions (each file checked
+against its manifest), never from the number the entry records.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from loraflow.errors import ArtifactError
 from loraflow.pipeline import artifacts, gcs
 
 CHAMPION = "champion"
+MODEL_STAGE = "merge_adapter"
+EVALUATION_STAGE = "evaluate_tuned"
+#: The most bytes read of an alias (publish writes about 600).
+ALIAS_MAX_BYTES = 64 << 10
+#: The most bytes read of a version entry: publish writes a few kB; versions registered before it kept
+#: only the scalars of the decision's metrics embedded both evaluations' per-example lists.
+VERSION_MAX_BYTES = 16 << 20
+_RUN = re.compile(r"[A-Za-z0-9._-]+")  # a run segment of an artifact path (artifacts.safe_run_id)
 
 
 def alias_uri(registry_uri: str, pipeline: str, alias: str = CHAMPION) -> str:
@@ -22,55 +38,169 @@ def version_uri(registry_uri: str, pipeline: str, number: int) -> str:
     return gcs.join(registry_uri, pipeline, "versions", f"{number:04d}.json")
 
 
-def champion(registry_uri: str, pipeline: str, artifact_root: str | None = None) -> dict[str, Any] | None:
-    """The champion's version entry (with ``version_uri``), or None when nothing was promoted yet.
-
-    The alias may only point at a version of this registry (``versions/NNNN.json`` under
-    ``{registry_uri}/{pipeline}``), and that version's model only at a ``merge_adapter`` commit under
-    ``artifact_root`` (when given). Anything else is refused, never read: a champion from elsewhere
-    would decide what the gate promotes.
-    """
-    where = alias_uri(registry_uri, pipeline)
-    alias = artifacts.read_json(where)
-    if alias is None:
-        return None
-    number = alias.get("version") if isinstance(alias, dict) else None
-    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
-        raise _refused(where, f"its version is {number!r}, not a version number")
-    expected = version_uri(registry_uri, pipeline, number)
-    if alias.get("version_uri", expected) != expected:
-        raise _refused(where, f"it points at {alias['version_uri']!r}, not at this registry's {expected}")
-    entry = artifacts.read_json(expected)
-    if entry is None:
-        raise ArtifactError(
-            f"the {CHAMPION} alias of {pipeline} points at {expected}, which does not exist; "
-            f"repair the registry (point {where} at an existing version)"
-        )
-    if not isinstance(entry, dict) or entry.get("version", number) != number:
-        raise _refused(where, f"{expected} does not hold version {number}")
-    if artifact_root is not None:
-        for pointer in {entry.get("model_manifest"), alias.get("model_manifest", entry.get("model_manifest"))}:
-            problem = artifacts.stage_manifest_problem(pointer, artifact_root, "merge_adapter")
-            if problem:
-                raise _refused(where, f"its model {pointer!r} is refused: {problem}")
-    return {**entry, "version_uri": expected}
-
-
-def _refused(alias: str, problem: str) -> ArtifactError:
+def refused(alias: str, problem: str, version: int | None = None, version_uri: str | None = None) -> ArtifactError:
+    """The error for a champion that cannot be trusted: what is wrong, where, and what an operator does."""
+    where = f"version {version} ({version_uri}): " if version is not None else ""
     return ArtifactError(
-        f"the {CHAMPION} alias {alias} is refused: {problem}. An alias may only point at a version of its "
-        "own registry whose model is a merge_adapter commit under the artifact root; repair it (point it at "
-        "an existing version, as publish writes it) or delete it to compare with the base only"
+        f"the {CHAMPION} alias {alias} is refused: {where}{problem}. The gate trusts only a champion it can "
+        f"verify: a version of this registry whose model is a {MODEL_STAGE} commit of this pipeline under the "
+        f"artifact root, measured from the committed {EVALUATION_STAGE} of that model; repair it (point the "
+        "alias at a version as publish writes it) or delete it to compare with the base only (the next "
+        "promotion writes it again)"
     )
 
 
+def champion(registry_uri: str, pipeline: str, artifact_root: str) -> dict[str, Any] | None:
+    """The champion's version entry, verified, or None when nothing was promoted yet.
+
+    Returned: the entry with ``version``, ``version_uri`` and ``alias_uri``, and what was verified:
+    ``model_manifest`` and ``model_fingerprint`` (of the committed model), ``evaluation_manifest`` and
+    ``eval_set_fingerprint`` (of its committed evaluation). The alias may only point at a version of
+    this registry; that version's model must be a committed ``merge_adapter`` of ``pipeline`` under
+    ``artifact_root`` with the fingerprint the version records, and its evaluation (the one the version
+    records, or, for versions registered before publish recorded it, the one its run's gate judged) a
+    committed ``evaluate_tuned`` of ``pipeline`` whose model input is that very model. Anything else
+    raises ArtifactError naming the alias, the version and the problem: a champion from elsewhere would
+    decide what the gate promotes. Every object is read with a byte cap.
+    """
+    where = alias_uri(registry_uri, pipeline)
+    alias = _read(where, ALIAS_MAX_BYTES, lambda problem: refused(where, f"it {problem}"))
+    if alias is None:
+        return None
+    number = alias.get("version")
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise refused(where, f"its version is {_short(number)}, not a version number")
+    expected = version_uri(registry_uri, pipeline, number)
+    if alias.get("version_uri", expected) != expected:
+        raise refused(where, f"it points at {_short(alias['version_uri'])}, not at this registry's {expected}")
+
+    def wrong(problem: str) -> ArtifactError:
+        return refused(where, problem, number, expected)
+
+    entry = _read(expected, VERSION_MAX_BYTES, wrong)
+    if entry is None:
+        raise refused(where, f"it points at {expected}, which does not exist")
+    if entry.get("version", number) != number:
+        raise refused(where, f"{expected} does not hold version {number}")
+    model = _model(entry, alias, artifact_root, pipeline, wrong)
+    evaluation = _evaluation(entry, model, artifact_root, pipeline, wrong)
+    eval_set = _mapping(_mapping(evaluation.data.get("inputs")).get("eval_set")).get("fingerprint")
+    return {
+        **entry,
+        "version": number,
+        "version_uri": expected,
+        "alias_uri": where,
+        "model_manifest": model.uri,
+        "model_fingerprint": model.fingerprint,
+        "evaluation_manifest": evaluation.uri,
+        "eval_set_fingerprint": eval_set if isinstance(eval_set, str) else None,
+    }
+
+
+def _read(uri: str, max_bytes: int, wrong: Any) -> dict[str, Any] | None:
+    try:
+        return artifacts.read_json_object(uri, max_bytes=max_bytes)
+    except artifacts.JsonObjectError as exc:
+        raise wrong(exc.problem) from None
+
+
+def _commit(uri: Any, artifact_root: str, stage: str, pipeline: str, what: str, wrong: Any) -> artifacts.Manifest:
+    """The committed manifest of ``stage`` of ``pipeline`` at ``uri``; ``wrong(problem)`` otherwise."""
+    problem = artifacts.stage_manifest_problem(uri, artifact_root, stage, pipeline)
+    if problem:
+        raise wrong(f"its {what} {_short(uri)} is refused: {problem}")
+    try:
+        manifest = artifacts.read_manifest(str(uri))
+    except (ArtifactError, ValueError) as exc:
+        raise wrong(f"its {what} {uri} does not exist or is not whole: {exc}") from None
+    recorded = manifest.data.get("stage")
+    if recorded != stage:
+        raise wrong(f"its {what} {uri} is a manifest of stage {_short(recorded)}, not of {stage}")
+    return manifest
+
+
+def _model(
+    entry: dict[str, Any], alias: dict[str, Any], artifact_root: str, pipeline: str, wrong: Any
+) -> artifacts.Manifest:
+    pointer = entry.get("model_manifest")
+    named = alias.get("model_manifest", pointer)
+    if named != pointer:
+        problem = artifacts.stage_manifest_problem(named, artifact_root, MODEL_STAGE, pipeline)
+        raise wrong(
+            f"the alias's model {_short(named)} is refused: {problem}"
+            if problem
+            else f"the alias names the model {_short(named)}, the version {_short(pointer)}"
+        )
+    model = _commit(pointer, artifact_root, MODEL_STAGE, pipeline, "model", wrong)
+    recorded = entry.get("model_fingerprint")
+    if recorded is not None and recorded != model.fingerprint:
+        raise wrong(f"its model's files have fingerprint {model.fingerprint}, the version records {_short(recorded)}")
+    return model
+
+
+def _evaluation(
+    entry: dict[str, Any], model: artifacts.Manifest, artifact_root: str, pipeline: str, wrong: Any
+) -> artifacts.Manifest:
+    """The committed evaluate_tuned of ``model`` the version was judged on."""
+    pointer = entry.get("evaluation_manifest")
+    if pointer is None:  # registered before publish recorded it: what its run's gate judged
+        run = entry.get("run_id")
+        gate = gcs.join(artifact_root, pipeline, str(run), "gate", artifacts.MANIFEST) if _is_run(run) else None
+        try:
+            judged = artifacts.read_manifest(gate) if gate else None
+        except (ArtifactError, ValueError):
+            judged = None
+        tuned = _mapping(_mapping(judged.data.get("inputs")).get("tuned_eval")) if judged else {}
+        pointer = tuned.get("uri")
+        if pointer is None:
+            raise wrong(
+                f"there is no committed evaluation of its model: the version records no evaluation_manifest "
+                f"and its run's gate commit ({gate or f'run {_short(run)}'}) names none"
+            )
+    evaluation = _commit(pointer, artifact_root, EVALUATION_STAGE, pipeline, "evaluation", wrong)
+    used = _mapping(_mapping(evaluation.data.get("inputs")).get("model"))
+    if used.get("uri") != model.uri or used.get("fingerprint") != model.fingerprint:
+        raise wrong(
+            f"its evaluation {evaluation.uri} evaluated the model {_short(used.get('uri'))} (fingerprint "
+            f"{_short(used.get('fingerprint'))}), not its model {model.uri} ({model.fingerprint})"
+        )
+    return evaluation
+
+
 def recorded_metric(entry: dict[str, Any], metric: str) -> float | None:
-    """The eval ``metric`` a registry version recorded for its model (publish writes ``metrics``)."""
-    metrics = entry.get("metrics") or {}
-    if metric in metrics and metrics[metric] is not None:
-        return float(metrics[metric])
-    decision = entry.get("decision") or {}  # versions registered before ``metrics`` was recorded
+    """The eval ``metric`` a registry version records for its model (publish writes ``metrics``), when it
+    is a finite number; else None. What the entry says only: the gate measures the champion's figure
+    from its committed evaluation and notes where this differs."""
+    metrics = _mapping(entry.get("metrics"))
+    if metrics.get(metric) is not None:
+        return _finite(metrics[metric])
+    decision = _mapping(entry.get("decision"))  # versions registered before ``metrics`` was recorded
     if decision.get("metric") == metric and decision.get("tuned") is not None:
-        return float(decision["tuned"])
-    tuned = decision.get("tuned_metrics") or {}
-    return float(tuned[metric]) if tuned.get(metric) is not None else None
+        return _finite(decision["tuned"])
+    return _finite(_mapping(decision.get("tuned_metrics")).get(metric))
+
+
+def recorded_value(entry: dict[str, Any], metric: str) -> Any:
+    """What the version records for ``metric``, whatever it is (for a note), or None."""
+    metrics = _mapping(entry.get("metrics"))
+    return metrics[metric] if metric in metrics else recorded_metric(entry, metric)
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _is_run(value: Any) -> bool:
+    return isinstance(value, str) and _RUN.fullmatch(value) is not None and value not in (".", "..")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a bucket writer's value goes into messages only so."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -11,14 +11,20 @@ Config (``loraflow.spec.step_configs.GateConfig``; every key optional, defaults 
     metric, min_improvement, confidence, bootstrap_samples   the spec's gate section
     registry_uri: gs://.../_registry   with pipeline: where this pipeline's champion is registered
     pipeline: NAME                     (both or neither; publish registers promoted models there)
-    artifact_root                      where the champion's model must lie
+    artifact_root                      where the champion's model and evaluation must lie (required
+                                       with registry_uri)
     seed: 0                            internal: the bootstrap's seed
 
 The rule itself lives in loraflow.evaluation.gate_rule.decide (promote iff the gain >= min_improvement and
 the interval's lower bound > 0). When the registry holds a ``champion`` for this pipeline, the
-tuned model must also beat the champion's recorded eval metric (and not be the champion itself);
-the champion compared against is recorded in the decision. Because the champion moves between runs
-with no input changing, the gate is not cached (its plan says ``cacheable=False``).
+tuned model must also beat the champion's metric (and not be the champion itself). The champion is
+verified by ``loraflow.registry.store.champion`` (its model a committed merge_adapter of this pipeline,
+its committed evaluate_tuned of that model) and its metric is measured here from that evaluation's
+predictions, each file checked against the manifest: what its registry version records is only
+noted, never compared (a bucket writer's -1 would let any model replace it). A champion that cannot
+be verified fails the step, naming it and the repair. The champion compared against is recorded in
+the decision. Because the champion moves between runs with no input changing, the gate is not
+cached (its plan says ``cacheable=False``).
 
 Writes ``decision.json`` with the evidence. Not promoting is a result, not a failure: the step
 succeeds either way. It fails on evaluations that cannot be compared (different ids, missing
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +60,11 @@ def resolve_config(raw: dict[str, Any]) -> GateConfig:
         raise LoraflowError(
             f"{STAGE}: give registry_uri and pipeline together (to compare with the champion), or neither"
         )
+    if cfg.registry_uri and not cfg.artifact_root:
+        raise LoraflowError(
+            f"{STAGE}: give artifact_root with registry_uri: the champion's model and evaluation are trusted "
+            "only as commits under it (the planner passes the spec's artifact_root)"
+        )
     return cfg
 
 
@@ -70,42 +82,49 @@ def _input_fingerprint(ctx: StepContext, stage_input: str, name: str) -> str | N
 
 
 def against_champion(
-    decision: Decision, champion: dict[str, Any] | None, model_fingerprint: str | None, eval_fingerprint: str | None
+    decision: Decision,
+    champion: dict[str, Any] | None,
+    model_fingerprint: str | None,
+    eval_fingerprint: str | None,
+    measured: float | None = None,
 ) -> tuple[Decision, dict[str, Any] | None, list[str]]:
     """The decision once the registry's current champion is taken into account.
 
-    Returns (decision, what was compared - recorded in decision.json -, notes). Promotion needs the
-    tuned model to beat the champion's recorded metric strictly; the champion itself (same model
-    fingerprint) is never promoted again; a champion without a recorded metric blocks promotion.
+    ``champion``: as ``registry.champion`` verified it; ``measured``: its ``decision.metric`` measured
+    from its committed evaluation (None: that evaluation has no column for the metric). Returns
+    (decision, what was compared - recorded in decision.json -, notes). Promotion needs the tuned model
+    to beat the measured figure strictly; the champion itself (same model fingerprint) is never
+    promoted again; a champion whose evaluation has no figure for the metric blocks promotion.
     """
     if champion is None:
         return decision, None, []
     metric = decision.metric
-    value = registry.recorded_metric(champion, metric)
     record: dict[str, Any] = {
         "version": champion.get("version"),
         "version_uri": champion.get("version_uri"),
         "run_id": champion.get("run_id"),
         "model_fingerprint": champion.get("model_fingerprint"),
+        "evaluation_manifest": champion.get("evaluation_manifest"),
         "metric": metric,
-        "value": value,
+        "value": measured,
     }
-    notes = []
+    notes = _recorded_differently(champion, metric, measured)
     champ_eval = champion.get("eval_set_fingerprint")
     if champ_eval and eval_fingerprint and champ_eval != eval_fingerprint:
         notes.append(
             f"the champion (version {record['version']}) was evaluated on another eval set; its {metric} is "
-            "compared as recorded"
+            "compared as measured on that set"
         )
     who = f"the champion (version {record['version']}, run {record['run_id']})"
     if model_fingerprint and model_fingerprint == champion.get("model_fingerprint"):
         verdict, beats = f"the tuned model is {who} itself", False
-    elif value is None:
-        verdict, beats = f"{who} records no {metric}, so it cannot be compared", False
-    elif decision.tuned > value if METRICS[metric].higher_is_better else decision.tuned < value:
-        verdict, beats = f"{metric} {decision.tuned:.3f} beats {who}: {value:.3f}", True
+    elif measured is None:
+        column = METRICS[metric].column
+        verdict, beats = f"{who}'s evaluation has no per-example {column!r} column, so it cannot be compared", False
+    elif decision.tuned > measured if METRICS[metric].higher_is_better else decision.tuned < measured:
+        verdict, beats = f"{metric} {decision.tuned:.3f} beats {who}: {measured:.3f}", True
     else:
-        verdict, beats = f"{metric} {decision.tuned:.3f} does not beat {who}: {value:.3f}", False
+        verdict, beats = f"{metric} {decision.tuned:.3f} does not beat {who}: {measured:.3f}", False
     record["verdict"] = verdict
     record["beaten"] = beats
     if not decision.promote:
@@ -116,23 +135,77 @@ def against_champion(
     return dataclasses.replace(decision, promote=False, reason=reason), record, notes
 
 
+def _recorded_differently(champion: dict[str, Any], metric: str, measured: float | None) -> list[str]:
+    """A note when the champion's version records another figure than its evaluation gives."""
+    if measured is None:
+        return []
+    recorded = registry.recorded_value(champion, metric)
+    number = registry.recorded_metric(champion, metric)
+    if number is not None and abs(number - measured) <= 1e-9:
+        return []
+    shown = repr(recorded)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return [
+        f"the champion's version {champion.get('version')} records {metric} {shown}; measured from its committed "
+        f"evaluation {champion.get('evaluation_manifest')} it is {measured:.6f}, which is what is compared"
+    ]
+
+
+def champion_figure(champion: dict[str, Any], metric: str, work: Path) -> float | None:
+    """``metric`` of the champion measured from its committed evaluation: the mean of the metric's
+    per-example column in its predictions, fetched and checked against the evaluation's manifest (as the
+    gate measures the tuned model). None when the evaluation has no such column."""
+    from loraflow.pipeline import artifacts
+
+    def refused(problem: str) -> LoraflowError:
+        return registry.refused(champion["alias_uri"], problem, champion.get("version"), champion.get("version_uri"))
+
+    uri = str(champion["evaluation_manifest"])
+    try:
+        manifest = artifacts.read_manifest(uri)
+        names = [n for n in (PREDICTIONS_PARQUET, PREDICTIONS_JSONL) if n in manifest.files][:1]
+        if not names:
+            raise GateError(f"{uri} lists no {PREDICTIONS_PARQUET} or {PREDICTIONS_JSONL}")
+        dest = work / "champion_eval"
+        shutil.rmtree(dest, ignore_errors=True)
+        artifacts.fetch(manifest, dest, only=names)
+        frame = _predictions(dest, "the champion's evaluation")
+        if METRICS[metric].column not in frame.columns:
+            return None
+        outcomes = _outcomes(frame, "the champion's evaluation", metric)
+    except (LoraflowError, ValueError) as exc:
+        raise refused(f"its evaluation cannot be measured: {exc}") from None
+    return sum(outcomes.values()) / len(outcomes) if outcomes else None
+
+
+PREDICTIONS_PARQUET = "predictions.parquet"
+PREDICTIONS_JSONL = "predictions.jsonl"
+
+
 def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool], dict[str, Any], Any]:
     """(id -> outcome, metrics.json, the predictions frame) of one evaluation: the outcome is ``metric``'s
     per-example column."""
-    import pandas as pd
-
     metrics_path = directory / "metrics.json"
     if not metrics_path.exists():
         raise GateError(f"{name}: metrics.json is missing from the evaluation artifact; re-run its evaluate stage")
     metrics = json.loads(metrics_path.read_text())
-    if (directory / "predictions.parquet").exists():
-        frame = pd.read_parquet(directory / "predictions.parquet")
-    elif (directory / "predictions.jsonl").exists():  # evaluate writes only JSONL where pyarrow is absent
-        frame = pd.read_json(directory / "predictions.jsonl", lines=True, dtype={"id": str})
-    else:
-        raise GateError(
-            f"{name}: predictions.parquet is missing from the evaluation artifact; re-run its evaluate stage"
-        )
+    frame = _predictions(directory, name)
+    return _outcomes(frame, name, metric), metrics, frame
+
+
+def _predictions(directory: Path, name: str) -> Any:
+    """An evaluation's predictions frame (Parquet, else JSONL)."""
+    import pandas as pd
+
+    if (directory / PREDICTIONS_PARQUET).exists():
+        return pd.read_parquet(directory / PREDICTIONS_PARQUET)
+    if (directory / PREDICTIONS_JSONL).exists():  # evaluate writes only JSONL where pyarrow is absent
+        return pd.read_json(directory / PREDICTIONS_JSONL, lines=True, dtype={"id": str})
+    raise GateError(f"{name}: predictions.parquet is missing from the evaluation artifact; re-run its evaluate stage")
+
+
+def _outcomes(frame: Any, name: str, metric: str) -> dict[str, bool]:
+    """id -> ``metric``'s per-example outcome, one row per id."""
     column = METRICS[metric].column
     missing = [c for c in ("id", column) if c not in frame.columns]
     if missing:
@@ -147,7 +220,7 @@ def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool],
         )
     if frame[column].isna().any():
         raise GateError(f"{name}: {int(frame[column].isna().sum())} rows have no value in {column!r}")
-    return dict(zip(ids, frame[column].astype(bool), strict=True)), metrics, frame
+    return dict(zip(ids, frame[column].astype(bool), strict=True))
 
 
 def run(ctx: StepContext) -> dict[str, Any]:
@@ -237,12 +310,18 @@ def _against_registry(
     ctx: StepContext, cfg: GateConfig, decision: Decision
 ) -> tuple[Decision, dict[str, Any] | None, list[str]]:
     """``against_champion`` with the registry's champion of this pipeline, if any."""
-    champion = None
+    champion, measured = None, None
     if cfg.registry_uri:
-        champion = registry.champion(cfg.registry_uri, str(cfg.pipeline), cfg.artifact_root)
+        champion = registry.champion(cfg.registry_uri, str(cfg.pipeline), str(cfg.artifact_root))
+    if champion is not None:
+        measured = champion_figure(champion, decision.metric, ctx.work)
+        ctx.progress(
+            f"champion: version {champion['version']}, measured from {champion['evaluation_manifest']} "
+            f"(model {champion['model_manifest']}, both verified)"
+        )
     model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
     eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")
-    return against_champion(decision, champion, model_fp, eval_fp)
+    return against_champion(decision, champion, model_fp, eval_fp, measured)
 
 
 def summary(decision: Decision, compared: dict[str, Any] | None) -> dict[str, Any]:

@@ -17,9 +17,14 @@ Config (``loraflow.spec.step_configs.PublishConfig``)::
 
 The registry of a pipeline lives under ``{registry_uri}/{pipeline}/``::
 
-    versions/0001.json      one per promoted model, never overwritten; records the tuned model's
-                            eval ``metrics`` (the next gates compare with the champion's)
+    versions/0001.json      one per promoted model, never overwritten; records the model, the
+                            evaluation the gate judged it on (``evaluation_manifest``: the next
+                            gates measure the champion's figure there) and its eval ``metrics``
     aliases/champion.json   points at the current champion version
+
+Registry objects are read with a byte cap (``artifacts.read_json_object``): a version file that is not
+a JSON object is no version of this run (publish takes the next number); an alias that is not one is
+refused, naming it and the repair.
 
 A version number is taken by creating ``versions/{N:04d}.json`` with the precondition
 ``if_generation_match=0`` (create only if absent), so two publishers never take the same number:
@@ -34,6 +39,7 @@ when the gate did not promote, registers nothing.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -45,6 +51,8 @@ from loraflow.registry import store as registry
 from loraflow.registry import vertex as vertex_registry
 from loraflow.spec.step_configs import PublishConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
+
+log = logging.getLogger(__name__)
 
 STAGE = "publish"
 VERSION_FORMAT = "loraflow.registry.store.version/1"
@@ -103,10 +111,16 @@ class Registry:
         return found
 
     def find(self, run_id: str, model_manifest: str) -> tuple[int, dict[str, Any]] | None:
-        """The version this run already registered for this model (a retried publish), if any."""
+        """The version this run already registered for this model (a retried publish), if any; a version
+        file that is not a JSON object (capped: ``registry.VERSION_MAX_BYTES``) is none, and is logged."""
         for number, blob in sorted(self.versions().items(), reverse=True):
-            entry = json.loads(blob.download_as_bytes())
-            if entry.get("run_id") == run_id and entry.get("model_manifest") == model_manifest:
+            uri = self.version_uri(number)
+            try:
+                entry = artifacts.read_json_object(uri, max_bytes=registry.VERSION_MAX_BYTES, blob=blob)
+            except artifacts.JsonObjectError as exc:
+                log.warning("registry version %s is not this run's: %s; left as it is", uri, exc.problem)
+                continue
+            if entry is not None and entry.get("run_id") == run_id and entry.get("model_manifest") == model_manifest:
                 return number, entry
         return None
 
@@ -138,7 +152,7 @@ class Registry:
             generation = 0
             if current is not None:
                 generation = current.generation
-                held = json.loads(current.download_as_bytes()).get("version", 0)
+                held = self._held(current)
                 if held >= number:
                     return held == number
             data = {
@@ -161,6 +175,17 @@ class Registry:
             except PreconditionFailed:
                 continue  # the alias moved under us: read it again
         raise ArtifactError(f"could not move {self.alias_uri} after {MAX_ATTEMPTS} attempts")
+
+    def _held(self, current: Any) -> int:
+        """The version number the alias object ``current`` holds; an alias that cannot be read is refused."""
+        try:
+            alias = artifacts.read_json_object(self.alias_uri, max_bytes=registry.ALIAS_MAX_BYTES, blob=current)
+        except artifacts.JsonObjectError as exc:
+            raise registry.refused(self.alias_uri, f"it {exc.problem}") from None
+        held = (alias or {}).get("version", 0)
+        if not isinstance(held, int) or isinstance(held, bool) or held < 0:
+            raise registry.refused(self.alias_uri, f"its version is {str(held)[:40]!r}, not a version number")
+        return held
 
 
 def eval_metrics(decision: dict[str, Any]) -> dict[str, Any]:
@@ -275,15 +300,35 @@ def _register_version(
         "pipeline": cfg.pipeline,
         "model_manifest": manifest.uri,
         "model_fingerprint": manifest.fingerprint,
+        "evaluation_manifest": _judged_evaluation(ctx),
         "metrics": eval_metrics(decision),
         "eval_set_fingerprint": decision.get("eval_set_fingerprint"),
-        "decision": decision,
+        "decision": _without_per_example_lists(decision),
         "run_id": run_id,
         "created_at": _now(),
     }
     number, entry = models.register(entry)
     ctx.progress(f"registered version {number} at {models.version_uri(number)}")
     return number, entry
+
+
+def _judged_evaluation(ctx: StepContext) -> str | None:
+    """The evaluate_tuned manifest the gate judged (its commit's ``tuned_eval`` input), where the next gates
+    measure this model's figure; None when the decision was given without its manifest (a run by hand)."""
+    gate = ctx.input_manifests.get("decision")
+    tuned = (gate.data.get("inputs") or {}).get("tuned_eval") if gate is not None else None
+    uri = tuned.get("uri") if isinstance(tuned, dict) else None
+    return uri if isinstance(uri, str) else None
+
+
+def _without_per_example_lists(decision: dict[str, Any]) -> dict[str, Any]:
+    """The decision as a version records it: the evaluations' metrics keep their scalars (the per-example
+    lists stay in the evaluations, which the version names), so a version stays a few kB."""
+    slim = dict(decision)
+    for key in ("base_metrics", "tuned_metrics"):
+        if isinstance(slim.get(key), dict):
+            slim[key] = {k: v for k, v in slim[key].items() if not isinstance(v, (list, dict))}
+    return slim
 
 
 def _move_alias(ctx: StepContext, models: Registry, number: int, entry: dict[str, Any]) -> bool:

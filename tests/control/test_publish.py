@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.errors import LoraflowError
+from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.pipeline import artifacts, gcs
 from loraflow.steps import publish
+
+from . import champions
 
 
 def committed_model(root: str, tmp_path: Path, run: str = "run-1", payload: bytes = b"weights") -> artifacts.Manifest:
@@ -362,19 +364,38 @@ def test_a_model_not_promoted_is_named_in_the_record_when_given_as_input(
 # ------------------------------------------------------------------ the champion as the gate reads it
 
 
-def test_the_gate_reads_the_champion_where_publish_writes_it(gcs_bucket: str, tmp_path: Path, publish_run) -> None:
+def judged(root: str, tmp_path: Path, run: str = "run-1") -> tuple[artifacts.Manifest, ...]:
+    """A run's committed model, its evaluate_tuned evaluation and the gate commit that judged it."""
+    model = champions.committed_model(root, "tiny", run, tmp_path)
+    evaluation = champions.committed_evaluation(root, "tiny", run, model, "1" * 90 + "0" * 10, tmp_path)
+    local = tmp_path / f"gate-{run}"
+    local.mkdir()
+    (local / "decision.json").write_text(json.dumps({"promote": True, "metric": "accuracy", "tuned": 0.9}))
+    gate = champions.commit_dir(
+        local, f"{root}/tiny/{run}/gate", "gate", {"tuned_eval": champions.upstream(evaluation)}
+    )
+    return model, evaluation, gate
+
+
+def test_the_gate_reads_the_champion_where_publish_writes_it(
+    gcs_bucket: str, tmp_path: Path, make_ctx: Callable
+) -> None:
     from loraflow.registry import store as registry
 
-    reg = f"{gcs_bucket}/_registry"
+    reg, root = f"{gcs_bucket}/_registry", f"{gcs_bucket}/artifacts"
     assert registry.alias_uri(reg, "tiny") == f"{reg}/tiny/aliases/champion.json"
     assert registry.alias_uri(reg, "tiny") == publish.Registry(reg, "tiny").alias_uri
     assert registry.version_uri(reg, "tiny", 7) == f"{reg}/tiny/versions/0007.json"
-    model = committed_model(gcs_bucket, tmp_path)
-    assert registry.champion(reg, "tiny") is None
-    publish_run(model, True, "run-1")
-    champion = registry.champion(reg, "tiny", f"{gcs_bucket}/artifacts")
+    model, evaluation, gate = judged(root, tmp_path)
+    assert registry.champion(reg, "tiny", root) is None
+    config = {"registry_uri": reg, "pipeline": "tiny", "run_id": "run-1"}
+    publish.run(make_ctx("publish", {"decision": tmp_path / "gate-run-1"}, config, {"model": model, "decision": gate}))
+    version = read(f"{reg}/tiny/versions/0001.json")
+    assert version["evaluation_manifest"] == evaluation.uri  # the evaluation the gate judged, for the next gates
+    champion = registry.champion(reg, "tiny", root)
     assert champion is not None and champion["version"] == 1 and champion["model_manifest"] == model.uri
     assert champion["version_uri"] == f"{reg}/tiny/versions/0001.json"
+    assert champion["evaluation_manifest"] == evaluation.uri
 
 
 def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_bucket: str, tmp_path: Path) -> None:
@@ -382,21 +403,53 @@ def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_buc
     from loraflow.registry import store as registry
 
     reg, root = f"{gcs_bucket}/_registry", f"{gcs_bucket}/artifacts"
-    model = committed_model(gcs_bucket, tmp_path)
-    # an alias with only its version, a version entry without its number: both as publish reads them
+    model, evaluation, _ = judged(root, tmp_path)
+    # an alias with only its version, a version entry with its model and run only: both as publish reads them
     artifacts.write_json(registry.alias_uri(reg, "tiny"), {"version": 1})
-    artifacts.write_json(registry.version_uri(reg, "tiny", 1), {"model_manifest": model.uri})
+    artifacts.write_json(registry.version_uri(reg, "tiny", 1), {"model_manifest": model.uri, "run_id": "run-1"})
     champion = registry.champion(reg, "tiny", root)
-    assert champion == {"model_manifest": model.uri, "version_uri": registry.version_uri(reg, "tiny", 1)}
+    assert champion == {
+        "model_manifest": model.uri,
+        "run_id": "run-1",
+        "version": 1,
+        "version_uri": registry.version_uri(reg, "tiny", 1),
+        "alias_uri": registry.alias_uri(reg, "tiny"),
+        "model_fingerprint": model.fingerprint,
+        "evaluation_manifest": evaluation.uri,
+        "eval_set_fingerprint": "eval-fp",
+    }
     artifacts.write_json(registry.version_uri(reg, "tiny", 1), {"version": 2, "model_manifest": model.uri})
     with pytest.raises(ArtifactError, match="does not hold version 1"):
         registry.champion(reg, "tiny", root)
     artifacts.write_json(registry.version_uri(reg, "tiny", 1), ["not", "an", "entry"])
-    with pytest.raises(ArtifactError, match="does not hold version 1"):
+    with pytest.raises(ArtifactError, match="not a JSON object"):
         registry.champion(reg, "tiny", root)
     artifacts.write_json(registry.alias_uri(reg, "tiny"), [1])
-    with pytest.raises(ArtifactError, match="its version is None, not a version number"):
+    with pytest.raises(ArtifactError, match="not a JSON object"):
         registry.champion(reg, "tiny", root)
+
+
+def test_garbage_in_the_registry_never_crashes_publish_and_is_named(
+    gcs_bucket: str, tmp_path: Path, publish_run: Callable
+) -> None:
+    """A version file that is not JSON (or is huge) is no version this run registered: publish takes the next
+    number. An alias it cannot read is refused naming it and the repair (the version stays registered: the
+    retried publish finds it and moves the repaired alias)."""
+    reg = f"{gcs_bucket}/_registry"
+    bucket, base = gcs.split_uri(reg)
+    objects = gcs.client().bucket(bucket)
+    objects.blob(f"{base}/tiny/versions/0001.json").upload_from_string(b"not json")
+    objects.blob(f"{base}/tiny/versions/0002.json").upload_from_string(b'{"pad": "' + b"x" * (17 << 20) + b'"}')
+    objects.blob(f"{base}/tiny/versions/0003.json").upload_from_string(b"[]")
+    model = committed_model(gcs_bucket, tmp_path)
+    summary, _ = publish_run(model, True, "run-1")
+    assert summary["version"] == 4
+    assert read(f"{reg}/tiny/aliases/champion.json")["version"] == 4
+    objects.blob(f"{base}/tiny/aliases/champion.json").upload_from_string(b"{oops")
+    other = committed_model(gcs_bucket, tmp_path, "run-2", b"two")
+    with pytest.raises(ArtifactError, match="not JSON") as err:
+        publish_run(other, True, "run-2")
+    assert f"{reg}/tiny/aliases/champion.json" in str(err.value) and "repair it" in str(err.value)
 
 
 def test_a_decision_without_a_reason_is_recorded_with_the_default_one(

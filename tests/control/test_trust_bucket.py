@@ -27,6 +27,8 @@ from loraflow.pipeline.local_paths import UnsafeNameError, local_paths, safe_joi
 from loraflow.registry import store as registry
 from loraflow.steps._harness import StepContext, run_step
 
+from .champions import committed_evaluation, committed_model, register_champion
+
 PROPERTY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -344,19 +346,18 @@ def test_the_cache_never_stores_a_pointer_it_would_refuse(root: str, gcs_bucket:
 # ------------------------------------------------------------------------------ registry aliases
 
 
-def register(registry_uri: str, root: str, *, alias: dict | None = None, model: str | None = None) -> None:
-    model = model or f"{root}/tiny/run-1/merge_adapter/_MANIFEST.json"
-    version_uri = registry.version_uri(registry_uri, "tiny", 1)
-    entry = {"version": 1, "run_id": "run-1", "model_manifest": model, "metrics": {"accuracy": 0.5}}
-    artifacts.write_json(version_uri, entry)
-    body = {"alias": "champion", "version": 1, "version_uri": version_uri, "model_manifest": model}
-    artifacts.write_json(registry.alias_uri(registry_uri, "tiny"), {**body, **(alias or {})})
-
-
-def test_a_champion_alias_of_this_registry_is_read(root: str) -> None:
-    register(f"{root}/_registry", root)
+def test_a_champion_registered_as_publish_writes_it_is_read_with_its_verified_evaluation(
+    root: str, tmp_path: Path
+) -> None:
+    champ = register_champion(f"{root}/_registry", root, tmp_path)
     champion = registry.champion(f"{root}/_registry", "tiny", root)
-    assert champion is not None and champion["version"] == 1 and champion["metrics"] == {"accuracy": 0.5}
+    assert champion is not None and champion["version"] == 1 and champion["version_uri"] == champ.version_uri
+    assert champion["model_manifest"] == champ.model.uri and champion["model_fingerprint"] == champ.model.fingerprint
+    assert champion["evaluation_manifest"] == champ.evaluation.uri
+    # a version registered before publish recorded its evaluation: found through its run's gate commit
+    register_champion(f"{root}/_registry", root, tmp_path, run="run-2", entry={"evaluation_manifest": None})
+    older = registry.champion(f"{root}/_registry", "tiny", root)
+    assert older is not None and older["evaluation_manifest"] == f"{root}/tiny/run-2/evaluate_tuned/_MANIFEST.json"
 
 
 @pytest.mark.parametrize(
@@ -369,6 +370,8 @@ def test_a_champion_alias_of_this_registry_is_read(root: str) -> None:
         ({}, "{root}/tiny/run-1/evaluate_tuned/_MANIFEST.json", "not of stage merge_adapter"),
         ({}, "{bucket}/elsewhere/tiny/run-1/merge_adapter/_MANIFEST.json", "outside the artifact root"),
         ({"model_manifest": "gs://x/tiny/run-1/merge_adapter/_MANIFEST.json"}, None, "outside the artifact root"),
+        ({}, "{root}/other/run-1/merge_adapter/_MANIFEST.json", "a commit of pipeline 'other', not of tiny"),
+        ({}, "{root}/tiny/run-7/merge_adapter/_MANIFEST.json", "does not exist"),
     ],
     ids=[
         "crafted-version",
@@ -378,18 +381,97 @@ def test_a_champion_alias_of_this_registry_is_read(root: str) -> None:
         "another-stage",
         "outside",
         "alias-model",
+        "another-pipelines-model",
+        "no-such-model",
     ],
 )
 def test_a_champion_alias_pointing_elsewhere_is_refused(
-    root: str, gcs_bucket: str, alias: dict, model: str | None, says: str
+    root: str, gcs_bucket: str, tmp_path: Path, alias: dict, model: str | None, says: str
 ) -> None:
     fill = {"root": root, "bucket": gcs_bucket}
     alias = {k: v.format(**fill) if isinstance(v, str) else v for k, v in alias.items()}
     artifacts.write_json(f"{gcs_bucket}/crafted/0001.json", {"version": 1, "metrics": {"accuracy": 1.0}})
-    register(f"{root}/_registry", root, alias=alias, model=model.format(**fill) if model else None)
+    committed_model(root, "other", "run-1", tmp_path)  # another pipeline's real merge_adapter commit
+    entry = {}
+    if model:
+        entry = {"model_manifest": model.format(**fill)}
+        alias.setdefault("model_manifest", entry["model_manifest"])
+    register_champion(f"{root}/_registry", root, tmp_path, entry=entry, alias=alias)
     with pytest.raises(ArtifactError, match=says) as err:
         registry.champion(f"{root}/_registry", "tiny", root)
     assert registry.alias_uri(f"{root}/_registry", "tiny") in str(err.value) and "repair it" in str(err.value)
+
+
+def _forge(case: str, root: str, tmp_path: Path) -> dict:
+    """What a bucket writer changes in an otherwise whole champion's version entry."""
+    if case == "model-fingerprint":
+        return {"model_fingerprint": "0" * 64}
+    if case == "no-evaluation":  # no recorded evaluation, and no gate commit under the version's run
+        return {"evaluation_manifest": None, "run_id": "run-8"}
+    if case == "evaluation-of-another-model":
+        other = committed_model(root, "tiny", "run-2", tmp_path, b"other weights")
+        return {"evaluation_manifest": committed_evaluation(root, "tiny", "run-2", other, "1" * 100, tmp_path).uri}
+    if case == "evaluation-of-another-stage":
+        return {"evaluation_manifest": f"{root}/tiny/run-1/merge_adapter/_MANIFEST.json"}
+    if case == "evaluation-of-another-pipeline":
+        other = committed_model(root, "other", "run-1", tmp_path, b"other weights")
+        return {"evaluation_manifest": committed_evaluation(root, "other", "run-1", other, "1" * 100, tmp_path).uri}
+    if case == "evaluation-not-committed":
+        return {"evaluation_manifest": f"{root}/tiny/run-3/evaluate_tuned/_MANIFEST.json"}
+    assert case == "evaluation-not-a-uri"
+    return {"evaluation_manifest": ["gs://b/x"]}
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("model-fingerprint", "its model's files have fingerprint"),
+        ("no-evaluation", "no committed evaluation of its model"),
+        ("evaluation-of-another-model", "evaluated the model"),
+        ("evaluation-of-another-stage", "not of stage evaluate_tuned"),
+        ("evaluation-of-another-pipeline", "a commit of pipeline 'other', not of tiny"),
+        ("evaluation-not-committed", "is missing"),
+        ("evaluation-not-a-uri", "not a gs:// URI"),
+    ],
+)
+def test_a_champion_the_gate_cannot_verify_is_refused_naming_the_version_and_the_repair(
+    root: str, tmp_path: Path, case: str, says: str
+) -> None:
+    champ = register_champion(f"{root}/_registry", root, tmp_path, entry=_forge(case, root, tmp_path))
+    with pytest.raises(ArtifactError, match=says) as err:
+        registry.champion(f"{root}/_registry", "tiny", root)
+    message = str(err.value)
+    assert f"version 1 ({champ.version_uri})" in message, message
+    assert "repair it" in message and "delete" in message and "compare with the base only" in message
+
+
+def test_registry_objects_are_read_capped_and_garbage_is_refused_naming_the_object(
+    root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from google.cloud.storage import Blob
+
+    champ = register_champion(f"{root}/_registry", root, tmp_path)
+    alias_uri = registry.alias_uri(f"{root}/_registry", "tiny")
+    read, real = [], Blob.download_as_bytes
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        data = real(self, *args, **kwargs)
+        read.append((self.name, len(data)))
+        return data
+
+    monkeypatch.setattr(Blob, "download_as_bytes", counted)
+    huge = json.dumps({"version": 1, "pad": "x" * (3 << 20)}).encode()
+    blob(alias_uri).upload_from_string(huge)
+    with pytest.raises(ArtifactError, match=r"larger than") as err:
+        registry.champion(f"{root}/_registry", "tiny", root)
+    assert alias_uri in str(err.value) and "repair it" in str(err.value)
+    assert read and max(n for _, n in read) <= registry.ALIAS_MAX_BYTES + 1  # never the whole object
+    artifacts.write_json(alias_uri, {"version": 1})
+    for garbage, says in ((b"not json", "not JSON"), (b"[" * 100_000, "not JSON"), (b"[1]", "not a JSON object")):
+        blob(champ.version_uri).upload_from_string(garbage)
+        with pytest.raises(ArtifactError, match=says) as err:
+            registry.champion(f"{root}/_registry", "tiny", root)
+        assert champ.version_uri in str(err.value) and "repair it" in str(err.value)
 
 
 def test_the_gate_is_told_where_the_champions_model_must_lie(parity_spec) -> None:
