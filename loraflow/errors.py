@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
+EXCERPT_CHARS = 80
+
+
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """``value`` as an error message shows it: a string quoted, anything else as JSON writes it (true,
+    null, [1]); a longer one cut to its first ``limit`` characters and its length, so a 5 MB value is
+    refused without being echoed whole."""
+    if isinstance(value, str):
+        text = repr(value[:limit])
+        return text if len(value) <= limit else f"{text}... ({len(value)} characters)"
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 class LoraflowError(Exception):
     """Base class: anything loraflow reports to a user."""

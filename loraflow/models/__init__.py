@@ -33,6 +33,7 @@ class ModelFamily(Protocol):
     NAME: str
     HF_MODEL_TYPES: tuple[str, ...]
     MAXTEXT_MODELS: tuple[str, ...]
+    OVERRIDES: dict[str, str]  # HF config key -> the MaxText override that sets it (the spec's shape keys)
 
     def check_dims(self, hf_cfg: Any, maxtext_cfg: Any) -> None: ...
 

@@ -11,17 +11,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
+from loraflow.spec import env_rules
 from loraflow.spec import resource_names as rn
-from loraflow.spec.fields import EnvName, EnvValue, Image, Region, SpecModel
+from loraflow.spec.fields import EnvValue, Image, Region, SpecModel, StepEnvName
 
 
 class _Compute(SpecModel):
     launcher: str = Field("local", description="where the stage runs: local, vertex or gke")
     hosts: int = Field(1, ge=1, description="processes (TPU hosts) the stage runs on")
-    env: dict[EnvName, EnvValue] = Field(
+    env: Annotated[dict[StepEnvName, EnvValue], AfterValidator(env_rules.check_step_env)] = Field(
         default_factory=dict,
-        description="extra environment variables for the step; names that change the interpreter, the loader, "
-        "TLS, proxies, credentials or loraflow's own wiring are refused (loraflow/spec/env_rules.py)",
+        description="extra environment variables for the step, from an allow-list of tuning variables (XLA_FLAGS "
+        "and LIBTPU_INIT_ARGS with allowed flags only, JAX_PLATFORMS, log levels, ...), each value checked: "
+        "loraflow/spec/env_rules.py ALLOWED",
     )
 
 

@@ -1,17 +1,27 @@
-"""Which environment variables a pipeline spec may set for a step: the one rule table.
+"""Which environment variables a pipeline spec may set for a step: the rule tables.
 
-A spec's ``compute.<stage>.env`` and ``secrets`` put variables into the step program's environment,
-locally and in Vertex AI or GKE containers. A spec author may tune the step (``XLA_FLAGS``,
-``LIBTPU_INIT_ARGS``, ``JAX_*``, ``TF_CPP_MIN_LOG_LEVEL``, an ``HF_TOKEN`` secret) but may not take
-the step over: nothing that changes the interpreter or the loader before loraflow's code runs,
-which certificates are trusted, where traffic goes, which credentials or project the cloud
-clients use, the process basics the deployer sets, or loraflow's own wiring (of loraflow's own
-variables only ``STEP_TUNABLES`` are the spec's). ``refusal(name)``
-says which rule a name breaks (or ``None``); the spec schema calls it for every name it accepts.
-A ``secrets`` name must also be named for a secret (``secret_refusal``: ``SECRET_SUFFIXES``).
+A spec's ``compute.<stage>.env`` puts variables into the step program's environment, locally and in
+Vertex AI or GKE containers. It is an **allow-list** (``ALLOWED``): a spec author may tune the step
+(XLA's and libtpu's flags, JAX's backend and debugging switches, log levels, thread counts, the
+step tunables), each name with the reason it is there and the values it takes, and nothing else:
+many variables the deny rules below let through still write or send outside the run (a dump
+folder, a compiler cache, a library's config root, a usage-statistics server), and new ones come
+with every library release. ``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS`` take flags of ``XLA_FLAGS_ALLOWED``
+only (no ``--xla_dump_*``). ``step_refusal(name)`` and ``value_problem(name, value)`` say why a
+name or value is refused; the spec schema calls them for every entry.
+
+``RULES`` are what can take a step over: nothing that changes the interpreter or the loader before
+loraflow's code runs, which certificates are trusted, where traffic goes, which credentials or
+project the cloud clients use, the process basics the deployer sets, or loraflow's own wiring.
+They name the reason for the names they match (for ``compute.env`` before the allow-list is asked)
+and are what a ``secrets`` name must pass (``refusal(name)``). A ``secrets`` name must also be named
+for a secret (``secret_refusal``: ``SECRET_SUFFIXES``).
 
 Names are matched case-insensitively against the rules (``http_proxy`` is a proxy too), and must
 then be portable upper-case names (``[A-Z_][A-Z0-9_]*``, at most 128 characters).
+
+Asking for a name, a flag or a value that is not on a list: docs/security.md, "Asking for a
+variable, flag or override".
 """
 
 from __future__ import annotations
@@ -19,9 +29,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from loraflow.errors import excerpt
+
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _FIX = "remove it from the spec; the deployer sets such variables in the image or the worker's environment"
+_ASK = "to ask for one, see docs/security.md, 'Asking for a variable, flag or override'"
 
 
 @dataclass(frozen=True)
@@ -109,8 +122,95 @@ STEP_TUNABLES = frozenset(
 )
 
 
+# ------------------------------------------------------------------------------ the allow-list
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """A variable a spec may set for a step: why a spec author needs it, and the values it takes
+    (``pattern`` matches a whole value; ``values`` says it in words for the error)."""
+
+    reason: str
+    values: str
+    pattern: str
+
+
+# XLA's flags a spec may pass in XLA_FLAGS or LIBTPU_INIT_ARGS (``--flag`` or ``--flag=value``, the
+# value a plain word or number): the performance flags MaxText's own recipes set, and the CPU
+# device count. Dumping (``--xla_dump_*``), profiling and anything naming a file or folder are not here.
+XLA_FLAGS_ALLOWED: dict[str, str] = {
+    "xla_force_host_platform_device_count": "CPU: how many devices JAX makes of the host (sharding tried on CPU)",
+    "xla_tpu_enable_latency_hiding_scheduler": "TPU: schedule to hide collectives' latency behind compute",
+    "xla_tpu_enable_async_collective_fusion": "TPU: run fused collectives asynchronously",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "TPU: fuse all-gathers into asynchronous collectives",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": "TPU: let an asynchronous collective span steps",
+    "xla_tpu_overlap_compute_collective_tc": "TPU: overlap compute and collectives on the TensorCore",
+    "xla_enable_async_all_gather": "asynchronous all-gather (FSDP's weight gathering)",
+    "xla_enable_async_collective_permute": "asynchronous collective permute",
+    "xla_tpu_enable_data_parallel_all_reduce_opt": "TPU: optimise data-parallel all-reduce",
+    "xla_tpu_data_parallel_opt_different_sized_ops": "TPU: the same for operands of different sizes",
+    "xla_tpu_megacore_fusion_allow_ags": "TPU: allow all-gathers in megacore fusions",
+    "xla_tpu_enable_ag_backward_pipelining": "TPU: pipeline all-gathers in the backward pass",
+    "xla_tpu_scoped_vmem_limit_kib": "TPU: scoped vector memory per kernel (larger fused kernels)",
+    "xla_tpu_spmd_rng_bit_generator_unsafe": "TPU: faster partitioned random numbers",
+    "xla_gpu_enable_latency_hiding_scheduler": "GPU: schedule to hide collectives' latency behind compute",
+}
+_FLAG = re.compile(r"--([a-z0-9_]+)(?:=(.*))?")
+_FLAG_VALUE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
+_FLAGS = "flags of XLA_FLAGS_ALLOWED (loraflow/spec/env_rules.py), --flag or --flag=VALUE, separated by spaces"
+_BOOL = r"0|1|true|false|True|False"
+_LEVELS = r"(?i:debug|info|warning|error|critical)"
+
+ALLOWED: dict[str, Allowed] = {
+    "XLA_FLAGS": Allowed("XLA compiler flags: collective scheduling and overlap, the CPU device count", _FLAGS, ""),
+    "LIBTPU_INIT_ARGS": Allowed("the TPU runtime's compiler flags (the same XLA flags, read by libtpu)", _FLAGS, ""),
+    "JAX_PLATFORMS": Allowed(
+        "which JAX backend the step uses (the launcher's default is the worker's)",
+        "cpu, tpu, cuda or rocm, or a comma-separated list of them", r"(?:cpu|tpu|cuda|rocm)(?:,(?:cpu|tpu|cuda|rocm))*",
+    ),
+    "JAX_TRACEBACK_FILTERING": Allowed(
+        "how many of JAX's own frames a traceback shows (debugging)",
+        "off, auto, tracebackhide, remove_frames or quiet_remove_frames",
+        r"off|auto|tracebackhide|remove_frames|quiet_remove_frames",
+    ),
+    "JAX_DEBUG_NANS": Allowed("stop at the first NaN a computation makes (a diverging run)", "0, 1, true or false", _BOOL),
+    "JAX_LOG_COMPILES": Allowed("log each compilation (finding recompilations)", "0, 1, true or false", _BOOL),
+    "JAX_DEFAULT_MATMUL_PRECISION": Allowed(
+        "JAX's default matmul precision", "default, high, highest, bfloat16, tensorfloat32 or float32",
+        r"default|high|highest|bfloat16|tensorfloat32|float32",
+    ),
+    "TF_CPP_MIN_LOG_LEVEL": Allowed("verbosity of XLA's C++ logging in the step's output", "0, 1, 2 or 3", r"[0-3]"),
+    "TPU_STDERR_LOG_LEVEL": Allowed("verbosity of libtpu's logging on stderr", "0, 1, 2 or 3", r"[0-3]"),
+    "TPU_MIN_LOG_LEVEL": Allowed("libtpu's minimum log level", "0, 1, 2 or 3", r"[0-3]"),
+    "VLLM_LOGGING_LEVEL": Allowed(
+        "vLLM's log level (the launcher's default follows LORAFLOW_LOG_LEVEL)", "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+        _LEVELS,
+    ),
+    "VLLM_ATTENTION_BACKEND": Allowed(
+        "vLLM's attention kernel on the serving host", "a backend name such as FLASH_ATTN or TORCH_SDPA",
+        r"[A-Z][A-Z0-9_]{0,63}",
+    ),
+    "OMP_NUM_THREADS": Allowed("CPU threads of OpenMP in native libraries", "a number from 1 to 1024", r"[1-9][0-9]{0,3}"),
+    "TOKENIZERS_PARALLELISM": Allowed("whether Hugging Face tokenizers use threads", "true or false", r"true|false"),
+    "LORAFLOW_LOG_LEVEL": Allowed(
+        "how much loraflow and the libraries log in the step's output", "DEBUG, INFO, WARNING, ERROR or CRITICAL", _LEVELS
+    ),
+    "LORAFLOW_JOIN_TIMEOUT": Allowed(
+        "seconds a multi-host step waits for every host to join (slow-starting pods)", "whole seconds, 1-86400",
+        r"[1-9][0-9]{0,4}",
+    ),
+    "LORAFLOW_HEARTBEAT_TIMEOUT": Allowed(
+        "seconds without a host's heartbeat before the other hosts stop", "whole seconds, 1-86400", r"[1-9][0-9]{0,4}"
+    ),
+    "LORAFLOW_HARDWARE": Allowed(
+        "MaxText's hardware when JAX's devices do not tell", "cpu, tpu, gpu or gpu_multiprocess",
+        r"cpu|tpu|gpu|gpu_multiprocess",
+    ),
+}  # fmt: skip
+
+
 def refusal(name: str) -> str | None:
-    """Why a spec may not set the environment variable ``name`` (the rule and the fix), or None."""
+    """Why the rules refuse ``name`` (the rule and the fix), or None: what every name must pass."""
     if name in STEP_TUNABLES:
         return None
     upper = name.upper()
@@ -152,12 +252,66 @@ def check_secret_name(name: str) -> str:
     return name
 
 
+def step_refusal(name: str) -> str | None:
+    """Why a spec may not set ``name`` in a step's environment (``compute.<stage>.env``), or None:
+    the rule it breaks, else that it is not on the allow-list."""
+    reason = refusal(name)
+    if reason is not None or name in ALLOWED:
+        return reason
+    return (
+        f"{name} is not on the allow-list of variables a spec may set for a step (loraflow/spec/env_rules.py "
+        f"ALLOWED: {', '.join(sorted(ALLOWED))}); remove it; {_ASK}"
+    )
+
+
+def value_problem(name: str, value: str) -> str | None:
+    """Why ``value`` is refused for the allowed variable ``name``, or None."""
+    allowed = ALLOWED[name]
+    if allowed.values == _FLAGS:
+        return _flags_problem(value)
+    if re.fullmatch(allowed.pattern, value):
+        return None
+    return f"the value {excerpt(value)} is not {allowed.values}; write one of those"
+
+
+def _flags_problem(value: str) -> str | None:
+    for word in value.split():
+        match = _FLAG.fullmatch(word)
+        if match is None:
+            return f"{excerpt(word)} is not a flag; write --flag or --flag=VALUE"
+        flag, flag_value = match.groups()
+        if flag not in XLA_FLAGS_ALLOWED:
+            return (
+                f"--{flag} is not on the allow-list of XLA flags a spec may set (loraflow/spec/env_rules.py "
+                f"XLA_FLAGS_ALLOWED); remove it; {_ASK}"
+            )
+        if flag_value is not None and not _FLAG_VALUE.fullmatch(flag_value):
+            return f"the value of --{flag}, {excerpt(flag_value)}, is not a plain word or number; write one"
+    return None
+
+
 def check_name(name: str) -> str:
     """``name`` if a spec may set it; else ``ValueError`` naming the rule it breaks and the fix."""
     reason = refusal(name)
     if reason is not None:
         raise ValueError(reason)
     return name
+
+
+def check_step_name(name: str) -> str:
+    """``name`` if a spec may set it for a step (``compute.<stage>.env``); else ``ValueError`` saying why."""
+    reason = step_refusal(name)
+    if reason is not None:
+        raise ValueError(reason)
+    return name
+
+
+def check_step_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` (allowed names) if every value is one its variable takes; else ``ValueError`` naming each."""
+    problems = [f"{name}: {why}" for name, value in env.items() if (why := value_problem(name, value))]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return env
 
 
 def check_value(value: str) -> str:

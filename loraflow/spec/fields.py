@@ -19,8 +19,10 @@ class SpecModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-# Names a spec gives to environment variables of a step (compute.*.env, secrets): loraflow/spec/env_rules.py.
+# Names a spec gives to environment variables of a step: loraflow/spec/env_rules.py. compute.*.env
+# names are on its allow-list (StepEnvName); secrets names pass its rules (EnvName).
 EnvName = Annotated[str, AfterValidator(env_rules.check_name)]
+StepEnvName = Annotated[str, AfterValidator(env_rules.check_step_name)]
 EnvValue = Annotated[str, AfterValidator(env_rules.check_value)]
 SecretName = Annotated[str, AfterValidator(env_rules.check_secret_name)]  # also named for a secret (HF_TOKEN)
 # Names that go into Google Cloud and Kubernetes requests: loraflow/spec/resource_names.py.

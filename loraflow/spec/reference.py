@@ -27,9 +27,12 @@ refused. Every number is finite and at most 2**53 in size (`loraflow/spec/fields
 display names hold no control, invisible or direction-changing characters. Values that end up in a
 Google Cloud or Kubernetes request (regions, project ids, bucket names, machine types, images,
 namespaces, service accounts, networks, reservations) must have their kind's form
-(`loraflow/spec/resource_names.py`), and `compute.*.env` and `secrets` may not name variables that
-change the interpreter, the loader, TLS, proxies, credentials or loraflow's own wiring
-(`loraflow/spec/env_rules.py`). See [security.md](security.md).
+(`loraflow/spec/resource_names.py`). `compute.*.env` takes only the variables of an allow-list, each
+with the values it takes (`loraflow/spec/env_rules.py`: `XLA_FLAGS` and `LIBTPU_INIT_ARGS` with flags
+of a flag allow-list, log levels, ...); `secrets` may not name variables that change the interpreter,
+the loader, TLS, proxies, credentials or loraflow's own wiring; `base_model.model_overrides` takes only
+the MaxText settings of its allow-list (`loraflow/spec/override_rules.py`: the model family's shape
+keys and a few tuning knobs). See [security.md](security.md).
 """
 
 

@@ -18,9 +18,10 @@ from loraflow import models
 from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
-from loraflow.errors import SpecError
+from loraflow.errors import EXCERPT_CHARS, SpecError, excerpt
 from loraflow.evaluation import metrics as metric_table
 from loraflow.pipeline.stages import STAGES
+from loraflow.spec import override_rules
 from loraflow.spec import resource_names as rn
 from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute
 from loraflow.spec.fields import Image, ProjectId, Region, SecretName, Tag, Text, check_name, number_problems
@@ -128,8 +129,9 @@ class BaseModelSpec(_Model):
     tokenizer: GsUri | None = Field(None, description="tokenizer directory; defaults to hf_checkpoint")
     model_overrides: dict[str, int | float | str | bool] = Field(
         default_factory=dict,
-        description="MaxText model architecture overrides (e.g. the tiny model's dimensions); keys naming files, "
-        "folders, URLs, credentials, outputs or the run are refused",
+        description="MaxText settings to override, from an allow-list: the model family's shape keys (e.g. the tiny "
+        "model's dimensions) and a few tuning knobs (remat_policy, attention, sharding, ...), each value checked: "
+        "loraflow/spec/override_rules.py ALLOWED",
     )
 
     _uris = field_validator("hf_checkpoint", "tokenizer")(lambda v: v if v is None else _gs_uri(v))
@@ -142,35 +144,16 @@ class BaseModelSpec(_Model):
 
     @field_validator("model_overrides")
     @classmethod
-    def _architecture_only(cls, v: dict[str, int | float | str | bool]) -> dict[str, int | float | str | bool]:
-        bad = {k: why for k, val in v.items() if (why := _override_problem(k, val))}
+    def _allowed_overrides(cls, v: dict[str, int | float | str | bool]) -> dict[str, int | float | str | bool]:
+        bad = {k: why for k, val in v.items() if (why := override_rules.problem(k, val))}
         if bad:
             raise ValueError(
-                "; ".join(f"{k}: {why}" for k, why in bad.items()) + ". model_overrides become MaxText "
-                "key=value arguments and may set the model's architecture only (dimensions, layers, vocabulary); "
-                "files, folders, URLs, credentials, outputs and the run are loraflow's to set"
+                "; ".join(f"{excerpt(k) if len(k) > EXCERPT_CHARS else k}: {why}" for k, why in bad.items())
+                + ". model_overrides become MaxText key=value arguments and may set the model's shape and a few "
+                f"tuning knobs, each with its reason and values in loraflow/spec/override_rules.py (ALLOWED: "
+                f"{', '.join(override_rules.ALLOWED)}); {override_rules.ASK}"
             )
         return v
-
-
-# MaxText settings a spec may not override: any key with one of these words names a file, folder,
-# URL, credential, output, cache or the run, which loraflow sets (a compilation cache, for one,
-# loads compiled code; an output directory writes outside the run's prefix).
-_OVERRIDE_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
-_NOT_ARCHITECTURE = re.compile(
-    r"(?:^|_)(?:path|paths|dir|directory|file|files|token|key|url|uri|bucket|output|cache|name|hardware|config|"
-    r"dataset|tokenizer|checkpoint|checkpointing|load|save|profiler|metrics|log|logs|run|steps)(?:_|$)"
-)
-
-
-def _override_problem(key: str, value: object) -> str | None:
-    if not _OVERRIDE_KEY.fullmatch(key):
-        return "not a MaxText setting name (lowercase letters, digits and '_')"
-    if _NOT_ARCHITECTURE.search(key):
-        return "names a file, folder, URL, credential, output or the run, not the model's architecture"
-    if isinstance(value, str) and ("://" in value or value.startswith(("/", "~")) or re.search(r"[\x00-\x1f]", value)):
-        return f"the value {value!r} is a path, a URL or holds control characters"
-    return None
 
 
 class DataSpec(_Model):

@@ -19,6 +19,7 @@ CLOUD = "changes which credentials, project or service endpoint"
 NOT_FINITE = "is not a finite number"
 TOO_LARGE = "is too large"
 INVISIBLE = "invisible or direction-changing character"
+NOT_ALLOWED = "is not on the allow-list"
 INF = float("inf")
 NAN = float("nan")
 
@@ -92,11 +93,37 @@ EDITS: list[tuple[str, dict[str, Any], str, str]] = [
     ("bucket-upper", {"data.train": "gs://Bucket/train.jsonl"}, "data.train", "not a GCS bucket name"),
     ("uri-newline", {"data.eval": "gs://loraflow-demo/eval\n.jsonl"}, "data.eval", "control character"),
     ("uri-dot-segment", {"base_model.hf_checkpoint": "gs://loraflow-demo/./m"}, "base_model.hf_checkpoint", "'.' path segment"),
-    ("maxtext-jax-cache", {"base_model.model_overrides.jax_cache_dir": "gs://evil/cache"}, "base_model.model_overrides", "jax_cache_dir: names a file, folder"),
-    ("maxtext-output", {"base_model.model_overrides.base_output_directory": "gs://other-team/x"}, "base_model.model_overrides", "base_output_directory: names a file, folder"),
-    ("maxtext-token", {"base_model.model_overrides.hf_access_token": "t"}, "base_model.model_overrides", "hf_access_token: names a file, folder"),
+    ("maxtext-jax-cache", {"base_model.model_overrides.jax_cache_dir": "gs://evil/cache"}, "base_model.model_overrides", "jax_cache_dir: " + NOT_ALLOWED),
+    ("maxtext-output", {"base_model.model_overrides.base_output_directory": "gs://other-team/x"}, "base_model.model_overrides", "base_output_directory: " + NOT_ALLOWED),
+    ("maxtext-token", {"base_model.model_overrides.hf_access_token": "t"}, "base_model.model_overrides", "hf_access_token: " + NOT_ALLOWED),
     ("maxtext-key-syntax", {"base_model.model_overrides": {"vocab_size=1 load_parameters_path": 1}}, "base_model.model_overrides", "not a MaxText setting name"),
-    ("maxtext-path-value", {"base_model.model_overrides.decoder_block": "gs://evil/x"}, "base_model.model_overrides", "is a path, a URL"),
+    ("maxtext-path-value", {"base_model.model_overrides.attention": "gs://evil/x"}, "base_model.model_overrides", "attention: the value 'gs://evil/x' is not one of"),
+    # Names the deny rules let through that write or send outside the run (issue 29, item 4): a step's
+    # environment is an allow-list (loraflow/spec/env_rules.py ALLOWED), XLA's flags one too.
+    ("env-xla-dump", env("XLA_FLAGS", "--xla_dump_to=/opt/airflow/dags"), "compute.lora_sft.env", "XLA_FLAGS: --xla_dump_to is not on the allow-list"),
+    ("env-xla-dump-after-an-allowed-flag", env("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_dump_hlo_as_text"), "compute.lora_sft.env", "XLA_FLAGS: --xla_dump_hlo_as_text is not on the allow-list"),
+    ("env-xla-flag-path-value", env("XLA_FLAGS", "--xla_force_host_platform_device_count=/tmp/x"), "compute.lora_sft.env", "XLA_FLAGS: the value of --xla_force_host_platform_device_count"),
+    ("env-libtpu-dump", env("LIBTPU_INIT_ARGS", "--xla_dump_to=/tmp/x"), "compute.lora_sft.env", "LIBTPU_INIT_ARGS: --xla_dump_to is not on the allow-list"),
+    ("env-jax-dump-ir", env("JAX_DUMP_IR_TO", "/tmp/x"), "compute.lora_sft.env.JAX_DUMP_IR_TO", NOT_ALLOWED),
+    ("env-vllm-stats-server", env("VLLM_USAGE_STATS_SERVER", "https://evil.example"), "compute.lora_sft.env.VLLM_USAGE_STATS_SERVER", NOT_ALLOWED),
+    ("env-vllm-config-root", env("VLLM_CONFIG_ROOT", "/opt/airflow"), "compute.lora_sft.env.VLLM_CONFIG_ROOT", NOT_ALLOWED),
+    ("env-vllm-logging-config", env("VLLM_LOGGING_CONFIG_PATH", "/tmp/log.json"), "compute.lora_sft.env.VLLM_LOGGING_CONFIG_PATH", NOT_ALLOWED),
+    ("env-vllm-usage-stats-on", env("VLLM_NO_USAGE_STATS", "0"), "compute.lora_sft.env.VLLM_NO_USAGE_STATS", NOT_ALLOWED),
+    ("env-do-track", env("DO_NOT_TRACK", "0"), "compute.lora_sft.env.DO_NOT_TRACK", NOT_ALLOWED),
+    ("env-inductor-cache", env("TORCHINDUCTOR_CACHE_DIR", "/opt/airflow/dags"), "compute.lora_sft.env.TORCHINDUCTOR_CACHE_DIR", NOT_ALLOWED),
+    ("env-triton-cache", env("TRITON_CACHE_DIR", "/tmp/x"), "compute.lora_sft.env.TRITON_CACHE_DIR", NOT_ALLOWED),
+    ("env-hf-home", env("HF_HOME", "/tmp/x"), "compute.lora_sft.env.HF_HOME", NOT_ALLOWED),
+    ("env-grpc-trace", env("GRPC_TRACE", "all"), "compute.lora_sft.env.GRPC_TRACE", NOT_ALLOWED),
+    ("env-tpu-log-dir", env("TPU_LOG_DIR", "/tmp/x"), "compute.lora_sft.env.TPU_LOG_DIR", NOT_ALLOWED),
+    ("env-allowed-name-path-value", env("TF_CPP_MIN_LOG_LEVEL", "/tmp/x"), "compute.lora_sft.env", "TF_CPP_MIN_LOG_LEVEL: the value '/tmp/x' is not"),
+    # MaxText settings: model_overrides is an allow-list too (loraflow/spec/override_rules.py).
+    ("maxtext-compile-xla-flags", {"base_model.model_overrides.compile_xla_flags": "--xla_dump_to=/tmp/x"}, "base_model.model_overrides", "compile_xla_flags: is not on the allow-list"),
+    ("maxtext-prometheus-port", {"base_model.model_overrides.prometheus_port": 9090}, "base_model.model_overrides", "prometheus_port: is not on the allow-list"),
+    ("maxtext-vertex-tensorboard", {"base_model.model_overrides.vertex_tensorboard_project": "evil-project"}, "base_model.model_overrides", "vertex_tensorboard_project: is not on the allow-list"),
+    ("maxtext-tensorboard", {"base_model.model_overrides.enable_tensorboard": True}, "base_model.model_overrides", "enable_tensorboard: is not on the allow-list"),
+    ("maxtext-remat-path", {"base_model.model_overrides.remat_policy": "gs://evil/x"}, "base_model.model_overrides", "remat_policy: the value 'gs://evil/x' is not one of"),
+    ("maxtext-dimension-text", {"base_model.model_overrides.base_emb_dim": "128 load_parameters_path=gs://evil/x"}, "base_model.model_overrides", "base_emb_dim: the value '128 load_parameters_path=gs://evil/x' is not"),
+    ("maxtext-dimension-bool", {"base_model.model_overrides.head_dim": True}, "base_model.model_overrides", "head_dim: the value true is not"),
     ("asset-bucket", {"schedule": {"asset": "gs://a/x"}}, "schedule", "not a GCS bucket name"),
     # Values Airflow cannot take: each passed `loraflow validate` and then took every DAG of the folder down.
     ("tag-too-long", {"tags": ["x" * 101]}, "tags.0", "longer than 100 characters"),

@@ -92,7 +92,8 @@ def test_only_portable_upper_case_names_can_pass(name: str) -> None:
     "name", ["XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_PLATFORMS", "JAX_TRACEBACK_FILTERING", "TF_CPP_MIN_LOG_LEVEL",
              "HF_TOKEN", "VLLM_LOGGING_LEVEL", "NCCL_DEBUG", "LORAFLOW_LOG_LEVEL", "MY_FLAG", "_X"],
 )  # fmt: skip
-def test_tuning_a_step_is_allowed(name: str) -> None:
+def test_the_rules_refuse_no_harmless_name(name: str) -> None:
+    """The rules name what takes a step over; a step's environment asks the allow-list as well."""
     assert env_rules.refusal(name) is None
 
 
@@ -105,25 +106,28 @@ def test_every_variable_the_launchers_set_themselves_is_refused(monkeypatch: pyt
                   "LORAFLOW_FAULT_STATE", "JAX_PLATFORMS", "XLA_FLAGS", "LORAFLOW_LOG_LEVEL"]  # fmt: skip
     for name in candidates:
         monkeypatch.setenv(name, os.environ.get(name, "x"))
-    tunables = {"JAX_PLATFORMS", "XLA_FLAGS", "VLLM_LOGGING_LEVEL", *env_rules.STEP_TUNABLES}
     compute = compute_from(**VERTEX, hosts=2)
     names = set(launch.step_environment({})) | {e["name"] for e in vertex.container_env(compute)}
     names |= {e["name"] for e in gke.container_env(compute, "lf-x")}
     assert {"PATH", "PYTHONPATH", "HF_HUB_OFFLINE", "LORAFLOW_EXPECTED_HOSTS", "LORAFLOW_COORDINATOR_HOST"} <= names
-    assert {n for n in names - tunables if env_rules.refusal(n) is None} == set()
+    assert {"VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"} <= names
+    tunables = {"JAX_PLATFORMS", "XLA_FLAGS", "VLLM_LOGGING_LEVEL", "LORAFLOW_LOG_LEVEL"}
+    assert {n for n in names if env_rules.step_refusal(n) is None} == tunables
 
 
-def with_env(name: str, where: str = "lora_sft") -> dict:
+def with_env(name: str, where: str = "lora_sft", value: str = "1") -> dict:
     data = copy.deepcopy(TINY)
-    data.setdefault("compute", {})[where] = {**VERTEX, "env": {name: "1"}}
+    data.setdefault("compute", {})[where] = {**VERTEX, "env": {name: value}}
     return data
 
 
-@given(st.text(max_size=24))
+@given(st.one_of(st.text(max_size=24), st.sampled_from(sorted(env_rules.ALLOWED))))
 def test_the_spec_refuses_exactly_what_the_rules_refuse_naming_key_and_rule(name: str) -> None:
-    reason = env_rules.refusal(name)
+    reason = env_rules.step_refusal(name)
     if reason is None:
-        assert validate_spec(with_env(name), "t").compute["lora_sft"].env == {name: "1"}
+        assert name in env_rules.ALLOWED
+        value = GOOD[name]
+        assert validate_spec(with_env(name, value=value), "t").compute["lora_sft"].env == {name: value}
         return
     with pytest.raises(SpecError) as err:
         validate_spec(with_env(name), "t")
@@ -137,3 +141,101 @@ def test_secrets_obey_the_same_rules(name: str) -> None:
     with pytest.raises(SpecError) as err:
         validate_spec(data, "t")
     assert (f"secrets.{name}", env_rules.refusal(name)) in err.value.problems
+
+
+# ------------------------------------------------------------------ the allow-list (issue 29, item 4)
+
+
+def test_every_launcher_turns_usage_statistics_off_whatever_the_step_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM reports usage to its makers unless told not to; every step environment tells it (and every
+    library that honours DO_NOT_TRACK), set last, so neither the worker's environment, a spec's
+    compute.env nor a secret can turn it back on."""
+    monkeypatch.setenv("DO_NOT_TRACK", "0")
+    monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
+    again = {"VLLM_NO_USAGE_STATS": "0", "DO_NOT_TRACK": "0", "HF_HUB_DISABLE_TELEMETRY": "0"}
+    compute = compute_from(**VERTEX, hosts=2)
+    envs = {
+        "local": launch.step_environment(again),
+        "vertex": {e["name"]: e["value"] for e in vertex.container_env(compute, again)},
+        "gke": {e["name"]: e["value"] for e in gke.container_env(compute_from(**{**VERTEX, "launcher": "gke"}), "lf-x", again)},
+    }  # fmt: skip
+    for where, env in envs.items():
+        off = {k: env.get(k) for k in again}
+        assert off == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}, where
+
+
+# One value each allowed variable takes, and one it does not (a path: the shape of every way out).
+GOOD = {
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_tpu_enable_latency_hiding_scheduler=true",
+    "LIBTPU_INIT_ARGS": "--xla_tpu_scoped_vmem_limit_kib=98304 --xla_enable_async_all_gather=true",
+    "JAX_PLATFORMS": "tpu,cpu", "JAX_TRACEBACK_FILTERING": "off", "JAX_DEBUG_NANS": "true", "JAX_LOG_COMPILES": "1",
+    "JAX_DEFAULT_MATMUL_PRECISION": "highest", "TF_CPP_MIN_LOG_LEVEL": "0", "TPU_STDERR_LOG_LEVEL": "2",
+    "TPU_MIN_LOG_LEVEL": "1", "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+    "OMP_NUM_THREADS": "8", "TOKENIZERS_PARALLELISM": "false", "LORAFLOW_LOG_LEVEL": "info",
+    "LORAFLOW_JOIN_TIMEOUT": "600", "LORAFLOW_HEARTBEAT_TIMEOUT": "120", "LORAFLOW_HARDWARE": "tpu",
+}  # fmt: skip
+
+
+def test_every_allowed_variable_says_why_and_takes_its_values_only() -> None:
+    assert set(GOOD) == set(env_rules.ALLOWED)  # a new entry comes with a value it takes
+    assert env_rules.STEP_TUNABLES <= set(env_rules.ALLOWED)
+    for name, allowed in env_rules.ALLOWED.items():
+        assert allowed.reason and "\n" not in allowed.reason and allowed.values, name
+        assert env_rules.refusal(name) is None, name  # no entry contradicts the rules
+        assert env_rules.value_problem(name, GOOD[name]) is None, name
+        for bad in ("/tmp/x", "gs://evil/x", "http://evil.example", "~/x", "", "1 2"):
+            assert env_rules.value_problem(name, bad) is not None or name in {"XLA_FLAGS", "LIBTPU_INIT_ARGS"}, (
+                name,
+                bad,
+            )
+
+
+@given(st.sampled_from(["XLA_FLAGS", "LIBTPU_INIT_ARGS"]), st.lists(st.text(max_size=40), max_size=4))
+def test_xla_flags_pass_only_when_each_is_on_the_flag_allow_list_with_a_plain_value(name: str, words: list) -> None:
+    value = " ".join(words)
+    if env_rules.value_problem(name, value) is not None:
+        return
+    for word in value.split():
+        flag, _, flag_value = word.removeprefix("--").partition("=")
+        assert word.startswith("--") and flag in env_rules.XLA_FLAGS_ALLOWED
+        assert re.fullmatch(r"[A-Za-z0-9_.+-]*", flag_value) and "dump" not in flag
+
+
+OFF_THE_FLAG_LIST = "is not on the allow-list of XLA flags a spec may set"
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ("--xla_dump_to=/tmp/x", "--xla_dump_to " + OFF_THE_FLAG_LIST),
+        ("--xla_dump_hlo_as_text", "--xla_dump_hlo_as_text " + OFF_THE_FLAG_LIST),
+        ("--xla_force_host_platform_device_count=8 --xla_dump_to=gs://evil/x", "--xla_dump_to " + OFF_THE_FLAG_LIST),
+        ("--xla_gpu_cuda_data_dir=/tmp/x", "--xla_gpu_cuda_data_dir " + OFF_THE_FLAG_LIST),
+        ("--XLA_DUMP_TO=/x", "'--XLA_DUMP_TO=/x' is not a flag"),
+        ("xla_dump_to=/x", "'xla_dump_to=/x' is not a flag"),
+        ("--xla_force_host_platform_device_count=/tmp/x", "the value of --xla_force_host_platform_device_count, "
+                                                          "'/tmp/x', is not a plain word or number"),
+    ],
+)  # fmt: skip
+def test_a_flag_that_writes_or_names_a_path_is_refused_naming_it(flags: str, says: str) -> None:
+    for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
+        with pytest.raises(SpecError) as err:
+            validate_spec(with_env(name, value=flags), "t")
+        [(where, message)] = err.value.problems
+        assert where == "compute.lora_sft.env" and message.startswith(f"{name}: {says}"), message
+        if OFF_THE_FLAG_LIST in says:
+            assert "docs/security.md, 'Asking for a variable, flag or override'" in message
+
+
+@pytest.mark.parametrize(
+    "name", ["JAX_DUMP_IR_TO", "VLLM_USAGE_STATS_SERVER", "VLLM_CONFIG_ROOT", "VLLM_LOGGING_CONFIG_PATH",
+             "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "GRPC_TRACE", "VLLM_NO_USAGE_STATS",
+             "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY", "TPU_LOG_DIR", "NCCL_DEBUG_FILE", "MY_FLAG", "HF_TOKEN"],
+)  # fmt: skip
+def test_a_name_off_the_allow_list_is_refused_naming_it_the_list_and_how_to_ask(name: str) -> None:
+    with pytest.raises(SpecError) as err:
+        validate_spec(with_env(name, value="x"), "t")
+    [(where, says)] = err.value.problems
+    assert where == f"compute.lora_sft.env.{name}"
+    assert says.startswith(f"{name} is not on the allow-list of variables a spec may set for a step")
+    assert "XLA_FLAGS" in says and "docs/security.md, 'Asking for a variable, flag or override'" in says

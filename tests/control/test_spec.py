@@ -146,9 +146,12 @@ def test_gcs_uris_lose_their_trailing_slash() -> None:
 
 def test_a_stage_without_its_own_compute_section_uses_default_then_local() -> None:
     data = tiny_data()
-    data["compute"] = {"default": {"launcher": "local", "env": {"XLA_FLAGS": "--x"}}, "lora_sft": {"launcher": "local"}}
+    data["compute"] = {
+        "default": {"launcher": "local", "env": {"TF_CPP_MIN_LOG_LEVEL": "1"}},
+        "lora_sft": {"launcher": "local"},
+    }
     spec = validate_spec(data, "x.yaml")
-    assert spec.compute_for("validate_data").env == {"XLA_FLAGS": "--x"}  # default
+    assert spec.compute_for("validate_data").env == {"TF_CPP_MIN_LOG_LEVEL": "1"}  # default
     assert spec.compute_for("lora_sft").env == {}  # its own section, not merged with default
     data["compute"] = {}
     assert validate_spec(data, "x.yaml").compute_for("lora_sft").launcher == "local"
@@ -171,15 +174,18 @@ def test_a_value_of_the_wrong_type_is_named_with_what_was_given() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "says"),
     [
-        ("scan_layers", "gs://b/x", "is a path, a URL or holds control characters"),
-        ("scan_layers", "/etc/x", "is a path, a URL or holds control characters"),
-        ("scan_layers", "~/x", "is a path, a URL or holds control characters"),
-        ("scan_layers", "a\x01b", "is a path, a URL or holds control characters"),
-        ("Scan-Layers", True, "not a MaxText setting name"),
-        ("base_output_directory", "out", "not the model's architecture"),
+        ("remat_policy", "gs://b/x", "the value 'gs://b/x' is not one of full, minimal"),
+        ("attention", "/etc/x", "the value '/etc/x' is not one of autoselected"),
+        ("remat_policy", "a\x01b", "the value 'a\\x01b' is not one of"),
+        ("head_dim", 0, "the value 0 is not a whole number from 1 to 1048576"),
+        ("head_dim", 64.0, "the value 64.0 is not a whole number"),
+        ("float32_logits", 1, "the value 1 is not true or false"),
+        ("Scan-Layers", True, "Scan-Layers: is not a MaxText setting name"),
+        ("scan_layers", False, "scan_layers: is not on the allow-list"),  # loraflow sets it (the checkpoint's layout)
+        ("base_output_directory", "out", "base_output_directory: is not on the allow-list"),
     ],
 )
-def test_model_overrides_that_are_no_architecture_setting_are_refused(key: str, value: object, says: str) -> None:
+def test_model_overrides_off_the_allow_list_or_of_another_value_are_refused(key: str, value: object, says: str) -> None:
     data = tiny_data()
     data["base_model"]["model_overrides"] = {key: value}
     with pytest.raises(SpecError) as err:
@@ -191,7 +197,8 @@ def test_model_overrides_that_are_no_architecture_setting_are_refused(key: str, 
 
 def test_plain_model_overrides_pass() -> None:
     data = tiny_data()
-    data["base_model"]["model_overrides"] = {"scan_layers": False, "remat_policy": "full", "mlp_dim": 256}
+    data["base_model"]["model_overrides"] = {"remat_policy": "minimal", "attention": "flash", "base_mlp_dim": 256,
+                                             "ici_fsdp_parallelism": -1, "float32_logits": True}  # fmt: skip
     assert validate_spec(data, "x.yaml").base_model.model_overrides == data["base_model"]["model_overrides"]
 
 
