@@ -41,11 +41,14 @@ LINKS: dict[Link, type[BaseOperatorLink]] = {
 def resolve_spec(spec: dict[str, Any], params: dict[str, Any]) -> PipelineSpec:
     """The spec as this run sees it: the DAG's spec with the trigger form's values applied. A key of
     ``params`` that is no declared param (a typo in the run's conf) fails the task, naming the key and
-    the nearest declared one, before the stage does anything."""
-    from loraflow.spec.schema import check_trigger_keys, param_name, validate_spec, with_overrides
+    the nearest declared one, and so does a value its param's declaration refuses (type, minimum,
+    maximum, enum: Airflow checks them on a trigger, but not on every way a task can be run), before
+    the stage does anything."""
+    from loraflow.spec.schema import check_trigger_keys, check_trigger_values, param_name, validate_spec, with_overrides
 
     base = validate_spec(spec, f"pipeline {spec.get('name')}")
     check_trigger_keys(base, params)
+    check_trigger_values(base, params)
     overrides = {p.path: params[param_name(p.path)] for p in base.params if param_name(p.path) in params}
     return with_overrides(base, overrides) if overrides else base
 

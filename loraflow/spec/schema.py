@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -678,15 +678,69 @@ def check_trigger_keys(spec: PipelineSpec, keys: Iterable[str]) -> None:
     listed = ", ".join(declared) if declared else "none: this pipeline declares no params"
     problems = []
     for key in unknown:
-        near = difflib.get_close_matches(key, declared, n=1) or difflib.get_close_matches(
-            param_name(key), declared, n=1
+        near = (
+            []
+            if len(key) > EXCERPT_CHARS
+            else (
+                difflib.get_close_matches(key, declared, n=1)
+                or difflib.get_close_matches(param_name(key), declared, n=1)
+            )
         )
         hint = f"did you mean {near[0]}? " if near else ""
         problems.append(
-            (key, f"is not a trigger parameter of this pipeline; {hint}Trigger parameters: {listed}. "
+            (key if len(key) <= EXCERPT_CHARS else excerpt(key),
+             f"is not a trigger parameter of this pipeline; {hint}Trigger parameters: {listed}. "
              "Remove the key from the run's conf, or declare its setting under params in the spec")
         )  # fmt: skip
-    raise SpecError(f"pipeline {spec.name}", problems, where="the run's trigger parameters (its conf)")
+    raise SpecError(f"pipeline {spec.name}", problems, where=TRIGGER_PARAMETERS)
+
+
+TRIGGER_PARAMETERS = "the run's trigger parameters (its conf)"
+_JSON_TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+                    "null": "null"}  # fmt: skip
+
+
+def _json_types(value: Any) -> set[str]:
+    """The JSON Schema types ``value`` has: true is no number, 2.0 is an integer (as Airflow's Param checks)."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"integer", "number"} if value.is_integer() else {"number"}
+    return {"string"} if isinstance(value, str) else {"array or object"}
+
+
+def _trigger_value_problem(field: dict[str, Any], value: Any) -> str | None:
+    """Why ``value`` breaks its trigger field's schema (type, minimum, maximum, enum), or None."""
+    types = field["type"] if isinstance(field["type"], list) else [field["type"]]
+    if not _json_types(value) & set(types):
+        return "is not " + " or ".join(_JSON_TYPE_WORDS[t] for t in types)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if "minimum" in field and value < field["minimum"]:
+            return f"is below its minimum {field['minimum']}"
+        if "maximum" in field and value > field["maximum"]:
+            return f"is above its maximum {field['maximum']}"
+    if "enum" in field and not any(_json_equal(value, choice) for choice in field["enum"]):
+        return f"is not one of its enum ({', '.join(excerpt(c) for c in field['enum'])})"
+    return None
+
+
+def check_trigger_values(spec: PipelineSpec, params: Mapping[str, Any]) -> None:
+    """Refuse a declared param's value that breaks its declaration (type, minimum, maximum, enum), as
+    Airflow's Param schema does on a trigger, naming each key, the rule and the setting: a task can
+    run with values Airflow never checked (a direct call, a DAG parsed from an older spec), and the
+    spec's own validation would take ``true`` for 1 and ``"200"`` for 200."""
+    fields = trigger_fields(spec)
+    problems = [
+        (name, f"{excerpt(value)} {why} ({fields[name]['title']}); give a value its param allows")
+        for name, value in params.items()
+        if name in fields and (why := _trigger_value_problem(fields[name], value))
+    ]
+    if problems:
+        raise SpecError(f"pipeline {spec.name}", problems, where=TRIGGER_PARAMETERS)
 
 
 def with_overrides(spec: PipelineSpec, overrides: dict[str, Any], source: str = "trigger parameters") -> PipelineSpec:
@@ -723,16 +777,22 @@ def _fix_hint(err: dict[str, Any]) -> str:
         return "unknown key; remove it or check its spelling against docs/spec-reference.md"
     if kind == "unknown_launcher":
         given = err.get("input")
-        return f"{msg} (got {given.get('launcher') if isinstance(given, dict) else given!r})"
+        return f"{msg} (got {_given(given.get('launcher') if isinstance(given, dict) else given)})"
     if kind == "missing":
         return "required; add it"
     if kind.endswith("_type") or kind.endswith("_parsing"):
-        return f"{msg.lower()} (got {err.get('input')!r})"
+        return f"{msg.lower()} (got {_given(err.get('input'))})"
     if kind == "value_error":
         return msg.removeprefix("Value error, ")
-    if kind == "literal_error":
-        return f"{msg} (got {err.get('input')!r})"
-    return f"{msg} (got {err.get('input')!r})"
+    return f"{msg} (got {_given(err.get('input'))})"
+
+
+def _given(value: Any) -> str:
+    """A refused value as an error shows it (Python's repr), at most its first characters and its length."""
+    if isinstance(value, str):
+        return excerpt(value)
+    text = repr(value)
+    return text if len(text) <= EXCERPT_CHARS else f"{text[:EXCERPT_CHARS]}... ({len(text)} characters)"
 
 
 def _error_path(loc: tuple[Any, ...]) -> str:

@@ -146,3 +146,77 @@ def test_a_param_for_a_setting_without_a_value_is_a_text_field() -> None:
     data["params"] = [{"path": "base_model.tokenizer"}]
     field = trigger_fields(validate_spec(data, "tiny"))["base_model_tokenizer"]
     assert field["type"] == ["null", "string"] and field["default"] is None
+
+
+# --------------------------------------------------- values re-checked against their declaration (item 8)
+
+
+def declaring(*params: dict[str, Any]) -> dict[str, Any]:
+    data = yaml.safe_load(yaml.safe_dump(DATA))
+    data["params"] = list(params)
+    return data
+
+
+CHOICE = declaring({"path": "training.dtype", "enum": ["float32"]}, {"path": "base_model.tokenizer"},
+                   {"path": "training.steps", "minimum": 10, "maximum": 2000})  # fmt: skip
+UNBOUNDED = declaring({"path": "training.steps"}, {"path": "lora.alpha"})
+
+
+@pytest.mark.parametrize(
+    ("data", "conf", "says"),
+    [
+        (DATA, {"training_steps": 1}, "training_steps: 1 is below its minimum 10 (training.steps)"),
+        (DATA, {"training_steps": 10**18}, "training_steps: 1000000000000000000 is above its maximum 2000"),
+        (DATA, {"training_steps": True}, "training_steps: true is not an integer (training.steps)"),
+        (DATA, {"training_steps": "200"}, "training_steps: '200' is not an integer"),
+        (DATA, {"training_learning_rate": False}, "training_learning_rate: false is not a number"),
+        (DATA, {"lora_rank": 65}, "lora_rank: 65 is above its maximum 64 (lora.rank)"),
+        (DATA, {"gate_min_improvement": [0.1]}, "gate_min_improvement: [0.1] is not a number"),
+        (DATA, {"gate_min_improvement": None}, "gate_min_improvement: null is not a number"),
+        (CHOICE, {"training_dtype": "bfloat16"}, "training_dtype: 'bfloat16' is not one of its enum ('float32')"),
+        (CHOICE, {"base_model_tokenizer": 5}, "base_model_tokenizer: 5 is not null or a string"),
+        (UNBOUNDED, {"training_steps": True}, "training_steps: true is not an integer"),
+        (UNBOUNDED, {"lora_alpha": True}, "lora_alpha: true is not a number"),
+    ],
+)
+def test_resolve_spec_checks_each_value_against_its_declaration(
+    data: dict[str, Any], conf: dict[str, Any], says: str, launches: list[str]
+) -> None:
+    """What Airflow's Param schema checks on a trigger, resolve_spec checks again (a task may be run with
+    conf Airflow never validated: a direct call, a DAG parsed from an older spec): JSON Schema's rules,
+    true is no number, each bound and choice of the declaration."""
+    from operators.stages import resolve_spec
+
+    with pytest.raises(SpecError) as err:
+        resolve_spec(data, conf)
+    assert any(says in f"{key}: {message}" for key, message in err.value.problems), err.value.problems
+    assert "the run's trigger parameters" in str(err.value)
+    assert launches == []
+
+
+def test_resolve_spec_takes_every_value_its_declaration_allows() -> None:
+    from operators.stages import resolve_spec
+
+    assert resolve_spec(DATA, {"training_steps": 10}).training.steps == 10
+    assert resolve_spec(DATA, {"training_steps": 2000.0}).training.steps == 2000  # JSON Schema: an integer
+    assert resolve_spec(DATA, {"training_learning_rate": 0.1}).training.learning_rate == 0.1
+    assert resolve_spec(DATA, {"gate_min_improvement": -1}).gate.min_improvement == -1
+    assert (
+        resolve_spec(CHOICE, {"training_dtype": "float32", "base_model_tokenizer": None}).base_model.tokenizer is None
+    )
+    tokenizer = "gs://loraflow-demo/sources/tok"
+    assert resolve_spec(CHOICE, {"base_model_tokenizer": tokenizer}).base_model.tokenizer == tokenizer
+
+
+def test_an_error_echoes_at_most_the_start_of_a_huge_value() -> None:
+    """A 5 MB conf value (or key) is refused with its first characters and its length, not all of it."""
+    from operators.stages import resolve_spec
+
+    huge = "x" * 5_000_000
+    for conf in ({"training_learning_rate": huge}, {"training_dtype": huge}, {huge: 1}):
+        with pytest.raises(SpecError) as err:
+            resolve_spec(CHOICE if "training_dtype" in conf else DATA, conf)
+        assert len(str(err.value)) < 2000 and "5000000 characters" in str(err.value), str(err.value)[:300]
+    with pytest.raises(SpecError) as err:
+        validate_spec({**DATA, "training": {**DATA["training"], "dtype": huge}}, "tiny")
+    assert len(str(err.value)) < 2000 and "5000000 characters" in str(err.value)
