@@ -51,7 +51,7 @@ class PickDatasetOperator(BaseOperator):
         self.spec = spec
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from airflow.exceptions import AirflowSkipException
+        from airflow.sdk.exceptions import AirflowSkipException
 
         from loraflow.spec.schema import check_trigger_keys
 
@@ -65,8 +65,13 @@ class PickDatasetOperator(BaseOperator):
             from airflow.sdk.exceptions import AirflowFailException
 
             raise AirflowFailException(str(exc)) from exc
+        for problem in choice.skipped:  # a bad marker costs its own version only; the verdict lists them too
+            self.log.warning("skipped: %s", problem)
         if choice.version is None:
-            raise AirflowSkipException(f"nothing to train: {choice.reason}")
+            skipped = (
+                f" ({len(choice.skipped)} version(s) skipped for a bad marker, see above)" if choice.skipped else ""
+            )
+            raise AirflowSkipException(f"nothing to train: {choice.reason}{skipped}")
         self.log.info("training dataset version %s (%s)", choice.uri, choice.reason)
         return choice.to_xcom()
 
@@ -89,7 +94,7 @@ class HandoffVerdictOperator(BaseOperator):
         picked = ti.xcom_pull(task_ids=handoff.PICK_TASK) or {}
         version = picked.get("version")
         if not version:
-            from airflow.exceptions import AirflowSkipException
+            from airflow.sdk.exceptions import AirflowSkipException
 
             raise AirflowSkipException("this run took no dataset version; nothing to report")
         states = self._task_states(context)
@@ -105,7 +110,17 @@ class HandoffVerdictOperator(BaseOperator):
         report = ((ti.xcom_pull(task_ids="report") or {}).get("summary") or {}).get("report")
         report_url = browser_url(report, os.environ.get("STORAGE_EMULATOR_HOST")) if report else None
         document = handoff.result_document(
-            spec, self.dag_id, run_id, version, verdict, reasons, published, decision, report, report_url
+            spec,
+            self.dag_id,
+            run_id,
+            version,
+            verdict,
+            reasons,
+            published,
+            decision,
+            report,
+            report_url,
+            skipped=picked.get("skipped"),
         )
         result_uri = handoff.write_result(spec, version, document)
         context["outlet_events"][self.verdict_asset].extra = handoff.event_extra(document, result_uri)

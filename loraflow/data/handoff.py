@@ -16,6 +16,12 @@ the same version one wins, the other moves on to the next candidate or picks not
 trains twice, not even when polls overlap. GCS decides the race with the precondition itself (as
 does the local emulator, fake-gcs-server): the claim is never read back to decide it.
 
+Markers are written by whoever can write the prefix, so each is read with a byte cap
+(``artifacts.read_json_object``) and a bad one costs only its own version: a ``_CLAIM`` that is not a
+loraflow claim is skipped and reported (``Pick.skipped``: the task log and the verdict's ``skipped``),
+a claim naming this run is honoured only on a version with its own ``_READY``, and only a version
+folder's direct children are its markers and files (``v3/sub/_READY`` is not v3's).
+
 Airflow-free: operators/handoff.py calls ``pick`` and ``finish``.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +42,21 @@ from loraflow.reporting import notify
 if TYPE_CHECKING:  # the DAG file imports this module for its task names; the spec models load at run time
     from loraflow.spec.schema import HandoffSpec, PipelineSpec
 
+log = logging.getLogger(__name__)
+
 READY = "_READY"
 CLAIM = "_CLAIM"
 RESULT = "_RESULT.json"
 RESULT_FORMAT = "loraflow.data.handoff.result/1"
 CLAIM_FORMAT = "loraflow.data.handoff.claim/1"
+#: The most bytes read of a ``_CLAIM`` (loraflow writes about 150).
+CLAIM_MAX_BYTES = 64 << 10
+#: The most bytes read of a rejected dataset's data_report.json (validate_data caps what it lists).
+REPORT_MAX_BYTES = 16 << 20
+#: Airflow's limit for a dag_id and a run_id (ID_LEN): a claim naming longer ones was not written by loraflow.
+_ID_MAX = 250
+#: The most skipped versions a verdict lists (each is one line naming the version, the problem and the fix).
+MAX_SKIPPED = 20
 # Always fullmatch: with match() and '$', "v1\n" would pass (a '$' also matches before a final newline).
 VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,127}")
 PICK_TASK = "pick_dataset"
@@ -49,6 +66,10 @@ ACCEPTED, REJECTED, FAILED = "accepted", "rejected", "failed"
 
 class HandoffError(LoraflowError):
     """A hand-off that cannot be used as given (a missing marker, a bad version name)."""
+
+
+class BadClaimError(HandoffError):
+    """A version's ``_CLAIM`` is not a loraflow claim: no run may take that version."""
 
 
 def check_version(version: str) -> str:
@@ -136,9 +157,13 @@ def scan(handoff: HandoffSpec) -> list[VersionState]:
 
 
 def state_of(handoff: HandoffSpec, version: str) -> VersionState:
-    """One version's markers (an empty state when nothing lies there)."""
+    """One version's markers (an empty state when nothing lies there): its direct children only, as
+    ``scan`` sees them (``v3/sub/_READY`` is no marker of v3)."""
     bucket, path = gcs.split_uri(version_uri(handoff, version))
-    blobs = {b.name.rsplit("/", 1)[-1]: b for b in gcs.client().list_blobs(bucket, prefix=path + "/")}
+    base = path + "/"
+    blobs = {
+        b.name[len(base) :]: b for b in gcs.client().list_blobs(bucket, prefix=base) if "/" not in b.name[len(base) :]
+    }
     ready = blobs.get(READY)
     return VersionState(
         version,
@@ -150,7 +175,27 @@ def state_of(handoff: HandoffSpec, version: str) -> VersionState:
 
 
 def read_claim(handoff: HandoffSpec, version: str) -> dict[str, Any] | None:
-    return artifacts.read_json(gcs.join(version_uri(handoff, version), CLAIM))
+    """The claim on ``version``, or None when there is none. BadClaimError when its ``_CLAIM`` is not a
+    claim loraflow writes (larger than ``CLAIM_MAX_BYTES``, not a JSON object, no dag_id and run_id)."""
+    uri = gcs.join(version_uri(handoff, version), CLAIM)
+    try:
+        held = artifacts.read_json_object(uri, max_bytes=CLAIM_MAX_BYTES)
+    except artifacts.JsonObjectError as exc:
+        raise _bad_claim(uri, exc.problem) from None
+    if held is not None and not all(_is_id(held.get(k)) for k in ("dag_id", "run_id")):
+        raise _bad_claim(uri, f"names no dag_id and run_id (strings of 1-{_ID_MAX} characters)")
+    return held
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= _ID_MAX
+
+
+def _bad_claim(uri: str, problem: str) -> BadClaimError:
+    return BadClaimError(
+        f"{uri} {problem}: it is not a claim loraflow writes, so no run takes that version; "
+        "publish the data again under a new version name (or, if no run is training it, delete that _CLAIM)"
+    )
 
 
 def claim(handoff: HandoffSpec, version: str, dag_id: str, run_id: str) -> bool:
@@ -181,19 +226,31 @@ class Pick:
     uri: str | None = None
     train: str | None = None
     eval: str | None = None
+    skipped: tuple[str, ...] = ()  # versions passed over for a bad marker, each with why and the fix
 
     def to_xcom(self) -> dict[str, Any]:
-        return {"version": self.version, "reason": self.reason, "uri": self.uri, "train": self.train, "eval": self.eval}
+        return {
+            "version": self.version,
+            "reason": self.reason,
+            "uri": self.uri,
+            "train": self.train,
+            "eval": self.eval,
+            "skipped": list(self.skipped),
+        }
 
 
-def _picked(handoff: HandoffSpec, version: str, reason: str) -> Pick:
+def _picked(handoff: HandoffSpec, version: str, reason: str, skipped: list[str]) -> Pick:
     base = version_uri(handoff, version)
-    return Pick(version, reason, base, gcs.join(base, handoff.train), gcs.join(base, handoff.eval))
+    return Pick(version, reason, base, gcs.join(base, handoff.train), gcs.join(base, handoff.eval), tuple(skipped))
 
 
 def pick(handoff: HandoffSpec, dag_id: str, run_id: str, requested: str | None = None) -> Pick:
     """The version this run trains. ``requested`` (from an Asset event) must be ready; a version
-    that was already claimed or judged is not taken again, whoever asks."""
+    that was already claimed or judged is not taken again, whoever asks.
+
+    Polling, a version with a bad marker is skipped, never the end of the pick: ``Pick.skipped`` says
+    which and why. A version named by an event is refused with HandoffError instead (the run is for it).
+    """
     if requested is not None:
         state = state_of(handoff, check_version(requested))
         uri = version_uri(handoff, requested)
@@ -210,15 +267,41 @@ def pick(handoff: HandoffSpec, dag_id: str, run_id: str, requested: str | None =
         if not claim(handoff, requested, dag_id, run_id):
             held = read_claim(handoff, requested) or {}
             return Pick(None, f"{uri} is being trained by run {held.get('run_id')} of {held.get('dag_id')}")
-        return _picked(handoff, requested, "named by the triggering asset event")
+        return _picked(handoff, requested, "named by the triggering asset event", [])
     states = scan(handoff)
+    skipped: list[str] = []
     for state in states:  # a retried pick keeps the version its first try claimed
-        if state.claimed and not state.judged and claim(handoff, state.version, dag_id, run_id):
-            return _picked(handoff, state.version, "claimed by an earlier try of this run")
+        if state.claimed and not state.judged and _holds(handoff, state, dag_id, run_id, skipped):
+            return _picked(handoff, state.version, "claimed by an earlier try of this run", skipped)
     for version in candidates(states):
-        if claim(handoff, version, dag_id, run_id):
-            return _picked(handoff, version, f"the newest ready version under {handoff.prefix}")
-    return Pick(None, f"no ready, untrained dataset version under {handoff.prefix}")
+        try:
+            if claim(handoff, version, dag_id, run_id):
+                return _picked(handoff, version, f"the newest ready version under {handoff.prefix}", skipped)
+        except BadClaimError as exc:  # a claim written between the scan and the look
+            skipped.append(str(exc))
+    return Pick(None, f"no ready, untrained dataset version under {handoff.prefix}", skipped=tuple(skipped))
+
+
+def _holds(handoff: HandoffSpec, state: VersionState, dag_id: str, run_id: str, skipped: list[str]) -> bool:
+    """Whether this run holds ``state``'s claim (a retried pick) and may train it: only a ready version
+    (loraflow claims no other, so a claim naming this run on one without ``_READY`` was forged). A bad
+    claim or a claim like that is added to ``skipped``."""
+    try:
+        held = read_claim(handoff, state.version)
+    except BadClaimError as exc:
+        skipped.append(str(exc))
+        return False
+    if held is None or held.get("dag_id") != dag_id or held.get("run_id") != run_id:
+        return False
+    if state.ready_at is None:
+        uri = version_uri(handoff, state.version)
+        skipped.append(
+            f"{uri}/{CLAIM} names this run but the version has no {READY} marker of its own: not taken "
+            f"(loraflow claims only ready versions, so that claim was written by someone else); write {uri}/{READY} "
+            "last when the version is complete, or publish it under a new version name"
+        )
+        return False
+    return True
 
 
 def requested_version(events: list[dict[str, Any]]) -> str | None:
@@ -247,10 +330,19 @@ def drop_version(handoff: HandoffSpec, version: str, files: dict[str, Path]) -> 
 
 def data_failures(run_prefix: str) -> list[str]:
     """The data contract's failed rules, from the report validate_data keeps when it rejects a dataset."""
-    report = artifacts.read_json(gcs.join(run_prefix, "validate_data", "_rejected", "data_report.json"))
+    uri = gcs.join(run_prefix, "validate_data", "_rejected", "data_report.json")
+    try:
+        report = artifacts.read_json_object(uri, max_bytes=REPORT_MAX_BYTES)
+    except artifacts.JsonObjectError as exc:
+        log.warning("the data report %s cannot be read (%s); the verdict names no data-contract rule", uri, exc.problem)
+        return []
     if not report:
         return []
-    return [str(f) for f in (report.get("load_problems") or [])] + [str(f) for f in (report.get("failures") or [])]
+    listed = [report.get("load_problems"), report.get("failures")]
+    if not all(isinstance(items, list | None) for items in listed):
+        log.warning("the data report %s lists its problems as no list; the verdict names no data-contract rule", uri)
+        return []
+    return [str(f) for items in listed for f in (items or [])]
 
 
 def judge(
@@ -285,8 +377,10 @@ def result_document(
     decision: dict[str, Any] | None,
     report: str | None,
     report_url: str | None,
+    skipped: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The ``_RESULT.json`` a data team reads (fields documented in docs/data-handoff.md)."""
+    """The ``_RESULT.json`` a data team reads (fields documented in docs/data-handoff.md); ``skipped``: the
+    other versions this run's pick passed over for a bad marker (``Pick.skipped``)."""
     assert spec.handoff is not None
     model = None
     if published and published.get("promoted"):
@@ -312,6 +406,7 @@ def result_document(
         "report": report,
         "report_url": report_url,
         "artifacts": gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id)),
+        "skipped": [str(s) for s in (skipped or [])][:MAX_SKIPPED],
         "finished_at": _now(),
     }
 

@@ -218,6 +218,7 @@ def test_an_event_naming_a_version_takes_exactly_that_version(team: HandoffSpec)
         "uri": f"{team.prefix}/v1",
         "train": f"{team.prefix}/v1/train.jsonl",
         "eval": f"{team.prefix}/v1/eval.jsonl",
+        "skipped": [],
     }
     assert handoff.read_claim(team, "v1")["dag_id"] == "dag"
     again = handoff.pick(team, "dag", "run-b", requested="v1")
@@ -436,3 +437,115 @@ def test_a_handoff_prefix_ending_in_a_capital_x_is_scanned_whole(gcs_bucket: str
     team = HandoffSpec(prefix=f"{gcs_bucket}/handoff/parityX")
     drop(team, "v1")
     assert [s.version for s in handoff.scan(team)] == ["v1"]
+
+
+# ------------------------------------------------------------------------------------ hostile markers
+
+
+def put(team: HandoffSpec, name: str, body: bytes) -> None:
+    bucket, path = gcs.split_uri(team.prefix)
+    gcs.client().bucket(bucket).blob(f"{path}/{name}").upload_from_string(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"not json", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b'"x"', "not a JSON object"),
+        (b"", "not JSON"),
+        (b"[" * 50_000, "not JSON"),  # nested too deep to parse, within the cap
+        (b"{}", "names no dag_id and run_id"),
+        (b'{"dag_id": "dag", "run_id": 5}', "names no dag_id and run_id"),
+        (json.dumps({"dag_id": "dag", "run_id": "r" * 300}).encode(), "names no dag_id and run_id"),
+    ],
+    ids=["text", "list", "string", "empty", "deep", "empty-object", "number", "long-run-id"],
+)
+def test_a_garbage_claim_on_an_old_version_is_skipped_and_reported_never_crashing_a_pick(
+    team: HandoffSpec, body: bytes, says: str
+) -> None:
+    drop(team, "v1")
+    put(team, f"v1/{handoff.CLAIM}", body)
+    drop(team, "v2")
+    picked = handoff.pick(team, "dag", "run-a")
+    assert picked.version == "v2"
+    assert len(picked.skipped) == 1 and picked.skipped[0].startswith(f"{team.prefix}/v1/{handoff.CLAIM}")
+    assert says in picked.skipped[0] and "publish the data again under a new version name" in picked.skipped[0]
+    assert picked.to_xcom()["skipped"] == list(picked.skipped)
+    nothing = handoff.pick(team, "dag", "run-b")  # every later run skips it too, and says so
+    assert nothing.version is None and nothing.skipped == picked.skipped
+    with pytest.raises(handoff.HandoffError, match=says):  # named by an event: refused, naming it
+        handoff.pick(team, "dag", "run-c", requested="v1")
+
+
+def test_a_huge_claim_is_never_read_whole(team: HandoffSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    from google.cloud.storage import Blob
+
+    read, real = [], Blob.download_as_bytes
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        data = real(self, *args, **kwargs)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(Blob, "download_as_bytes", counted)
+    drop(team, "v1")
+    put(team, f"v1/{handoff.CLAIM}", json.dumps({"dag_id": "dag", "run_id": "x", "pad": "x" * (3 << 20)}).encode())
+    picked = handoff.pick(team, "dag", "run-a")
+    assert picked.version is None and "larger than" in picked.skipped[0]
+    assert read and max(read) <= handoff.CLAIM_MAX_BYTES + 1
+
+
+def test_a_claim_naming_this_run_on_a_version_without_ready_is_not_taken(team: HandoffSpec) -> None:
+    """A forged claim naming the next scheduled run used to make it train a version nobody marked ready."""
+    drop(team, "v3", ready=False)
+    put(team, "v3/eval.jsonl", (PARITY / "eval.jsonl").read_bytes())
+    put(team, f"v3/{handoff.CLAIM}", json.dumps({"dag_id": "dag", "run_id": "run-next"}).encode())
+    drop(team, "v1")
+    picked = handoff.pick(team, "dag", "run-next")
+    assert picked.version == "v1" and "newest ready version" in picked.reason
+    assert len(picked.skipped) == 1 and f"{team.prefix}/v3" in picked.skipped[0]
+    assert "names this run but the version has no _READY" in picked.skipped[0]
+
+
+def test_a_nested_ready_is_not_the_versions_own(team: HandoffSpec) -> None:
+    drop(team, "v3", ready=False)
+    put(team, "v3/eval.jsonl", (PARITY / "eval.jsonl").read_bytes())
+    put(team, f"v3/sub/{handoff.READY}", b"")
+    put(team, "v3/sub/extra.jsonl", b"{}")
+    state = handoff.state_of(team, "v3")
+    assert state.ready_at is None and state.files == {"train.jsonl", "eval.jsonl"}
+    with pytest.raises(handoff.HandoffError, match="has no _READY marker"):
+        handoff.pick(team, "dag", "run-a", requested="v3")
+    assert handoff.read_claim(team, "v3") is None
+    assert handoff.pick(team, "dag", "run-a").version is None
+
+
+def test_the_versions_a_pick_skipped_reach_the_verdict_and_the_task_log(
+    team: HandoffSpec, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from operators.handoff import PickDatasetOperator
+
+    spec = handoff_spec(prefix=team.prefix)
+    drop(team, "v1")
+    put(team, f"v1/{handoff.CLAIM}", b"[]")
+    drop(team, "v2")
+    operator = PickDatasetOperator(spec=spec.model_dump(mode="json"))
+    xcom = operator.execute({"params": {}, "run_id": "run-a"})  # type: ignore[arg-type]
+    assert xcom["version"] == "v2" and len(xcom["skipped"]) == 1
+    log = capsys.readouterr().out  # the task log (Airflow's structlog writes it to stdout here)
+    assert f"skipped: {team.prefix}/v1/{handoff.CLAIM} is not a JSON object" in log
+    doc = handoff.result_document(
+        spec, "d", "run-a", "v2", "rejected", ["quality gate: no"], None, GATE_NO, None, None, skipped=xcom["skipped"]
+    )
+    assert doc["skipped"] == xcom["skipped"]
+    assert handoff.result_document(spec, "d", "run-a", "v2", "failed", [], None, None, None, None)["skipped"] == []
+
+
+def test_a_data_report_that_cannot_be_read_is_no_crash(gcs_bucket: str, caplog: pytest.LogCaptureFixture) -> None:
+    run = f"{gcs_bucket}/artifacts/p/run1"
+    bucket, path = gcs.split_uri(f"{run}/validate_data/_rejected/data_report.json")
+    for body in (b"not json", b"[1]", b'{"failures": "abc", "load_problems": 7}'):
+        gcs.client().bucket(bucket).blob(path).upload_from_string(body)
+        assert handoff.data_failures(run) == []
+    assert "data_report.json" in caplog.text
