@@ -171,3 +171,41 @@ def test_the_report_samples_are_fixed_or_broken_by_the_gated_metric(metric: metr
     tuned = [row(0, True, "c"), row(1, False, "d")]
     samples = report.sample_outputs(base, tuned, column=metric.column)
     assert [s["id"] for s in samples["fixed"]] == ["e0"] and [s["id"] for s in samples["broken"]] == ["e1"]
+
+
+TAGGED = metrics.Scoring(("tagged_format_rate", "approx_accuracy"), answer_format="tagged")
+
+
+@pytest.mark.parametrize(
+    ("generation", "ok"),
+    [
+        ("<reasoning>3 + 4</reasoning><answer>7</answer>", True),
+        ("  <reasoning>3 + 4</reasoning> so <answer>7</answer>\n", True),  # whitespace around, text between
+        ("So: <reasoning>3 + 4</reasoning><answer>7</answer>", False),  # text before <reasoning>
+        ("<reasoning>3 + 4</reasoning><answer>7</answer> and 8", False),  # text after </answer>
+        ("x<reasoning>3 + 4</reasoning><answer>7</answer>y", False),
+    ],
+    ids=["plain", "whitespace", "before", "after", "both"],
+)
+def test_the_tagged_format_check_is_anchored_at_both_ends(generation: str, ok: bool) -> None:
+    """tagged_format_rate counts only generations that are the tutorial's layout from the first character to
+    the last (the evaluate step scores with these settings; the control suite pins it, not only tests/serving)."""
+    scored = metrics.score(generation, "<reasoning>r</reasoning><answer>7</answer>", settings=TAGGED)
+    assert scored.outcomes["tagged_format_ok"] is ok
+
+
+@pytest.mark.parametrize(
+    ("answer", "reference", "close"),
+    [
+        ("90", "100", True),  # 10 off, 10 % of the reference: within (10 % of the answer, 9, is not)
+        ("111", "100", False),  # 11 off: beyond 10 % of the reference (10 % of the answer, 11.1, is not)
+        ("-91", "-100", True),  # |reference| is the base, whatever the signs
+        ("-110", "-100", True),
+        ("-111", "-100", False),
+        ("0.5", "0", False),  # a reference of 0 needs exactly 0
+    ],
+)
+def test_approx_accuracys_tolerance_is_relative_to_the_reference(answer: str, reference: str, close: bool) -> None:
+    tagged = f"<reasoning>r</reasoning><answer>{answer}</answer>"
+    scored = metrics.score(tagged, f"<answer>{reference}</answer>", settings=TAGGED)
+    assert scored.outcomes["approx_correct"] is close
