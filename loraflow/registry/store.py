@@ -4,16 +4,19 @@ Layout under ``{registry_uri}/{pipeline}/``: ``versions/NNNN.json`` (one per pro
 never overwritten) and ``aliases/champion.json`` (points at the current champion's version).
 
 Anyone who can write the bucket can write these files, so the gate trusts nothing a version entry
-merely says: ``champion`` follows the alias only to a version of this registry whose model is a
-committed ``merge_adapter`` of this pipeline, and finds the committed ``evaluate_tuned`` of that very
-model; the gate measures the champion's figure from that evaluation's predictions (each file checked
-against its manifest), never from the number the entry records.
+merely says. ``champion`` follows the alias only to a version of this registry and anchors it in the
+version's own run of this pipeline: the committed gate of that run (under
+``{artifact_root}/{pipeline}/{run}/``) must have promoted it, the committed ``evaluate_tuned`` that gate
+judged must be of the version's model, and that model a committed ``merge_adapter`` with the
+fingerprint the version records. (The model and its evaluation may lie under another run or pipeline:
+a cache hit reuses their commits; the run's own gate is what ties them to this pipeline.) The gate
+measures the champion's figure from that evaluation's predictions, each file checked against its
+manifest, never from the number the entry records.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from loraflow.errors import ArtifactError
@@ -22,12 +25,12 @@ from loraflow.pipeline import artifacts, gcs
 CHAMPION = "champion"
 MODEL_STAGE = "merge_adapter"
 EVALUATION_STAGE = "evaluate_tuned"
+GATE_STAGE = "gate"
 #: The most bytes read of an alias (publish writes about 600).
 ALIAS_MAX_BYTES = 64 << 10
 #: The most bytes read of a version entry: publish writes a few kB; versions registered before it kept
 #: only the scalars of the decision's metrics embedded both evaluations' per-example lists.
 VERSION_MAX_BYTES = 16 << 20
-_RUN = re.compile(r"[A-Za-z0-9._-]+")  # a run segment of an artifact path (artifacts.safe_run_id)
 
 
 def alias_uri(registry_uri: str, pipeline: str, alias: str = CHAMPION) -> str:
@@ -43,10 +46,10 @@ def refused(alias: str, problem: str, version: int | None = None, version_uri: s
     where = f"version {version} ({version_uri}): " if version is not None else ""
     return ArtifactError(
         f"the {CHAMPION} alias {alias} is refused: {where}{problem}. The gate trusts only a champion it can "
-        f"verify: a version of this registry whose model is a {MODEL_STAGE} commit of this pipeline under the "
-        f"artifact root, measured from the committed {EVALUATION_STAGE} of that model; repair it (point the "
-        "alias at a version as publish writes it) or delete it to compare with the base only (the next "
-        "promotion writes it again)"
+        f"verify: a version of this registry whose own run's committed {GATE_STAGE} promoted it, judging the "
+        f"committed {EVALUATION_STAGE} of its model, a committed {MODEL_STAGE} under the artifact root; repair "
+        "it (point the alias at a version as publish writes it) or delete it to compare with the base only (the "
+        "next promotion writes it again)"
     )
 
 
@@ -54,14 +57,12 @@ def champion(registry_uri: str, pipeline: str, artifact_root: str) -> dict[str, 
     """The champion's version entry, verified, or None when nothing was promoted yet.
 
     Returned: the entry with ``version``, ``version_uri`` and ``alias_uri``, and what was verified:
-    ``model_manifest`` and ``model_fingerprint`` (of the committed model), ``evaluation_manifest`` and
-    ``eval_set_fingerprint`` (of its committed evaluation). The alias may only point at a version of
-    this registry; that version's model must be a committed ``merge_adapter`` of ``pipeline`` under
-    ``artifact_root`` with the fingerprint the version records, and its evaluation (the one the version
-    records, or, for versions registered before publish recorded it, the one its run's gate judged) a
-    committed ``evaluate_tuned`` of ``pipeline`` whose model input is that very model. Anything else
-    raises ArtifactError naming the alias, the version and the problem: a champion from elsewhere would
-    decide what the gate promotes. Every object is read with a byte cap.
+    ``gate_manifest`` (the committed gate of the version's own run of ``pipeline``, which promoted it),
+    ``evaluation_manifest`` and ``eval_set_fingerprint`` (the committed evaluate_tuned that gate judged),
+    ``model_manifest`` and ``model_fingerprint`` (the committed merge_adapter that evaluation evaluated:
+    the version's model, with the fingerprint the version records). Anything else raises ArtifactError
+    naming the alias, the version and the problem: a champion from elsewhere would decide what the gate
+    promotes. Every object is read with a byte cap.
     """
     where = alias_uri(registry_uri, pipeline)
     alias = _read(where, ALIAS_MAX_BYTES, lambda problem: refused(where, f"it {problem}"))
@@ -82,18 +83,20 @@ def champion(registry_uri: str, pipeline: str, artifact_root: str) -> dict[str, 
         raise refused(where, f"it points at {expected}, which does not exist")
     if entry.get("version", number) != number:
         raise refused(where, f"{expected} does not hold version {number}")
-    model = _model(entry, alias, artifact_root, pipeline, wrong)
-    evaluation = _evaluation(entry, model, artifact_root, pipeline, wrong)
+    model = _model(entry, alias, artifact_root, wrong)
+    gate = _gate(entry, artifact_root, pipeline, wrong)
+    evaluation = _evaluation(gate, model, artifact_root, wrong)
     eval_set = _mapping(_mapping(evaluation.data.get("inputs")).get("eval_set")).get("fingerprint")
     return {
         **entry,
         "version": number,
         "version_uri": expected,
         "alias_uri": where,
-        "model_manifest": model.uri,
-        "model_fingerprint": model.fingerprint,
+        "gate_manifest": gate.uri,
         "evaluation_manifest": evaluation.uri,
         "eval_set_fingerprint": eval_set if isinstance(eval_set, str) else None,
+        "model_manifest": model.uri,
+        "model_fingerprint": model.fingerprint,
     }
 
 
@@ -104,8 +107,10 @@ def _read(uri: str, max_bytes: int, wrong: Any) -> dict[str, Any] | None:
         raise wrong(exc.problem) from None
 
 
-def _commit(uri: Any, artifact_root: str, stage: str, pipeline: str, what: str, wrong: Any) -> artifacts.Manifest:
-    """The committed manifest of ``stage`` of ``pipeline`` at ``uri``; ``wrong(problem)`` otherwise."""
+def _commit(
+    uri: Any, artifact_root: str, stage: str, what: str, wrong: Any, pipeline: str | None = None
+) -> artifacts.Manifest:
+    """The committed manifest of ``stage`` (of ``pipeline``, when given) at ``uri``; ``wrong(problem)`` otherwise."""
     problem = artifacts.stage_manifest_problem(uri, artifact_root, stage, pipeline)
     if problem:
         raise wrong(f"its {what} {_short(uri)} is refused: {problem}")
@@ -119,50 +124,50 @@ def _commit(uri: Any, artifact_root: str, stage: str, pipeline: str, what: str, 
     return manifest
 
 
-def _model(
-    entry: dict[str, Any], alias: dict[str, Any], artifact_root: str, pipeline: str, wrong: Any
-) -> artifacts.Manifest:
+def _model(entry: dict[str, Any], alias: dict[str, Any], artifact_root: str, wrong: Any) -> artifacts.Manifest:
     pointer = entry.get("model_manifest")
     named = alias.get("model_manifest", pointer)
     if named != pointer:
-        problem = artifacts.stage_manifest_problem(named, artifact_root, MODEL_STAGE, pipeline)
+        problem = artifacts.stage_manifest_problem(named, artifact_root, MODEL_STAGE)
         raise wrong(
             f"the alias's model {_short(named)} is refused: {problem}"
             if problem
             else f"the alias names the model {_short(named)}, the version {_short(pointer)}"
         )
-    model = _commit(pointer, artifact_root, MODEL_STAGE, pipeline, "model", wrong)
+    model = _commit(pointer, artifact_root, MODEL_STAGE, "model", wrong)
     recorded = entry.get("model_fingerprint")
     if recorded is not None and recorded != model.fingerprint:
         raise wrong(f"its model's files have fingerprint {model.fingerprint}, the version records {_short(recorded)}")
     return model
 
 
+def _gate(entry: dict[str, Any], artifact_root: str, pipeline: str, wrong: Any) -> artifacts.Manifest:
+    """The committed gate of the version's own run of ``pipeline``, which promoted it."""
+    run = entry.get("run_id")
+    try:
+        own = gcs.join(artifact_root, pipeline, artifacts.safe_run_id(run if isinstance(run, str) else "")) + "/"
+    except ArtifactError:
+        raise wrong(f"it names no run of {pipeline} (run_id {_short(run)})") from None
+    pointer = entry.get("gate_manifest") or own + f"{GATE_STAGE}/{artifacts.MANIFEST}"
+    if isinstance(pointer, str) and not pointer.startswith(own):
+        raise wrong(f"its gate {_short(pointer)} is not a commit of its own run {own}")
+    gate = _commit(pointer, artifact_root, GATE_STAGE, "run's gate", wrong, pipeline)
+    if _mapping(gate.data.get("summary")).get("promote") is not True:
+        raise wrong(f"its run's gate {gate.uri} did not promote it")
+    return gate
+
+
 def _evaluation(
-    entry: dict[str, Any], model: artifacts.Manifest, artifact_root: str, pipeline: str, wrong: Any
+    gate: artifacts.Manifest, model: artifacts.Manifest, artifact_root: str, wrong: Any
 ) -> artifacts.Manifest:
-    """The committed evaluate_tuned of ``model`` the version was judged on."""
-    pointer = entry.get("evaluation_manifest")
-    if pointer is None:  # registered before publish recorded it: what its run's gate judged
-        run = entry.get("run_id")
-        gate = gcs.join(artifact_root, pipeline, str(run), "gate", artifacts.MANIFEST) if _is_run(run) else None
-        try:
-            judged = artifacts.read_manifest(gate) if gate else None
-        except (ArtifactError, ValueError):
-            judged = None
-        tuned = _mapping(_mapping(judged.data.get("inputs")).get("tuned_eval")) if judged else {}
-        pointer = tuned.get("uri")
-        if pointer is None:
-            raise wrong(
-                f"there is no committed evaluation of its model: the version records no evaluation_manifest "
-                f"and its run's gate commit ({gate or f'run {_short(run)}'}) names none"
-            )
-    evaluation = _commit(pointer, artifact_root, EVALUATION_STAGE, pipeline, "evaluation", wrong)
+    """The committed evaluate_tuned the gate judged, which must be of ``model``."""
+    pointer = _mapping(_mapping(gate.data.get("inputs")).get("tuned_eval")).get("uri")
+    evaluation = _commit(pointer, artifact_root, EVALUATION_STAGE, "evaluation (its run's gate's tuned_eval)", wrong)
     used = _mapping(_mapping(evaluation.data.get("inputs")).get("model"))
     if used.get("uri") != model.uri or used.get("fingerprint") != model.fingerprint:
         raise wrong(
-            f"its evaluation {evaluation.uri} evaluated the model {_short(used.get('uri'))} (fingerprint "
-            f"{_short(used.get('fingerprint'))}), not its model {model.uri} ({model.fingerprint})"
+            f"its run's gate {gate.uri} judged an evaluation of the model {_short(used.get('uri'))} (fingerprint "
+            f"{_short(used.get('fingerprint'))}), not of its model {model.uri} ({model.fingerprint})"
         )
     return evaluation
 
@@ -194,10 +199,6 @@ def _finite(value: Any) -> float | None:
 
 def _mapping(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
-
-
-def _is_run(value: Any) -> bool:
-    return isinstance(value, str) and _RUN.fullmatch(value) is not None and value not in (".", "..")
 
 
 def _short(value: Any, limit: int = 120) -> str:

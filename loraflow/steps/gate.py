@@ -104,6 +104,7 @@ def against_champion(
         "version_uri": champion.get("version_uri"),
         "run_id": champion.get("run_id"),
         "model_fingerprint": champion.get("model_fingerprint"),
+        "gate_manifest": champion.get("gate_manifest"),
         "evaluation_manifest": champion.get("evaluation_manifest"),
         "metric": metric,
         "value": measured,
@@ -316,8 +317,8 @@ def _against_registry(
     if champion is not None:
         measured = champion_figure(champion, decision.metric, ctx.work)
         ctx.progress(
-            f"champion: version {champion['version']}, measured from {champion['evaluation_manifest']} "
-            f"(model {champion['model_manifest']}, both verified)"
+            f"champion: version {champion['version']}, promoted by {champion['gate_manifest']}, measured from "
+            f"{champion['evaluation_manifest']} (model {champion['model_manifest']}; all verified)"
         )
     model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
     eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")

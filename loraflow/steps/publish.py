@@ -18,8 +18,9 @@ Config (``loraflow.spec.step_configs.PublishConfig``)::
 The registry of a pipeline lives under ``{registry_uri}/{pipeline}/``::
 
     versions/0001.json      one per promoted model, never overwritten; records the model, the
-                            evaluation the gate judged it on (``evaluation_manifest``: the next
-                            gates measure the champion's figure there) and its eval ``metrics``
+                            gate commit that promoted it (``gate_manifest``: the next gates find
+                            the evaluation it judged there and measure the champion's figure from
+                            it) and its eval ``metrics``
     aliases/champion.json   points at the current champion version
 
 Registry objects are read with a byte cap (``artifacts.read_json_object``): a version file that is not
@@ -300,7 +301,7 @@ def _register_version(
         "pipeline": cfg.pipeline,
         "model_manifest": manifest.uri,
         "model_fingerprint": manifest.fingerprint,
-        "evaluation_manifest": _judged_evaluation(ctx),
+        "gate_manifest": _gate_manifest(ctx),
         "metrics": eval_metrics(decision),
         "eval_set_fingerprint": decision.get("eval_set_fingerprint"),
         "decision": _without_per_example_lists(decision),
@@ -312,13 +313,12 @@ def _register_version(
     return number, entry
 
 
-def _judged_evaluation(ctx: StepContext) -> str | None:
-    """The evaluate_tuned manifest the gate judged (its commit's ``tuned_eval`` input), where the next gates
-    measure this model's figure; None when the decision was given without its manifest (a run by hand)."""
+def _gate_manifest(ctx: StepContext) -> str | None:
+    """The gate commit that promoted this model (the ``decision`` input's manifest), where the next gates
+    find the evaluation it judged; None when the decision was given without its manifest (a run by hand:
+    the gate commit of the run is looked for instead)."""
     gate = ctx.input_manifests.get("decision")
-    tuned = (gate.data.get("inputs") or {}).get("tuned_eval") if gate is not None else None
-    uri = tuned.get("uri") if isinstance(tuned, dict) else None
-    return uri if isinstance(uri, str) else None
+    return gate.uri if gate is not None else None
 
 
 def _without_per_example_lists(decision: dict[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,14 @@
 """A pipeline's champion as a real run leaves it in GCS, for the gate's and the registry's tests.
 
 ``register_champion`` commits a merge_adapter model, the evaluate_tuned evaluation of that model
-(predictions.parquet and metrics.json, as the evaluate step writes them) and the gate that judged it,
-under ``{root}/{pipeline}/{run}/``, then a registry version and the champion alias as publish writes
-them. Keyword arguments change one piece at a time, so a test can forge exactly one thing.
+(predictions.parquet and metrics.json, as the evaluate step writes them) and the gate that judged it
+and promoted, under ``{root}/{pipeline}/{run}/``, then a registry version and the champion alias as
+publish writes them. Keyword arguments change one piece at a time, so a test can forge exactly one thing.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,12 @@ from loraflow.steps import publish
 from .test_gate import write_eval
 
 
-def commit_dir(local: Path, prefix: str, stage: str, inputs: dict[str, Any]) -> artifacts.Manifest:
+def commit_dir(
+    local: Path, prefix: str, stage: str, inputs: dict[str, Any], summary: dict[str, Any] | None = None
+) -> artifacts.Manifest:
     files = artifacts.upload_tree(local, prefix)
     return artifacts.commit(
-        prefix, files, stage=stage, inputs=inputs, config={}, lock_version="t", cache_key="", summary={}
+        prefix, files, stage=stage, inputs=inputs, config={}, lock_version="t", cache_key="", summary=summary or {}
     )
 
 
@@ -49,10 +52,25 @@ def committed_evaluation(
     return commit_dir(local, gcs.join(root, pipeline, run, "evaluate_tuned"), "evaluate_tuned", inputs)
 
 
+def committed_gate(
+    root: str, pipeline: str, run: str, tuned_eval: str, tmp_path: Path, promote: bool = True
+) -> artifacts.Manifest:
+    """The gate commit of ``run``: it judged the evaluate_tuned ``tuned_eval`` and promoted (or not)."""
+    local = tmp_path / f"gate-{pipeline}-{run}"
+    local.mkdir(parents=True)
+    (local / "decision.json").write_text(json.dumps({"promote": promote}))
+    inputs = {
+        "tuned_eval": {"uri": tuned_eval, "fingerprint": "t"},
+        "base_eval": {"uri": "gs://b/b", "fingerprint": "b"},
+    }
+    return commit_dir(local, gcs.join(root, pipeline, run, "gate"), "gate", inputs, {"promote": promote})
+
+
 @dataclass(frozen=True)
 class Champion:
     model: artifacts.Manifest
     evaluation: artifacts.Manifest
+    gate: artifacts.Manifest
     version_uri: str
     entry: dict[str, Any]
 
@@ -73,16 +91,16 @@ def register_champion(
     version: int = 1,
     entry: dict[str, Any] | None = None,
     alias: dict[str, Any] | None = None,
+    model_at: tuple[str, str] | None = None,
 ) -> Champion:
-    """Commit a model, its evaluation (``accuracy`` right) and its gate; register them as ``version``
-    with the alias on it. ``entry`` and ``alias`` replace fields of what publish would write."""
-    model = committed_model(root, pipeline, run, tmp_path, payload=f"{run}-{version}".encode())
-    evaluation = committed_evaluation(root, pipeline, run, model, accuracy_pattern(accuracy), tmp_path)
-    gate_dir = tmp_path / f"gate-{pipeline}-{run}-{version}"
-    gate_dir.mkdir(parents=True)
-    (gate_dir / "decision.json").write_text("{}")
-    inputs = {"tuned_eval": upstream(evaluation), "base_eval": {"uri": "gs://b/base", "fingerprint": "b"}}
-    commit_dir(gate_dir, gcs.join(root, pipeline, run, "gate"), "gate", inputs)
+    """Commit a model, its evaluation (``accuracy`` right) and the gate of ``run`` that judged it and
+    promoted; register them as ``version`` with the alias on it. ``model_at``: (pipeline, run) where the
+    model and its evaluation were committed (a cache hit: another run's or pipeline's commit). ``entry``
+    and ``alias`` replace fields of what publish would write."""
+    where = model_at or (pipeline, run)
+    model = committed_model(root, *where, tmp_path, payload=f"{run}-{version}".encode())
+    evaluation = committed_evaluation(root, *where, model, accuracy_pattern(accuracy), tmp_path)
+    gate = committed_gate(root, pipeline, run, evaluation.uri, tmp_path)
     body = {
         "format": publish.VERSION_FORMAT,
         "pipeline": pipeline,
@@ -90,7 +108,7 @@ def register_champion(
         "run_id": run,
         "model_manifest": model.uri,
         "model_fingerprint": model.fingerprint,
-        "evaluation_manifest": evaluation.uri,
+        "gate_manifest": gate.uri,
         "metrics": {"accuracy": accuracy, "n": 100},
         "eval_set_fingerprint": "eval-fp",
         **(entry or {}),
@@ -108,4 +126,4 @@ def register_champion(
         **(alias or {}),
     }
     artifacts.write_json(registry.alias_uri(registry_uri, pipeline), pointer)
-    return Champion(model, evaluation, version_uri, body)
+    return Champion(model, evaluation, gate, version_uri, body)

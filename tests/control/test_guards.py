@@ -21,7 +21,7 @@ from loraflow.pipeline import artifacts, gcs
 from loraflow.registry import store as registry
 from loraflow.steps import gate, merge_adapter, publish
 
-from .champions import Champion, commit_dir, register_champion, upstream
+from .champions import Champion, commit_dir, committed_gate, register_champion, upstream
 from .test_gate import write_eval
 
 # ------------------------------------------------------------------------------ merge_adapter
@@ -196,6 +196,7 @@ def test_the_champions_figure_is_measured_from_its_own_evaluation_not_taken_from
     assert "does not beat the champion (version 1, run run-1): 0.950" in summary["reason"]
     assert decision["champion"]["value"] == pytest.approx(0.95)
     assert decision["champion"]["evaluation_manifest"].endswith("/tiny/run-1/evaluate_tuned/_MANIFEST.json")
+    assert decision["champion"]["gate_manifest"].endswith("/tiny/run-1/gate/_MANIFEST.json")
     assert any(f"records accuracy {recorded!r}" in n and "measured from" in n for n in decision["notes"]), decision
 
 
@@ -221,7 +222,8 @@ def test_a_champion_evaluated_without_the_gates_metric_cannot_be_beaten_and_says
     pd.read_parquet(local / "predictions.parquet").drop(columns=["correct"]).to_parquet(local / "predictions.parquet")
     root = f"{gcs_bucket}/artifacts"
     old = commit_dir(local, f"{root}/tiny/run-0/evaluate_tuned", "evaluate_tuned", {"model": upstream(champ.model)})
-    artifacts.write_json(champ.version_uri, {**champ.entry, "evaluation_manifest": old.uri})
+    committed_gate(root, "tiny", "run-0", old.uri, tmp_path)
+    artifacts.write_json(champ.version_uri, {**champ.entry, "run_id": "run-0", "gate_manifest": None})
     summary, decision = gate_run()
     assert summary["promote"] is False
     assert "has no per-example 'correct' column, so it cannot be compared" in summary["reason"]

@@ -372,7 +372,7 @@ def judged(root: str, tmp_path: Path, run: str = "run-1") -> tuple[artifacts.Man
     local.mkdir()
     (local / "decision.json").write_text(json.dumps({"promote": True, "metric": "accuracy", "tuned": 0.9}))
     gate = champions.commit_dir(
-        local, f"{root}/tiny/{run}/gate", "gate", {"tuned_eval": champions.upstream(evaluation)}
+        local, f"{root}/tiny/{run}/gate", "gate", {"tuned_eval": champions.upstream(evaluation)}, {"promote": True}
     )
     return model, evaluation, gate
 
@@ -391,11 +391,11 @@ def test_the_gate_reads_the_champion_where_publish_writes_it(
     config = {"registry_uri": reg, "pipeline": "tiny", "run_id": "run-1"}
     publish.run(make_ctx("publish", {"decision": tmp_path / "gate-run-1"}, config, {"model": model, "decision": gate}))
     version = read(f"{reg}/tiny/versions/0001.json")
-    assert version["evaluation_manifest"] == evaluation.uri  # the evaluation the gate judged, for the next gates
+    assert version["gate_manifest"] == gate.uri  # the gate that promoted it: the next gates find its evaluation
     champion = registry.champion(reg, "tiny", root)
     assert champion is not None and champion["version"] == 1 and champion["model_manifest"] == model.uri
     assert champion["version_uri"] == f"{reg}/tiny/versions/0001.json"
-    assert champion["evaluation_manifest"] == evaluation.uri
+    assert champion["evaluation_manifest"] == evaluation.uri and champion["gate_manifest"] == gate.uri
 
 
 def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_bucket: str, tmp_path: Path) -> None:
@@ -403,7 +403,7 @@ def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_buc
     from loraflow.registry import store as registry
 
     reg, root = f"{gcs_bucket}/_registry", f"{gcs_bucket}/artifacts"
-    model, evaluation, _ = judged(root, tmp_path)
+    model, evaluation, gate = judged(root, tmp_path)
     # an alias with only its version, a version entry with its model and run only: both as publish reads them
     artifacts.write_json(registry.alias_uri(reg, "tiny"), {"version": 1})
     artifacts.write_json(registry.version_uri(reg, "tiny", 1), {"model_manifest": model.uri, "run_id": "run-1"})
@@ -414,6 +414,7 @@ def test_a_minimal_alias_and_version_are_read_and_malformed_ones_refused(gcs_buc
         "version": 1,
         "version_uri": registry.version_uri(reg, "tiny", 1),
         "alias_uri": registry.alias_uri(reg, "tiny"),
+        "gate_manifest": gate.uri,
         "model_fingerprint": model.fingerprint,
         "evaluation_manifest": evaluation.uri,
         "eval_set_fingerprint": "eval-fp",

@@ -27,7 +27,7 @@ from loraflow.pipeline.local_paths import UnsafeNameError, local_paths, safe_joi
 from loraflow.registry import store as registry
 from loraflow.steps._harness import StepContext, run_step
 
-from .champions import committed_evaluation, committed_model, register_champion
+from .champions import committed_evaluation, committed_gate, committed_model, register_champion
 
 PROPERTY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -353,11 +353,16 @@ def test_a_champion_registered_as_publish_writes_it_is_read_with_its_verified_ev
     champion = registry.champion(f"{root}/_registry", "tiny", root)
     assert champion is not None and champion["version"] == 1 and champion["version_uri"] == champ.version_uri
     assert champion["model_manifest"] == champ.model.uri and champion["model_fingerprint"] == champ.model.fingerprint
-    assert champion["evaluation_manifest"] == champ.evaluation.uri
-    # a version registered before publish recorded its evaluation: found through its run's gate commit
-    register_champion(f"{root}/_registry", root, tmp_path, run="run-2", entry={"evaluation_manifest": None})
+    assert champion["evaluation_manifest"] == champ.evaluation.uri and champion["gate_manifest"] == champ.gate.uri
+    # a version registered before publish recorded its gate: its run's gate commit
+    register_champion(f"{root}/_registry", root, tmp_path, run="run-2", entry={"gate_manifest": None})
     older = registry.champion(f"{root}/_registry", "tiny", root)
-    assert older is not None and older["evaluation_manifest"] == f"{root}/tiny/run-2/evaluate_tuned/_MANIFEST.json"
+    assert older is not None and older["gate_manifest"] == f"{root}/tiny/run-2/gate/_MANIFEST.json"
+    # a model and its evaluation reused from another pipeline's run (cache hits): its own run's gate ties them
+    reused = register_champion(f"{root}/_registry", root, tmp_path, run="run-3", model_at=("other", "run-9"))
+    champion = registry.champion(f"{root}/_registry", "tiny", root)
+    assert champion is not None and champion["model_manifest"] == reused.model.uri
+    assert reused.model.uri.startswith(f"{root}/other/run-9/") and champion["gate_manifest"] == reused.gate.uri
 
 
 @pytest.mark.parametrize(
@@ -370,7 +375,7 @@ def test_a_champion_registered_as_publish_writes_it_is_read_with_its_verified_ev
         ({}, "{root}/tiny/run-1/evaluate_tuned/_MANIFEST.json", "not of stage merge_adapter"),
         ({}, "{bucket}/elsewhere/tiny/run-1/merge_adapter/_MANIFEST.json", "outside the artifact root"),
         ({"model_manifest": "gs://x/tiny/run-1/merge_adapter/_MANIFEST.json"}, None, "outside the artifact root"),
-        ({}, "{root}/other/run-1/merge_adapter/_MANIFEST.json", "a commit of pipeline 'other', not of tiny"),
+        ({}, "{root}/other/run-1/merge_adapter/_MANIFEST.json", "judged an evaluation of the model"),
         ({}, "{root}/tiny/run-7/merge_adapter/_MANIFEST.json", "does not exist"),
     ],
     ids=[
@@ -391,11 +396,13 @@ def test_a_champion_alias_pointing_elsewhere_is_refused(
     fill = {"root": root, "bucket": gcs_bucket}
     alias = {k: v.format(**fill) if isinstance(v, str) else v for k, v in alias.items()}
     artifacts.write_json(f"{gcs_bucket}/crafted/0001.json", {"version": 1, "metrics": {"accuracy": 1.0}})
-    committed_model(root, "other", "run-1", tmp_path)  # another pipeline's real merge_adapter commit
+    other = committed_model(root, "other", "run-1", tmp_path)  # another pipeline's real merge_adapter commit
     entry = {}
     if model:
         entry = {"model_manifest": model.format(**fill)}
         alias.setdefault("model_manifest", entry["model_manifest"])
+        if entry["model_manifest"] == other.uri:  # its true fingerprint, as a careful forger writes it
+            entry["model_fingerprint"] = other.fingerprint
     register_champion(f"{root}/_registry", root, tmp_path, entry=entry, alias=alias)
     with pytest.raises(ArtifactError, match=says) as err:
         registry.champion(f"{root}/_registry", "tiny", root)
@@ -403,35 +410,52 @@ def test_a_champion_alias_pointing_elsewhere_is_refused(
 
 
 def _forge(case: str, root: str, tmp_path: Path) -> dict:
-    """What a bucket writer changes in an otherwise whole champion's version entry."""
+    """What a bucket writer changes in an otherwise whole champion's version entry (the champion's own model
+    and evaluation are committed under run-1)."""
+    champions_eval = f"{root}/tiny/run-1/evaluate_tuned/_MANIFEST.json"
     if case == "model-fingerprint":
         return {"model_fingerprint": "0" * 64}
-    if case == "no-evaluation":  # no recorded evaluation, and no gate commit under the version's run
-        return {"evaluation_manifest": None, "run_id": "run-8"}
-    if case == "evaluation-of-another-model":
+    if case == "no-run":
+        return {"run_id": None, "gate_manifest": None}
+    if case == "no-gate":  # a run that never committed its gate
+        return {"run_id": "run-8", "gate_manifest": None}
+    if case == "gate-of-another-run":
+        committed_gate(root, "tiny", "run-2", champions_eval, tmp_path)
+        return {"gate_manifest": f"{root}/tiny/run-2/gate/_MANIFEST.json"}
+    if case == "gate-of-another-pipeline":
+        committed_gate(root, "other", "run-1", champions_eval, tmp_path)
+        return {"gate_manifest": f"{root}/other/run-1/gate/_MANIFEST.json"}
+    if case == "gate-not-a-uri":
+        return {"gate_manifest": ["gs://b/x"]}
+    if case == "gate-did-not-promote":
+        committed_gate(root, "tiny", "run-4", champions_eval, tmp_path, promote=False)
+        return {"run_id": "run-4", "gate_manifest": None}
+    if case == "gate-judged-another-model":
         other = committed_model(root, "tiny", "run-2", tmp_path, b"other weights")
-        return {"evaluation_manifest": committed_evaluation(root, "tiny", "run-2", other, "1" * 100, tmp_path).uri}
-    if case == "evaluation-of-another-stage":
-        return {"evaluation_manifest": f"{root}/tiny/run-1/merge_adapter/_MANIFEST.json"}
-    if case == "evaluation-of-another-pipeline":
-        other = committed_model(root, "other", "run-1", tmp_path, b"other weights")
-        return {"evaluation_manifest": committed_evaluation(root, "other", "run-1", other, "1" * 100, tmp_path).uri}
-    if case == "evaluation-not-committed":
-        return {"evaluation_manifest": f"{root}/tiny/run-3/evaluate_tuned/_MANIFEST.json"}
-    assert case == "evaluation-not-a-uri"
-    return {"evaluation_manifest": ["gs://b/x"]}
+        evaluation = committed_evaluation(root, "tiny", "run-2", other, "1" * 100, tmp_path)
+        committed_gate(root, "tiny", "run-2", evaluation.uri, tmp_path)
+        return {"run_id": "run-2", "gate_manifest": None}
+    if case == "gate-judged-another-stage":
+        committed_gate(root, "tiny", "run-5", f"{root}/tiny/run-1/merge_adapter/_MANIFEST.json", tmp_path)
+        return {"run_id": "run-5", "gate_manifest": None}
+    assert case == "gate-judged-nothing-committed"
+    committed_gate(root, "tiny", "run-6", f"{root}/tiny/run-3/evaluate_tuned/_MANIFEST.json", tmp_path)
+    return {"run_id": "run-6", "gate_manifest": None}
 
 
 @pytest.mark.parametrize(
     ("case", "says"),
     [
         ("model-fingerprint", "its model's files have fingerprint"),
-        ("no-evaluation", "no committed evaluation of its model"),
-        ("evaluation-of-another-model", "evaluated the model"),
-        ("evaluation-of-another-stage", "not of stage evaluate_tuned"),
-        ("evaluation-of-another-pipeline", "a commit of pipeline 'other', not of tiny"),
-        ("evaluation-not-committed", "is missing"),
-        ("evaluation-not-a-uri", "not a gs:// URI"),
+        ("no-run", "it names no run of tiny"),
+        ("no-gate", r"its run's gate \S+ does not exist"),
+        ("gate-of-another-run", "is not a commit of its own run"),
+        ("gate-of-another-pipeline", "is not a commit of its own run"),
+        ("gate-not-a-uri", "not a gs:// URI"),
+        ("gate-did-not-promote", "did not promote it"),
+        ("gate-judged-another-model", "judged an evaluation of the model"),
+        ("gate-judged-another-stage", "not of stage evaluate_tuned"),
+        ("gate-judged-nothing-committed", "does not exist"),
     ],
 )
 def test_a_champion_the_gate_cannot_verify_is_refused_naming_the_version_and_the_repair(
