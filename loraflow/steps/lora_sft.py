@@ -242,7 +242,14 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
     t_start = time.monotonic()
 
     class LoraflowHooks(base_cls):  # type: ignore[misc, valid-type]
-        """MaxText's SFT hooks + live progress lines, loss.csv rows and checkpoint persistence."""
+        """MaxText's SFT hooks + live progress lines, loss.csv rows and checkpoint persistence.
+
+        A step's seconds run from the previous step's end to its own (the attempt's first step: from its
+        start, compiling included). JAX dispatches a step and returns before the chip has run it, and the
+        trainer does work between these hooks: measured from this step's start hook, a 1 B model's 0.58 s
+        steps on a TPU v5e read as 0.02 s (25x the real tokens per second)."""
+
+        _lf_last_end: float | None = None
 
         def on_train_step_start(self, train_ctx):
             if syncer is not None:
@@ -250,12 +257,13 @@ def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: l
             super().on_train_step_start(train_ctx)
             batch = train_ctx.data_hooks.train_batch
             self._lf_tokens = _tokens_in(batch["inputs_segmentation"]) if batch is not None else 0
-            self._lf_t0 = time.perf_counter()
+            self._lf_t0 = self._lf_last_end if self._lf_last_end is not None else time.perf_counter()
 
         def on_train_step_end(self, train_ctx, train_step, train_loss, step_time=0.0):
             super().on_train_step_end(train_ctx, train_step, train_loss, step_time)
-            loss = float(train_loss)
-            seconds = max(time.perf_counter() - self._lf_t0, 1e-9)
+            loss = float(train_loss)  # waits for the step's result
+            self._lf_last_end = end = time.perf_counter()
+            seconds = max(end - self._lf_t0, 1e-9)
             tps = self._lf_tokens / seconds
             rows.append((int(train_step), loss, tps, seconds))
             faults.point("train_step")  # a host lost mid-training (the reliability tests)
