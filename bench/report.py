@@ -695,11 +695,13 @@ def _tpu_runs() -> tuple[list[dict], dict | None]:
 def _tpu_row(r: dict, peak_tflops: float | None) -> str:
     c, s = r["case"], r.get("summary", {})
     what = f"{c['size']} | {c['mode']} | {c['dtype']} | {c['quantization']}"
+    if c.get("init") == "random":
+        what = what.replace(" | maxtext | ", " | maxtext, random init | ")
     if "failed" in r:
-        tail = [ln for ln in r.get("tail", "").splitlines() if "Error" in ln or "error" in ln]
-        return f"| {what} | failed: {(tail[-1] if tail else str(r['failed']))[:160].replace('|', '/')} |||||||"
+        return f"| {what} | {_tpu_failure(r)} |||||||"
     flops = r["flops_per_token"]["lora_model"] * r["tokens_per_s"] / 1e12
-    compile_s = s["first_step_seconds"] - s["median_step_seconds"] if s.get("first_step_seconds") else None
+    # train_model's wall beyond the steady steps: the first step's compile, checkpoint writes
+    compile_s = s["train_seconds"] - c["steps"] * r["step_s_median"] if s.get("train_seconds") else None
     loss = f"{f(s.get('first_loss'), 3)} -> {f(s.get('final_loss'), 3)}" if "first_loss" in s else "-"
     mfu = f"{100 * flops / peak_tflops:.0f} %" if peak_tflops else "-"
     state = s.get("train_state_bytes")
@@ -710,6 +712,16 @@ def _tpu_row(r: dict, peak_tflops: float | None) -> str:
     )
 
 
+def _tpu_failure(r: dict) -> str:
+    """The line of a failed case's output that says why (an out-of-memory line first)."""
+    if r["failed"] == "timeout":
+        return "not finished: the device call's time ran out"
+    lines = r.get("tail", "").splitlines()
+    why = [ln for ln in lines if "allocate" in ln or "exceeds available HBM" in ln]
+    why = why or [ln for ln in lines if "Error:" in ln] or [f"exit status {r['failed']}"]
+    return "failed: " + why[-1].strip()[:200].replace("|", "/")
+
+
 def sec_tpu(d: dict) -> list[str]:
     runs, mm = _tpu_runs()
     trained = [r for r in runs if r.get("case", {}).get("kind") == "train"]
@@ -718,12 +730,16 @@ def sec_tpu(d: dict) -> list[str]:
     out = [
         "## 9. Training on a TPU v5e chip",
         "",
+        f"*Measured {d.get('saved_at', '?')} on a single-chip machine (13 CPU cores; "
+        "one process per case, nothing else on the chip).*",
+        "",
         f"loraflow's convert and lora_sft stage functions on one {dev.get('device_kind', '?')} chip "
         f"(JAX {dev.get('jax')}, jaxlib {dev.get('jaxlib')}, libtpu {dev.get('libtpu')}; `bench/tpu/check.py`, "
         "bench/tpu/README.md says how to run it and how each figure is taken). Generated Llama-shaped models "
         "(random weights, bf16), rank 16 on all seven projections, 8 packed rows of 1,024 tokens a step (the "
         "tiny model: 8 x 64); QLoRA tile 64. *step* = median gap between step ends, first step left out; "
-        "*compile* = first step minus that; *peak HBM* = the process's peak on the chip (set-up and checkpoint "
+        "*compile* = `train_model`'s wall beyond steps x that (the first step's compile and the checkpoint writes; "
+        "MaxText keeps a persistent compilation cache, so a case after another of the same shapes compiles less); *peak HBM* = the process's peak on the chip (set-up and checkpoint "
         "load included); *state* = model + optimizer arrays as lora_sft measures them; *model TFLOP/s* = LoRA "
         "model FLOPs per token (4 x linear parameters + 6 x LoRA parameters + causal attention, no "
         "rematerialisation) x tokens/s; *util* = that over the chip's measured bf16 matmul rate"
@@ -914,7 +930,8 @@ def main() -> None:
             continue
         try:
             sec = fn(d)
-            sec[2:2] = [measured(d), ""]
+            if name != "tpu-tiny":  # the TPU section says where and when it was measured itself
+                sec[2:2] = [measured(d), ""]
             parts += sec
         except Exception as exc:  # a partial result must not lose the whole report
             parts += [

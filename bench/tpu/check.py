@@ -134,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         brief = {k: res.get(k) for k in ("failed", "wall_s", "tokens_per_s", "step_s_median", "peak_bytes_in_use")}
         print(f"[tpu-check] -> {json.dumps(brief, default=str)}", flush=True)
-        (args.out / f"tpu-{args.phase}.json").write_text(
-            json.dumps({"phase": args.phase, "results": results}, indent=1)
-        )
+        done = {"phase": args.phase, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "results": results}
+        (args.out / f"tpu-{args.phase}.json").write_text(json.dumps(done, indent=1))
         if case["kind"] == "prepare" and "failed" in res and case["size"] != "8b":
             break  # nothing to train
     if args.phase == "tiny":
