@@ -38,3 +38,32 @@ def prepare_sft_inputs(
             row = json.loads(line)
             messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
             out.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
+
+
+def maxtext_sft_direct(ctx: Any, random_init: bool = False) -> dict[str, Any]:
+    """MaxText's SFT entry points as ``train_sft.train`` calls them (``setup_trainer_state``, then
+    ``train_model``) with the MaxText arguments the lora_sft stage builds for ``ctx``: nothing of
+    loraflow's around them. ``random_init``: without ``load_parameters_path`` (MaxText's own init)."""
+    import time
+
+    from absl import flags
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.post_train.sft import train_sft
+
+    from loraflow.steps import lora_sft
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    cfg = lora_sft._resolve_config(ctx)
+    train_file, n_rows = lora_sft._training_data(ctx)
+    argv = lora_sft._maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], str(ctx.work / "maxtext"), n_rows)
+    if random_init:
+        argv = [a for a in argv if not a.startswith("load_parameters_path=")]
+    t = time.perf_counter()
+    mt_config = pyconfig.initialize_pydantic(argv)
+    train_sft.validate_config(mt_config)
+    trainer, mesh = train_sft.setup_trainer_state(mt_config)
+    t_train = time.perf_counter()
+    train_sft.train_model(mt_config, trainer, mesh)
+    end = time.perf_counter()
+    return {"setup_seconds": t_train - t, "train_seconds": end - t_train, "steps": int(trainer.train_steps)}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sft_inputs import prepare_sft_inputs  # noqa: E402
+from _sft_inputs import maxtext_sft_direct, prepare_sft_inputs  # noqa: E402
 from common import emit  # noqa: E402
 
 from loraflow.dev import tinymodel  # noqa: E402
@@ -86,31 +86,14 @@ def run_loraflow(root: Path, hf_dir: Path, steps: int) -> dict:
 
 
 def run_direct(root: Path, hf_dir: Path, steps: int) -> dict:
-    from absl import flags
-    from maxtext.configs import pyconfig
-    from maxtext.trainers.post_train.sft import train_sft
-
-    from loraflow.steps import lora_sft
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
     ctx = context(root, hf_dir, "direct", steps)
-    cfg = lora_sft._resolve_config(ctx)
-    train_file = ctx.inputs["dataset"] / "train.jsonl"
-    n_rows = sum(1 for line in train_file.open() if line.strip())
-    argv = lora_sft._maxtext_argv(cfg, train_file, hf_dir, str(ctx.work / "maxtext"), n_rows)
     t = time.perf_counter()
-    mt_config = pyconfig.initialize_pydantic(argv)
-    train_sft.validate_config(mt_config)
-    trainer, mesh = train_sft.setup_trainer_state(mt_config)
-    t_train = time.perf_counter()
-    train_sft.train_model(mt_config, trainer, mesh)
-    end = time.perf_counter()
+    res = maxtext_sft_direct(ctx)
     return {
-        "stage_s": end - t,
-        "train_s": end - t_train,
-        "setup_s": t_train - t,
-        "final_step": int(trainer.train_steps),
+        "stage_s": time.perf_counter() - t,
+        "train_s": res["train_seconds"],
+        "setup_s": res["setup_seconds"],
+        "final_step": res["steps"],
     }
 
 

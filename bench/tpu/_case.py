@@ -33,19 +33,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 PARITY = REPO / "pipelines" / "data" / "parity" / "train.jsonl"
 
+from loraflow.dev import tinymodel  # noqa: E402  (stdlib and the model's dimensions only)
+
 # Llama 3.x shapes (HF config keys). tiny: loraflow.dev.tinymodel's; 1b, 3b, 8b: Llama-3.2-1B,
 # Llama-3.2-3B and Llama-3.1-8B's blocks and vocabulary, untied embeddings.
 LLAMA_VOCAB = 128256
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": {
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "vocab_size": 512,
-    },
+    "tiny": dict(tinymodel.DIMS),
     "1b": {
         "hidden_size": 2048,
         "intermediate_size": 8192,
@@ -191,7 +185,6 @@ def matmul() -> dict[str, Any]:
 def prepare(size: str, root: Path, hf: str | None, weights: bool = True) -> dict[str, Any]:
     from _sft_inputs import prepare_sft_inputs
 
-    from loraflow.dev import tinymodel
     from loraflow.models import llama
 
     dims = SIZES[size]
@@ -215,7 +208,6 @@ def _random_init(size: str, root: Path, hf_dir: Path) -> dict[str, Any]:
     MaxText can build the model on the chip at all: it builds it before it reads any checkpoint."""
     from _sft_inputs import prepare_sft_inputs
 
-    from loraflow.dev import tinymodel
     from loraflow.models import llama
 
     tinymodel.create(hf_dir, [PARITY])  # the tokenizer (and a tiny model nobody reads)
@@ -277,7 +269,9 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
         summary = lora_sft.run(ctx)
         result: dict[str, Any] = {"summary": summary, "out": str(ctx.out)}
     else:
-        result = {"summary": _maxtext_direct(ctx, case.get("init") == "random")}
+        from _sft_inputs import maxtext_sft_direct
+
+        result = {"summary": maxtext_sft_direct(ctx, case.get("init") == "random")}
     result["stage_s"] = time.perf_counter() - t
     gaps = [b - a for a, b in itertools.pairwise(ends)]
     seq = config["max_length"]
@@ -295,34 +289,6 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
     if gaps:
         result["tokens_per_s"] = tokens / result["step_s_median"]
     return result
-
-
-def _maxtext_direct(ctx: Any, random_init: bool = False) -> dict[str, Any]:
-    """MaxText's SFT entry points as ``train_sft.train`` calls them, with the stage's MaxText arguments."""
-    from absl import flags
-    from maxtext.configs import pyconfig
-    from maxtext.trainers.post_train.sft import train_sft
-
-    from loraflow.steps import lora_sft
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    cfg = lora_sft._resolve_config(ctx)  # pylint: disable=protected-access
-    train_file, n_rows = lora_sft._training_data(ctx)  # pylint: disable=protected-access
-    argv = lora_sft._maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], str(ctx.work / "maxtext"), n_rows)  # pylint: disable=protected-access
-    if random_init:
-        argv = [a for a in argv if not a.startswith("load_parameters_path=")]
-    t = time.perf_counter()
-    mt_config = pyconfig.initialize_pydantic(argv)
-    train_sft.validate_config(mt_config)
-    trainer, mesh = train_sft.setup_trainer_state(mt_config)
-    t_train = time.perf_counter()
-    train_sft.train_model(mt_config, trainer, mesh)
-    return {
-        "setup_seconds": t_train - t,
-        "train_seconds": time.perf_counter() - t_train,
-        "steps": int(trainer.train_steps),
-    }
 
 
 def main() -> None:
