@@ -116,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/tpu-work"))
     p.add_argument("--budget", type=float, default=560.0, help="seconds for the whole phase (one device call)")
     p.add_argument("--steps", type=int, help="train this many steps in every case (a quick rehearsal on CPU)")
+    p.add_argument("--limit", type=int, help="run only the phase's first LIMIT cases (a short device call)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     root = args.work / args.phase
     root.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget
     results: list[dict[str, Any]] = []
-    for case in table[args.phase]:
+    for case in table[args.phase][: args.limit]:
         if args.steps and case["kind"] == "train":
             case = {**case, "steps": args.steps}
         left = deadline - time.monotonic()
