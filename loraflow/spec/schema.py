@@ -224,7 +224,9 @@ class TrainingSpec(_Model):
     max_length: int = Field(512, ge=8, description="tokens per packed training sequence")
     seed: int = Field(0, ge=0, description="data order and initialisation seed")
     checkpoint_period: int = Field(50, ge=1, description="save an Orbax checkpoint every N steps (and at the end)")
-    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="compute dtype (float32 on CPU)")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="compute and weight dtype: activations, frozen base, LoRA factors, Adam's moments"
+    )
     checkpoint_storage: Literal["staged", "direct"] = Field(
         "staged",
         description="where Orbax writes checkpoints: staged (every host writes its own shards to its own disk and "
