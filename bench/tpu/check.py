@@ -50,8 +50,8 @@ def phases() -> dict[str, list[dict[str, Any]]]:
     large = {
         size: [
             {"kind": "prepare", "size": size},
-            _train(size, "loraflow", "bfloat16", "none", 30),
             _train(size, "maxtext", "bfloat16", "none", 30),
+            _train(size, "loraflow", "bfloat16", "none", 30),
             _train(size, "loraflow", "bfloat16", "nf4", 30),
             _train(size, "loraflow", "bfloat16", "int8", 30),  # last: the first a short call leaves out
         ]
@@ -116,14 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/tpu-work"))
     p.add_argument("--budget", type=float, default=560.0, help="seconds for the whole phase (one device call)")
     p.add_argument("--steps", type=int, help="train this many steps in every case (a quick rehearsal on CPU)")
-    p.add_argument("--limit", type=int, help="run only the phase's first LIMIT cases (a short device call)")
+    p.add_argument(
+        "--cases",
+        type=lambda text: [int(i) for i in text.split(",")],
+        help="run only these of the phase's cases, by index from 0, comma-separated (e.g. 0,1,2 then 3,4 in a "
+        "second call on the same warm machine: the work folder keeps the prepared model)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     root = args.work / args.phase
     root.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget
+    # An earlier call's results on this machine (a phase split over calls with --cases) are kept:
+    # every call writes the whole phase so far.
+    kept = root / "results.json"
+    earlier = json.loads(kept.read_text()) if args.cases and kept.is_file() else []
     results: list[dict[str, Any]] = []
-    for case in table[args.phase][: args.limit]:
+    cases = table[args.phase]
+    for case in [cases[i] for i in args.cases] if args.cases else cases:
         if args.steps and case["kind"] == "train":
             case = {**case, "steps": args.steps}
         left = deadline - time.monotonic()
@@ -135,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         brief = {k: res.get(k) for k in ("failed", "wall_s", "tokens_per_s", "step_s_median", "peak_bytes_in_use")}
         print(f"[tpu-check] -> {json.dumps(brief, default=str)}", flush=True)
-        done = {"phase": args.phase, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "results": results}
+        so_far = earlier + results
+        kept.write_text(json.dumps(so_far))
+        done = {"phase": args.phase, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "results": so_far}
         (args.out / f"tpu-{args.phase}.json").write_text(json.dumps(done, indent=1))
         if case["kind"] == "prepare" and "failed" in res and case["size"] != "8b":
             break  # nothing to train
