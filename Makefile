@@ -53,9 +53,9 @@ $(VENVS)/serving/.synced: envs/serving.lock | $(UV)
 	touch $@
 
 lock: | $(UV)  ## re-resolve the three lock files from envs/*.in
-	cd envs && $(UV) pip compile -q control.in -o control.lock --python-version 3.12
-	cd envs && $(UV) pip compile -q trainer.in -o trainer.lock --python-version 3.12 --override trainer.overrides
-	cd envs && $(UV) pip compile -q serving.in -o serving.lock --python-version 3.11 --find-links $(TORCH_WHEELS) \
+	cd envs && $(abspath $(UV)) pip compile -q control.in -o control.lock --python-version 3.12
+	cd envs && $(abspath $(UV)) pip compile -q trainer.in -o trainer.lock --python-version 3.12 --override trainer.overrides
+	cd envs && $(abspath $(UV)) pip compile -q serving.in -o serving.lock --python-version 3.11 --find-links $(TORCH_WHEELS) \
 		$(if $(PIP_CONSTRAINTS),--constraint $(PIP_CONSTRAINTS)) $(NO_TORCH_EXTRAS)
 
 demo: envs  ## run the tiny pipeline end to end on a local Airflow + GCS emulator, print the verdict, stop
