@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from loraflow import models
+from loraflow.data import chat_template
 from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
@@ -167,7 +168,17 @@ class DataSpec(_Model):
         "...thresholds} (see loraflow/data/expectations.py)",
     )
 
+    chat_template: str = Field(
+        "auto",
+        max_length=65536,
+        description="how conversations become model text, the same in training, evaluation and the report "
+        "(loraflow/data/chat_template.py): auto (the tokenizer's own template, plain text when it has none), "
+        "tokenizer (its own; an error when it has none), tokenizer:NAME (one of its named templates), none "
+        "(plain text: BOS, the turns as written, EOS after each answer) or an inline Jinja chat template",
+    )
+
     _uris = field_validator("train", "eval")(_gs_uri)
+    _template = field_validator("chat_template")(lambda v: chat_template.check_setting(v))
 
     @model_validator(mode="before")
     @classmethod

@@ -99,10 +99,13 @@ def spec_field(section: type[BaseModel], name: str) -> Any:
 class ValidateDataConfig(StepConfig):
     STEP: ClassVar[str] = "validate_data"
     expectations: DataExpectations = spec_field(DataSpec, "expectations")
+    # Resolved against the tokenizer here and handed on as chat_template.json: training and both
+    # evaluations render with the template this stage recorded (loraflow/data/chat_template.py).
+    chat_template: str = spec_field(DataSpec, "chat_template")
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> ValidateDataConfig:
-        return cls(expectations=spec.data.expectations)
+        return cls(expectations=spec.data.expectations, chat_template=spec.data.chat_template)
 
 
 def _maxtext_model(spec: PipelineSpec) -> dict[str, Any]:

@@ -9,6 +9,7 @@ Config (``loraflow.spec.step_configs.ValidateDataConfig``)::
 
     expectations: {RULE: {level: fail|warn, ...thresholds}}   the spec's data.expectations
                                                                (loraflow.data.expectations; all optional)
+    chat_template: auto | tokenizer | tokenizer:NAME | none | inline Jinja   the spec's data.chat_template
 
 Two layers of checks. First the loader (loraflow.data.dataset) checks structure: the file decodes,
 each line is a JSON object, the columns and roles are known; it reports every problem with its
@@ -21,13 +22,16 @@ appears in train (leakage). Each expectation belongs to one rule and takes its l
 and its fix; a ``warn`` rule that breaks is logged, listed in data_report.json (``warnings``)
 and in the manifest summary, and the data is accepted.
 
-Token length = number of tokens of the conversation rendered with the checkpoint's chat template
-(``tokenizer_config.json`` ``chat_template``, i.e. the text the trainer sees, special tokens
-included), encoded with ``add_special_tokens=False`` since the template writes them itself. A
-checkpoint without a template is rendered as ``role: content`` lines; the report says which.
+The chat template (config ``chat_template``, the spec's ``data.chat_template``) is resolved here
+against the tokenizer input (``loraflow.data.chat_template``) and every row is rendered through it
+as training will render it; a row it refuses (a failed render, a generation prompt that does not
+begin the answer's turn, history rewritten once later turns follow) fails the stage naming the row.
+Token length = number of tokens of that text (special tokens included), encoded with
+``add_special_tokens=False`` since the template writes them itself.
 
 Outputs: train.jsonl ({"id", "messages"}), eval.jsonl ({"id", "messages": the prompt turns,
-"reference": the answer}), data_report.json (every expectation's rule, level, observed value and
+"reference": the answer}), chat_template.json (the resolved template: training and both
+evaluations render with it), data_report.json (every expectation's rule, level, observed value and
 outcome, and statistics) and data_docs/ (Great Expectations' HTML data docs of both suites, built
 by GX's own renderer from results whose dataset strings are HTML-escaped first, so an id or prompt
 holding markup reads as text and never runs: ``escape_stored_results``; data_docs/index.html is the
@@ -51,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraflow.data import chat_template
 from loraflow.data import dataset as ds
 from loraflow.data import expectations as contract
 from loraflow.errors import DataValidationError, LoraflowError
@@ -79,7 +84,7 @@ def resolve_config(raw: dict[str, Any]) -> contract.DataExpectations:
 class TokenCounter:
     """Counts tokens of a conversation as the trainer will see it (see the module docstring)."""
 
-    def __init__(self, checkpoint_dir: Path):
+    def __init__(self, checkpoint_dir: Path, setting: str = chat_template.AUTO):
         from tokenizers import Tokenizer
 
         found = sorted(checkpoint_dir.rglob("tokenizer.json"))
@@ -89,52 +94,43 @@ class TokenCounter:
                 "point it at an HF checkpoint with a fast tokenizer"
             )
         self.tokenizer = Tokenizer.from_file(str(found[0]))
-        self.template = None
-        self.method = "role: content lines (the checkpoint has no chat_template)"
-        cfg_path = found[0].parent / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        if cfg.get("chat_template"):
-            self.template = _compile_template(cfg["chat_template"])
-            self.method = "chat_template of tokenizer_config.json, add_special_tokens=False"
-            self.specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        try:
+            self.template = chat_template.resolve(setting, found[0].parent)
+        except chat_template.ChatTemplateError as exc:
+            raise DataValidationError(f"{STAGE}: data.chat_template: {exc}") from None
+        self.method = f"chat_template: {self.template.origin}, add_special_tokens=False"
+        # (split, line, message) of every row the template cannot render as training renders it
+        self.refused: list[tuple[str, int, str]] = []
 
     def render(self, messages: Sequence[dict[str, Any]]) -> str:
-        turns = [{"role": m["role"], "content": m["content"] or ""} for m in messages]
-        if self.template is None:
-            return "\n".join(f"{m['role']}: {m['content']}" for m in turns)
-        return str(self.template.render(messages=turns, add_generation_prompt=False, **self.specials))
+        """The conversation's training text: its prompt and answer pieces, joined."""
+        return "".join(text for text, _ in chat_template.pieces(self.template, messages))
 
-    def count(self, conversations: Sequence[Sequence[dict[str, Any]]]) -> list[int]:
-        texts = [self.render(m) for m in conversations]
+    def count(self, data: ds.Dataset, split: str) -> list[int]:
+        texts = []
+        for line, row in zip(data.lines, data.rows, strict=True):
+            try:
+                texts.append(self.render(row["messages"]))
+            except chat_template.ChatTemplateError as exc:
+                # A row without an answer is the format rule's finding; anything else the template's.
+                if any(m["role"] == "assistant" for m in row["messages"]):
+                    self.refused.append((split, line, str(exc)))
+                texts.append("")
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return "" if value is None else str(value)
-
-
-def _compile_template(source: str) -> Any:
-    """Compile an HF chat template the way transformers does (sandboxed, trimmed, {% generation %})."""
-    from jinja2 import nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):  # transformers' AssistantTracker, minus the mask bookkeeping
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    def raise_exception(message: str) -> None:
-        raise LoraflowError(f"{STAGE}: the chat template refused a conversation: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+    def raise_if_refused(self, loaded: dict[str, ds.Dataset]) -> None:
+        """One DataValidationError naming the rows the template refused (the first few) and the fix."""
+        if not self.refused:
+            return
+        shown = [f"{split} {loaded[split].unit} {line}: {message}" for split, line, message in self.refused]
+        more = len(shown) - ROWS_IN_MESSAGE
+        raise DataValidationError(
+            f"{STAGE}: the chat template ({self.template.origin}) cannot render {len(shown)} row(s) as training "
+            "and evaluation need them:\n  - "
+            + "\n  - ".join(shown[:ROWS_IN_MESSAGE])
+            + (f"\n  ... and {more} more" if more > 0 else "")
+            + "\nFix the rows or set data.chat_template to a template that renders them (docs/data.md)"
+        )
 
 
 # ----------------------------------------------------------------------------------- the frames
@@ -164,7 +160,7 @@ def _word_chars(*texts: str | None) -> float | None:
     return float(min(len(_WORD.findall(t or "")) for t in texts))
 
 
-def build_frame(data: ds.Dataset, counter: TokenCounter) -> Any:
+def build_frame(data: ds.Dataset, counter: TokenCounter, split: str = "train") -> Any:
     """One row per example: what the expectations look at."""
     import pandas as pd
 
@@ -180,7 +176,7 @@ def build_frame(data: ds.Dataset, counter: TokenCounter) -> Any:
             "prompt": pd.Series(prompts, dtype=object),
             "completion": pd.Series(completions, dtype=object),
             "roles": [",".join(m["role"] for m in r["messages"]) for r in data.rows],
-            "n_tokens": counter.count([r["messages"] for r in data.rows]) if data.rows else [],
+            "n_tokens": counter.count(data, split) if data.rows else [],
             "example_key": [json.dumps([[m["role"], _key(m["content"])] for m in r["messages"]]) for r in data.rows],
             "prompt_key": [_key(p) for p in prompts],
             "word_chars": pd.Series(
@@ -603,9 +599,16 @@ def run(ctx: StepContext) -> dict[str, Any]:
     cfg = resolve_config(dict(ctx.config))
     report: dict[str, Any] = {"config": {"expectations": cfg.model_dump(mode="json")}}
     loaded = _load_splits(ctx, report)
-    counter = TokenCounter(ctx.inputs["tokenizer"])
+    counter = TokenCounter(ctx.inputs["tokenizer"], parse(ValidateDataConfig, dict(ctx.config)).chat_template)
     report["token_length"] = counter.method
-    frames = {split: build_frame(loaded[split], counter) for split in SPLITS}
+    report["chat_template"] = counter.template.summary()
+    ctx.progress(f"chat template: {counter.template.origin} (sha256 {counter.template.digest[:12]})")
+    frames = {split: build_frame(loaded[split], counter, split) for split in SPLITS}
+    if counter.refused:
+        report["success"] = False
+        report["chat_template_refused"] = [list(r) for r in counter.refused]
+        _write_report(ctx.out, report)
+        counter.raise_if_refused(loaded)
     suites = _run_suites(ctx.out / DATA_DOCS, cfg, frames)
     findings = _judge(ctx, cfg, loaded, suites.results)
     docs_seconds = _write_data_docs(ctx, suites.context)
@@ -615,7 +618,8 @@ def run(ctx: StepContext) -> dict[str, Any]:
     if findings.failures:
         raise DataValidationError(contract.contract_broken_message(findings.failures))
     _write_accepted_data(ctx.out, loaded)
-    return _accepted_summary(ctx, suites, findings, stats)
+    chat_template.write_record(counter.template, ctx.out)
+    return _accepted_summary(ctx, suites, findings, stats) | {"chat_template": counter.template.summary()}
 
 
 def _write_report(out: Path, report: dict[str, Any]) -> None:

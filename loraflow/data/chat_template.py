@@ -1,0 +1,414 @@
+"""The one prompt renderer: how a conversation becomes text, for training, evaluation and the report.
+
+Every path that turns chat ``messages`` into model text calls this module, so training and
+evaluation cannot drift apart (a model trained on one rendering and scored on another loses
+points silently):
+
+* validate_data resolves the spec's ``data.chat_template`` against the tokenizer, renders every
+  row (token lengths; a row the template refuses is named) and writes the resolved template into
+  its output as ``chat_template.json`` (:data:`RECORD_FILE`) beside train.jsonl and eval.jsonl;
+* lora_sft reads that record and cuts each training conversation into prompt and answer pieces
+  (:func:`pieces`); MaxText tokenizes the pieces as given and trains on the answer pieces only;
+* evaluate (vLLM) and lora_sft's QLoRA answers read the same record and render each eval prompt
+  with :func:`prompt_pieces`: the same pieces, the same token ids;
+* the evaluation and the adapter record which template rendered them (:meth:`ChatTemplate.record`),
+  and the report sets them side by side.
+
+Settings (``data.chat_template``):
+
+``auto`` (default)
+    the tokenizer's own template when it has one, otherwise ``none``;
+``tokenizer``
+    the tokenizer's own (default) template; an error when it has none;
+``tokenizer:NAME``
+    one of the tokenizer's named templates (``tokenizer_config.json`` holding a list of
+    ``{"name", "template"}``, or ``additional_chat_templates/NAME.jinja``);
+``none``
+    plain text: the BOS token (when the tokenizer has one), then every turn's content exactly as
+    written, no separators, and the EOS token after each answer (:data:`PLAIN_TEMPLATE`); for
+    prompt/completion data of a base model whose prompts carry their own separators;
+an inline Jinja template
+    any text holding ``{{`` or ``{%``: an HF-style chat template (``messages``,
+    ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``{% generation %}``).
+
+A template is run sandboxed (jinja2's ImmutableSandboxedEnvironment, as Hugging Face runs them): a
+hostile spec or tokenizer cannot reach Python objects or change state through it.
+
+Pure library code: jinja2 and the standard library; the tokenizer's files are read by
+:func:`resolve`, nothing else touches the world.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from loraflow.errors import LoraflowError
+
+RECORD_FILE = "chat_template.json"
+AUTO, TOKENIZER, NONE = "auto", "tokenizer", "none"
+NAMED_PREFIX = "tokenizer:"
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# ``none``: the turns as written, the BOS first, the EOS closing each answer (the tokenizer's own).
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
+# What MaxText is given: each piece loraflow rendered, written as it is (see loraflow.steps.lora_sft).
+PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+SETTINGS_HELP = (
+    "auto (the tokenizer's own, else none), tokenizer, tokenizer:NAME (a named template of the tokenizer), "
+    "none (plain text) or an inline Jinja chat template (holding {{ or {%)"
+)
+
+
+class ChatTemplateError(LoraflowError):
+    """A chat template setting, template or rendering that cannot be used; the message says the fix."""
+
+
+# ------------------------------------------------------------------------------------ settings
+
+
+def is_inline(setting: str) -> bool:
+    return "{{" in setting or "{%" in setting
+
+
+def check_setting(setting: str) -> str:
+    """``setting`` if it is one loraflow understands (an inline template must compile); else a ValueError."""
+    if not isinstance(setting, str) or not setting.strip():
+        raise ValueError(f"chat_template must be one of: {SETTINGS_HELP}")
+    if setting in (AUTO, TOKENIZER, NONE):
+        return setting
+    if setting.startswith(NAMED_PREFIX):
+        if not setting[len(NAMED_PREFIX) :].strip():
+            raise ValueError("chat_template tokenizer:NAME needs the name of one of the tokenizer's templates")
+        return setting
+    if not is_inline(setting):
+        shown = setting if len(setting) <= 80 else setting[:80] + f"... ({len(setting)} characters)"
+        raise ValueError(f"chat_template {shown!r} is not a setting; use {SETTINGS_HELP}")
+    try:
+        _compile(setting)
+    except ChatTemplateError as exc:
+        raise ValueError(str(exc)) from None
+    return setting
+
+
+# ------------------------------------------------------------------------------------ the template
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A resolved template: its Jinja text, where it came from and the special tokens it is given."""
+
+    setting: str  # as the spec says it ("auto", "tokenizer", "tokenizer:NAME", "none", "inline")
+    origin: str  # in words: which template this is ("the tokenizer's own (tokenizer_config.json)", ...)
+    source: str  # the Jinja text
+    specials: Mapping[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... (present ones only)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the template and its special tokens: equal digests render equal text."""
+        payload = json.dumps({"source": self.source, "specials": dict(sorted(self.specials.items()))})
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    def record(self) -> dict[str, Any]:
+        """What an artifact stores (and :meth:`from_record` reads back)."""
+        return {
+            "setting": self.setting,
+            "origin": self.origin,
+            "sha256": self.digest,
+            "source": self.source,
+            "specials": dict(self.specials),
+        }
+
+    def summary(self) -> dict[str, str]:
+        """What a manifest summary or report shows: setting, origin and digest (no template text)."""
+        return {"setting": self.setting, "origin": self.origin, "sha256": self.digest}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], where: str = RECORD_FILE) -> ChatTemplate:
+        try:
+            template = cls(
+                str(record["setting"]),
+                str(record["origin"]),
+                str(record["source"]),
+                {str(k): str(v) for k, v in dict(record.get("specials") or {}).items()},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ChatTemplateError(
+                f"{where} is not a chat template record ({exc}); re-run validate_data to write it"
+            ) from None
+        if record.get("sha256") not in (None, template.digest):
+            raise ChatTemplateError(f"{where}: its sha256 does not match its template; re-run validate_data")
+        _compile(template.source)
+        return template
+
+
+def read_record(directory: Path) -> ChatTemplate | None:
+    """The record validate_data wrote into ``directory`` (its output); None when there is none."""
+    path = Path(directory) / RECORD_FILE
+    if not path.is_file():
+        return None
+    try:
+        return ChatTemplate.from_record(json.loads(path.read_text(encoding="utf-8")), str(path))
+    except json.JSONDecodeError as exc:
+        raise ChatTemplateError(f"{path} is not JSON ({exc}); re-run validate_data to write it") from None
+
+
+def write_record(template: ChatTemplate, directory: Path) -> Path:
+    path = Path(directory) / RECORD_FILE
+    path.write_text(json.dumps(template.record(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------------- resolving
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # an AddedToken as tokenizer_config.json stores it
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _tokenizer_files(tokenizer_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """tokenizer_config.json and the tokenizer's templates: name -> (where, source); the default is "default"."""
+    tokenizer_dir = Path(tokenizer_dir)
+    cfg_path = tokenizer_dir / "tokenizer_config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise ChatTemplateError(f"{cfg_path} is not JSON ({exc}); fix the tokenizer files") from None
+    templates: dict[str, tuple[str, str]] = {}
+    found = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if isinstance(found, str) and found:
+        templates["default"] = ("tokenizer_config.json", found)
+    elif isinstance(found, list):
+        for entry in found:
+            if isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str):
+                templates[entry["name"]] = ("tokenizer_config.json", entry["template"])
+    jinja = tokenizer_dir / "chat_template.jinja"
+    if jinja.is_file():  # newer checkpoints keep the default template in its own file; it wins
+        templates["default"] = ("chat_template.jinja", jinja.read_text(encoding="utf-8"))
+    extra = tokenizer_dir / "additional_chat_templates"
+    if extra.is_dir():
+        for path in sorted(extra.glob("*.jinja")):
+            templates.setdefault(path.stem, (f"additional_chat_templates/{path.name}", path.read_text(encoding="utf-8")))
+    return (cfg if isinstance(cfg, dict) else {}), templates
+
+
+def specials_of(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """The special tokens a template is given (those the tokenizer has)."""
+    out = {}
+    for key in SPECIAL_TOKENS:
+        text = _token_text(tokenizer_config.get(key))
+        if text is not None:
+            out[key] = text
+    return out
+
+
+def resolve(setting: str, tokenizer_dir: Path) -> ChatTemplate:
+    """The template ``setting`` names, for the tokenizer in ``tokenizer_dir`` (see the module docstring)."""
+    check_setting(setting)
+    cfg, templates = _tokenizer_files(tokenizer_dir)
+    specials = specials_of(cfg)
+    if setting == NONE or (setting == AUTO and "default" not in templates):
+        why = "" if setting == NONE else " (auto: the tokenizer has no chat template)"
+        return ChatTemplate(NONE, f"none: plain text, the turns as written{why}", PLAIN_TEMPLATE, specials)
+    if setting in (AUTO, TOKENIZER):
+        if "default" not in templates:
+            others = f" (it has named ones: {', '.join(sorted(templates))}; use tokenizer:NAME)" if templates else ""
+            raise ChatTemplateError(
+                f"chat_template: tokenizer, but the tokenizer in {tokenizer_dir} has no chat template{others}; "
+                "set data.chat_template to none (plain text) or give the template inline"
+            )
+        where, source = templates["default"]
+        _compile(source)
+        return ChatTemplate(setting, f"the tokenizer's own ({where})", source, specials)
+    if setting.startswith(NAMED_PREFIX):
+        name = setting[len(NAMED_PREFIX) :].strip()
+        if name not in templates:
+            have = ", ".join(sorted(templates)) or "none"
+            raise ChatTemplateError(
+                f"chat_template {setting}: the tokenizer in {tokenizer_dir} has no template named {name!r} "
+                f"(it has: {have}); name one of those, or use tokenizer, none or an inline template"
+            )
+        where, source = templates[name]
+        _compile(source)
+        return ChatTemplate(setting, f"the tokenizer's template {name!r} ({where})", source, specials)
+    return ChatTemplate("inline", "inline in the spec (data.chat_template)", setting, specials)
+
+
+def own_template_digest(tokenizer_dir: Path) -> str | None:
+    """The digest ``auto`` would resolve to for this tokenizer (None when its files cannot say)."""
+    try:
+        return resolve(AUTO, tokenizer_dir).digest
+    except ChatTemplateError:
+        return None
+
+
+# ----------------------------------------------------------------------------------- rendering
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> Any:
+    """The template compiled sandboxed, trimmed as HF compiles chat templates, with ``{% generation %}``."""
+    from jinja2 import TemplateError, nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # marks the assistant's answer in HF templates; renders its body as is
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the chat template is not valid Jinja ({exc}); fix its syntax") from None
+
+
+def _turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    return [{"role": str(m["role"]), "content": "" if m.get("content") is None else str(m["content"])} for m in messages]
+
+
+def render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    """The text of ``messages`` under ``template`` (sandboxed); ChatTemplateError names what failed."""
+    from jinja2 import TemplateError
+    from jinja2.exceptions import SecurityError
+
+    compiled = _compile(template.source)
+    try:
+        return str(
+            compiled.render(messages=_turns(messages), add_generation_prompt=add_generation_prompt, **template.specials)
+        )
+    except ChatTemplateError:
+        raise
+    except SecurityError as exc:
+        raise ChatTemplateError(f"the chat template tried an unsafe operation ({exc}); it is refused") from None
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        raise ChatTemplateError(
+            f"the chat template failed to render ({type(exc).__name__}: {exc}); "
+            "check it against a row of the dataset"
+        ) from None
+
+
+Piece = tuple[str, bool]  # (text, is_prompt): the prompt side is never trained on
+
+
+def pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> list[Piece]:
+    """A training conversation as alternating prompt and answer pieces whose concatenation is its text.
+
+    Each answer piece is the text the template writes for an assistant turn after that turn's
+    generation prompt, through to where the next turn's prompt begins: exactly what the model must
+    produce when evaluation renders the turns before it with ``add_generation_prompt``. Turns after
+    the last answer are dropped (nothing to learn from them).
+
+    Errors (each names the fix): no assistant turn; a template whose generation prompt is not how
+    it begins the assistant's turn; one that renders earlier turns differently once later turns
+    follow (the prompt evaluation sees would then not be the one training saw); one with no
+    generation prompt whose answer piece starts with text other than the answer (a turn header
+    the model would have to write itself).
+    """
+    out: list[Piece] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(template, messages[:i], add_generation_prompt=True)
+        full = render(template, messages[: i + 1], add_generation_prompt=False)
+        if not prompt.startswith(done):
+            raise ChatTemplateError(
+                f"the chat template renders the turns before turn {i} differently once turn {i} follows "
+                f"(before: {_tail(done)!r}; after: {_tail(prompt[: len(done)])!r}); training and evaluation "
+                "would see different prompts: keep one answer per row or use a template that keeps history as written"
+            )
+        if not full.startswith(prompt):
+            raise ChatTemplateError(
+                f"the chat template's generation prompt {_tail(prompt[len(done):])!r} is not how it begins the "
+                f"assistant's turn {i} ({_head(full[len(done):])!r}); evaluation would prompt the model differently "
+                "from training: fix the template's add_generation_prompt branch"
+            )
+        answer = full[len(prompt) :]
+        if prompt == render(template, messages[:i], add_generation_prompt=False):
+            _check_no_header(answer, message, i)
+        out += [(prompt[len(done) :], True), (answer, False)]
+        done = full
+    if not out:
+        raise ChatTemplateError("the conversation has no assistant turn: nothing to train on; add the answer")
+    return out
+
+
+def _check_no_header(answer: str, message: Mapping[str, Any], i: int) -> None:
+    """A template whose generation prompt is empty must not put a turn header before the answer."""
+    content = "" if message.get("content") is None else str(message["content"]).strip()
+    at = answer.find(content) if content else -1
+    if at > 0 and answer[:at].strip():
+        raise ChatTemplateError(
+            f"the chat template writes {answer[:at]!r} before the assistant's answer in turn {i} but not as its "
+            "generation prompt (add_generation_prompt adds nothing): at evaluation the model would have to write "
+            "its own turn header; give a template whose add_generation_prompt branch writes it"
+        )
+
+
+def prompt_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """An eval prompt (turns ending with a user turn) as the pieces training cut its prefix into.
+
+    The earlier turns split where :func:`pieces` splits them, and the last piece runs to the end of
+    the generation prompt, so the prompt's token ids (each piece tokenized alone, as training
+    tokenizes them) are those the trained model saw before its answer.
+    """
+    out: list[str] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        for text, _ in pieces(template, messages[: i + 1])[len(out) :]:
+            out.append(text)
+        done = "".join(out)
+    prompt = render(template, messages, add_generation_prompt=True)
+    if not prompt.startswith(done):
+        raise ChatTemplateError(
+            "the chat template renders the earlier turns of this prompt differently once the last turn follows; "
+            "training and evaluation would see different prompts: use a template that keeps history as written"
+        )
+    return [*out, prompt[len(done) :]]
+
+
+def render_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> str:
+    """An eval prompt's text: the turns and the generation prompt."""
+    return "".join(prompt_pieces(template, messages))
+
+
+def encode_pieces(encode: Callable[[str], Sequence[int]], texts: Sequence[str]) -> list[int]:
+    """Token ids of pieces, each encoded alone (no special tokens: the template writes them)."""
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(int(t) for t in encode(text))
+    return ids
+
+
+def _tail(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _head(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else text[:n] + "..."
