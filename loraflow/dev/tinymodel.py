@@ -1,11 +1,16 @@
-"""The tiny Llama-architecture checkpoint and tokenizer loraflow creates for itself.
+"""The tiny checkpoints and tokenizer loraflow creates for itself, one per model family.
 
 Nothing can be downloaded from a model hub where loraflow runs its demo and tests, so the project
-makes its own Hugging Face checkpoint: a randomly initialised 2-layer Llama 3.1 (same architecture
-and RoPE scaling as MaxText's ``llama3.1-8b``, tiny dimensions) and a byte-level BPE tokenizer
-trained on the task's own text, with a chat template. Deterministic for a given seed.
+makes its own Hugging Face checkpoint: a randomly initialised 2-layer model of a family's real HF
+architecture (the same layer layout, RoPE and quirks as the MaxText model it is converted with,
+tiny dimensions) and a byte-level BPE tokenizer trained on the task's own text, with a chat
+template. Deterministic for a given seed.
 
-    python -m loraflow.dev.tinymodel --out DIR [--corpus FILE ...] [--seed 0]
+    python -m loraflow.dev.tinymodel --out DIR [--family llama] [--corpus FILE ...] [--seed 0]
+
+A family's tiny model is one :class:`Tiny` entry of :data:`FAMILIES`: the MaxText model it is
+converted with, its dimensions, its config.json keys and any per-layer tensor beyond the shared
+decoder's (attention q/k/v/o, MLP gate/up/down, two norms). Adding a family adds an entry.
 
 Needs numpy, safetensors and tokenizers (present in the trainer and serving environments).
 """
@@ -14,13 +19,56 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from loraflow.models import llama
+from loraflow.models import ModelFamily, llama
 
-# The tiny Llama's dimensions.
-DIMS = {
+# How a tensor is initialised: "normal" (std 0.02), "ones" (an RMSNorm scale), "zeros".
+Init = str
+Shapes = dict[str, tuple[Init, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """One family's tiny model (the per-family hook: everything here that differs between families)."""
+
+    family: ModelFamily
+    maxtext_model: str  # the MaxText model it is converted and trained as (with maxtext_overrides)
+    dims: Mapping[str, int]  # HF config keys: the shape keys the family's ``overrides`` know
+    config: Callable[[Mapping[str, int]], dict[str, object]]  # the family's own config.json keys
+    layer_tensors: Callable[[Mapping[str, int]], Shapes] = lambda dims: {}  # beyond the shared decoder layer's
+    tied_embeddings: bool = False  # no lm_head.weight: the output projection is the embedding
+
+    @property
+    def maxtext_overrides(self) -> dict[str, int]:
+        """The MaxText overrides that give ``maxtext_model`` exactly these dimensions (the tiny spec's)."""
+        return self.family.maxtext_overrides(self.dims)
+
+
+def _llama_config(dims: Mapping[str, int]) -> dict[str, object]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+# Same dimensions for every family's tiny model unless its entry says otherwise.
+TINY_DIMS = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -29,10 +77,16 @@ DIMS = {
     "head_dim": 64,
     "vocab_size": 512,
 }
-# The MaxText model and command-line overrides that give it exactly these dimensions (the tiny
-# spec's base_model section says the same); the Llama family knows which override sets which dimension.
-MAXTEXT_MODEL = "llama3.1-8b"
-MAXTEXT_OVERRIDES = llama.maxtext_overrides(DIMS)
+
+FAMILIES: dict[str, Tiny] = {
+    # Same architecture and RoPE scaling as MaxText's llama3.1-8b, tiny dimensions.
+    "llama": Tiny(llama.FAMILY, "llama3.1-8b", TINY_DIMS, _llama_config),
+}
+
+# The tiny Llama (the default model of the demo, the tiny specs and most tests).
+DIMS = dict(FAMILIES["llama"].dims)
+MAXTEXT_MODEL = FAMILIES["llama"].maxtext_model
+MAXTEXT_OVERRIDES = FAMILIES["llama"].maxtext_overrides
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 
@@ -49,25 +103,20 @@ CHAT_TEMPLATE = (
 )
 
 
-def hf_config(dims: Mapping[str, int] = DIMS, dtype: str = "float32") -> dict[str, object]:
+def tiny(family: str) -> Tiny:
+    """The tiny-model entry of ``family`` (a family name, e.g. ``llama``)."""
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny model for family {family!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[family]
+
+
+def hf_config(dims: Mapping[str, int] = DIMS, dtype: str = "float32", family: str = "llama") -> dict[str, object]:
+    """config.json of ``family``'s model with HF dimensions ``dims``."""
+    entry = tiny(family)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **entry.config(dims),
         **dims,
-        "hidden_act": "silu",
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": entry.tied_embeddings,
         "initializer_range": 0.02,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -76,15 +125,38 @@ def hf_config(dims: Mapping[str, int] = DIMS, dtype: str = "float32") -> dict[st
     }
 
 
-def _weights(seed: int, dims: Mapping[str, int], dtype: str = "float32") -> dict[str, object]:
+def weight_shapes(dims: Mapping[str, int], family: str = "llama") -> Shapes:
+    """Every tensor of ``family``'s checkpoint: HF name -> (init, shape)."""
+    entry = tiny(family)
+    d, f, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    hd, nq, nkv = dims["head_dim"], dims["num_attention_heads"], dims["num_key_value_heads"]
+    shapes: Shapes = {"model.embed_tokens.weight": ("normal", (v, d)), "model.norm.weight": ("ones", (d,))}
+    if not entry.tied_embeddings:
+        shapes["lm_head.weight"] = ("normal", (v, d))
+    layer: Shapes = {
+        "input_layernorm.weight": ("ones", (d,)),
+        "post_attention_layernorm.weight": ("ones", (d,)),
+        "self_attn.q_proj.weight": ("normal", (nq * hd, d)),
+        "self_attn.k_proj.weight": ("normal", (nkv * hd, d)),
+        "self_attn.v_proj.weight": ("normal", (nkv * hd, d)),
+        "self_attn.o_proj.weight": ("normal", (d, nq * hd)),
+        "mlp.gate_proj.weight": ("normal", (f, d)),
+        "mlp.up_proj.weight": ("normal", (f, d)),
+        "mlp.down_proj.weight": ("normal", (d, f)),
+        **entry.layer_tensors(dims),
+    }
+    for i in range(dims["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{name}": spec for name, spec in layer.items()}
+    return shapes
+
+
+def _weights(seed: int, dims: Mapping[str, int], dtype: str = "float32", family: str = "llama") -> dict[str, object]:
     """Random weights: float32 normal (std 0.02); or bfloat16 drawn as bit patterns, random sign and
     mantissa at one binade (|w| in [2**-7, 2**-6), std ~0.011), made at memory speed for the benchmarks'
     multi-billion-parameter models (a normal draw of 3 B values takes minutes)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    d, f, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
-    hd, nq, nkv = dims["head_dim"], dims["num_attention_heads"], dims["num_key_value_heads"]
     if dtype == "bfloat16":
         import ml_dtypes
 
@@ -94,34 +166,17 @@ def _weights(seed: int, dims: Mapping[str, int], dtype: str = "float32") -> dict
     else:
         raise ValueError(f"dtype must be float32 or bfloat16, not {dtype!r}")
 
-    def normal(*shape: int) -> object:
+    def make(init: Init, shape: tuple[int, ...]) -> object:
+        if init == "ones":
+            return np.ones(shape, stored)
+        if init == "zeros":
+            return np.zeros(shape, stored)
         if dtype == "float32":
             return (rng.standard_normal(shape) * 0.02).astype(np.float32)
         bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
         return ((bits & 0x807F) | 0x3C00).view(stored)  # sign and mantissa random, exponent 2**-7
 
-    def ones(n: int) -> object:
-        return np.ones(n, stored)
-
-    tensors: dict[str, object] = {
-        "model.embed_tokens.weight": normal(v, d),
-        "model.norm.weight": ones(d),
-        "lm_head.weight": normal(v, d),
-    }
-    for i in range(dims["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": ones(d),
-            p + "post_attention_layernorm.weight": ones(d),
-            p + "self_attn.q_proj.weight": normal(nq * hd, d),
-            p + "self_attn.k_proj.weight": normal(nkv * hd, d),
-            p + "self_attn.v_proj.weight": normal(nkv * hd, d),
-            p + "self_attn.o_proj.weight": normal(d, nq * hd),
-            p + "mlp.gate_proj.weight": normal(f, d),
-            p + "mlp.up_proj.weight": normal(f, d),
-            p + "mlp.down_proj.weight": normal(d, f),
-        }
-    return tensors
+    return {name: make(init, shape) for name, (init, shape) in weight_shapes(dims, family).items()}
 
 
 def _corpus_lines(paths: Iterable[Path]) -> Iterator[str]:
@@ -176,14 +231,18 @@ def create(
     out: Path,
     corpus_files: Iterable[Path] = (),
     seed: int = 0,
-    dims: Mapping[str, int] = DIMS,
+    dims: Mapping[str, int] | None = None,
     numbers: str = "digits",
     dtype: str = "float32",
+    family: str = "llama",
 ) -> Path:
-    """Write a complete HF checkpoint directory (config, weights, tokenizer) into ``out``; ``dims``
-    (the keys of ``DIMS``) makes a larger model of the same architecture (the benchmarks do);
-    ``numbers`` is how the tokenizer splits numbers (``NUMBERS``); ``dtype`` the weights' (see ``_weights``)."""
+    """Write a complete HF checkpoint directory (config, weights, tokenizer) of ``family`` into ``out``;
+    ``dims`` (the keys of ``DIMS``; default the family's tiny ones) makes a larger model of the same
+    architecture (the benchmarks do); ``numbers`` is how the tokenizer splits numbers (``NUMBERS``);
+    ``dtype`` the weights' (see ``_weights``)."""
     from safetensors.numpy import save_file
+
+    dims = dict(tiny(family).dims if dims is None else dims)
 
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(list(_corpus_lines(corpus_files)), dims["vocab_size"], numbers)
@@ -208,11 +267,11 @@ def create(
     (out / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}, indent=2)
     )
-    (out / "config.json").write_text(json.dumps(hf_config(dims, dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(dims, dtype, family), indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2)
     )
-    save_file(_weights(seed, dims, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
+    save_file(_weights(seed, dims, dtype, family), str(out / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
     return out
 
 
@@ -221,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="directory to write the HF checkpoint into")
     p.add_argument("--corpus", type=Path, action="append", default=[], help="JSONL whose text trains the tokenizer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="llama", help="the model family's architecture")
     p.add_argument(
         "--numbers",
         choices=NUMBERS,
@@ -228,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         help="how the tokenizer splits numbers: one digit per piece, or groups of up to 3 digits like Llama 3's",
     )
     args = p.parse_args(argv)
-    create(args.out, args.corpus, args.seed, numbers=args.numbers)
-    print(f"tiny Llama checkpoint written to {args.out}")
+    create(args.out, args.corpus, args.seed, numbers=args.numbers, family=args.family)
+    print(f"tiny {args.family} checkpoint written to {args.out}")
     return 0
 
 

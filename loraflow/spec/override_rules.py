@@ -58,9 +58,9 @@ def _shape() -> dict[str, Override]:
     model (a tiny test model, a pruned one) needs."""
     out: dict[str, Override] = {}
     for family in models.FAMILIES:
-        for hf_key, key in family.OVERRIDES.items():
+        for hf_key, key in family.overrides.items():
             out[key] = Override(
-                f"the model's shape: its {hf_key} (loraflow/models/{family.NAME}.py OVERRIDES)", int, 1, _MAX_DIM
+                f"the model's shape: its {hf_key} (loraflow/models/{family.name}.py OVERRIDES)", int, 1, _MAX_DIM
             )
     return out
 

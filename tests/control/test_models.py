@@ -19,7 +19,7 @@ TINY = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml
 
 @pytest.mark.parametrize("name", ["llama", "llama3.1-8b", "llama3.1-70b", "llama3.1-8b-Instruct"])
 def test_family_for_llama(name: str) -> None:
-    assert models.family_for(name) is llama
+    assert models.family_for(name) is llama.FAMILY
 
 
 def test_an_unsupported_model_names_the_supported_ones() -> None:
@@ -29,9 +29,24 @@ def test_an_unsupported_model_names_the_supported_ones() -> None:
     assert "'gemma2-2b'" in str(err.value) and "llama3.1-8b" in str(err.value) and "model_type llama" in str(err.value)
 
 
-def test_every_family_is_a_module_of_the_package() -> None:
+def test_every_family_is_the_family_of_a_module_of_the_package() -> None:
+    import importlib
+
     for family in models.FAMILIES:
-        assert isinstance(family, types.ModuleType) and family.__name__ == f"loraflow.models.{family.NAME}"
+        assert importlib.import_module(f"loraflow.models.{family.name}").FAMILY is family
+
+
+def test_a_family_without_the_architecture_of_one_of_its_models_is_refused() -> None:
+    with pytest.raises(Exception, match=r"no architecture entry for \['llama3.1-70b'\]"):
+        models.ModelFamily(
+            "x",
+            ("x",),
+            ("llama3.1-8b", "llama3.1-70b"),
+            {},
+            {},
+            {"llama3.1-8b": llama.ARCHITECTURE["llama3.1-8b"]},
+            frozenset(),
+        )
 
 
 def test_spec_validation_refuses_an_unsupported_model() -> None:
@@ -47,13 +62,14 @@ def test_the_tiny_specs_overrides_are_the_familys_for_the_tiny_dimensions() -> N
     from loraflow.dev import tinymodel
 
     spec = yaml.safe_load(TINY.read_text())
-    assert llama.maxtext_overrides(tinymodel.DIMS) == spec["base_model"]["model_overrides"]
-    assert set(llama.OVERRIDES) == set(llama.DIMS)
+    assert llama.FAMILY.maxtext_overrides(tinymodel.DIMS) == spec["base_model"]["model_overrides"]
+    assert tinymodel.MAXTEXT_OVERRIDES == spec["base_model"]["model_overrides"]
+    assert set(llama.FAMILY.overrides) == set(llama.FAMILY.dims)
 
 
 def test_check_dims_names_every_disagreement() -> None:
     hf = types.SimpleNamespace(hidden_size=128, num_attention_heads=2, vocab_size=512)
     mt = types.SimpleNamespace(emb_dim=128, num_query_heads=4, vocab_size=256)
     with pytest.raises(Exception, match=r"num_attention_heads=2 vs MaxText num_query_heads=4; vocab_size=512"):
-        llama.check_dims(hf, mt)
-    llama.check_dims(hf, types.SimpleNamespace(emb_dim=128))  # what either side lacks is not compared
+        llama.FAMILY.check_dims(hf, mt)
+    llama.FAMILY.check_dims(hf, types.SimpleNamespace(emb_dim=128))  # what either side lacks is not compared
