@@ -17,6 +17,8 @@ manifest, never from the number the entry records.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 from loraflow.errors import ArtifactError
@@ -31,6 +33,7 @@ ALIAS_MAX_BYTES = 64 << 10
 #: The most bytes read of a version entry: publish writes a few kB; versions registered before it kept
 #: only the scalars of the decision's metrics embedded both evaluations' per-example lists.
 VERSION_MAX_BYTES = 16 << 20
+_VERSION_NAME = re.compile(r"([0-9]{4,})\.json")  # fullmatch; ASCII digits ('\d' takes any script's)
 
 
 def alias_uri(registry_uri: str, pipeline: str, alias: str = CHAMPION) -> str:
@@ -39,6 +42,18 @@ def alias_uri(registry_uri: str, pipeline: str, alias: str = CHAMPION) -> str:
 
 def version_uri(registry_uri: str, pipeline: str, number: int) -> str:
     return gcs.join(registry_uri, pipeline, "versions", f"{number:04d}.json")
+
+
+def versions(registry_uri: str, pipeline: str) -> dict[int, Any]:
+    """Version number -> its object (a google-cloud-storage blob), for every version present."""
+    uri = gcs.join(registry_uri, pipeline, "versions")
+    bucket, base = gcs.split_uri(uri)
+    found = {}
+    for blob in gcs.client().list_blobs(bucket, prefix=base + "/"):
+        match = _VERSION_NAME.fullmatch(blob.name[len(base) + 1 :])
+        if match:
+            found[int(match.group(1))] = blob
+    return found
 
 
 def refused(alias: str, problem: str, version: int | None = None, version_uri: str | None = None) -> ArtifactError:
@@ -81,17 +96,31 @@ def champion(registry_uri: str, pipeline: str, artifact_root: str) -> dict[str, 
     entry = _read(expected, VERSION_MAX_BYTES, wrong)
     if entry is None:
         raise refused(where, f"it points at {expected}, which does not exist")
+    return {**verified(entry, number, expected, pipeline, artifact_root, wrong, alias), "alias_uri": where}
+
+
+def verified(
+    entry: dict[str, Any],
+    number: int,
+    uri: str,
+    pipeline: str,
+    artifact_root: str,
+    wrong: Callable[[str], Exception],
+    alias: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Version ``number``'s ``entry`` (read from ``uri``) with what was verified of it, as ``champion``
+    describes; ``wrong(problem)`` is raised otherwise. ``alias``: the alias that names it, whose model
+    must be the version's."""
     if entry.get("version", number) != number:
-        raise refused(where, f"{expected} does not hold version {number}")
-    model = _model(entry, alias, artifact_root, wrong)
+        raise wrong(f"{uri} does not hold version {number}")
+    model = _model(entry, alias or {}, artifact_root, wrong)
     gate = _gate(entry, artifact_root, pipeline, wrong)
     evaluation = _evaluation(gate, model, artifact_root, wrong)
     eval_set = _mapping(_mapping(evaluation.data.get("inputs")).get("eval_set")).get("fingerprint")
     return {
         **entry,
         "version": number,
-        "version_uri": expected,
-        "alias_uri": where,
+        "version_uri": uri,
         "gate_manifest": gate.uri,
         "evaluation_manifest": evaluation.uri,
         "eval_set_fingerprint": eval_set if isinstance(eval_set, str) else None,

@@ -7,7 +7,8 @@ truth; Vertex mirrors it:
 
 - aliases: the version that is the GCS registry's ``champion`` carries Vertex's ``champion``
   alias and its ``default`` alias (the version used when none is named); Vertex moves an alias
-  off the version that held it, so older versions stay registered and only the aliases move;
+  off the version that held it, so older versions stay registered and only the aliases move
+  (``move_champion``: an operator's promote or rollback, loraflow.registry.operations);
 - labels link each version back to its run: ``loraflow-pipeline``, ``loraflow-run`` (the run id
   made a label value), ``loraflow-version`` (the GCS registry's version number) and
   ``loraflow-model`` (the start of the merged checkpoint's fingerprint); the full run id and the
@@ -162,6 +163,22 @@ class VertexModelRegistry:
                 model_exists=bool(existing),
             )
             version_id = self._upload(request, artifact_uri, progress)
+        return self._published(version_id)
+
+    def move_champion(self, version: int) -> dict[str, Any]:
+        """Give GCS registry version ``version``'s Vertex model version the champion and default aliases
+        (an operator's promote or rollback; Vertex moves them off the version that held them)."""
+        found = [v for v in self.versions() if v.labels.get(LABEL_VERSION) == str(version)]
+        if not found:
+            raise LoraflowError(
+                f"Vertex AI model {self.model_name} has no version labelled {LABEL_VERSION}={version}, so its "
+                f"{CHAMPION} alias cannot mirror the GCS registry's: register it there first (publish does, "
+                "for versions promoted while publish.vertex_model_registry was set)"
+            )
+        version_id = str(found[-1].version_id)
+        self._client().merge_version_aliases(
+            name=f"{self.model_name}@{version_id}", version_aliases=[CHAMPION, DEFAULT]
+        )
         return self._published(version_id)
 
     def _labels(self, version: int, run_id: str, fingerprint: str) -> dict[str, str]:

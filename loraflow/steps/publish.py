@@ -31,7 +31,9 @@ A version number is taken by creating ``versions/{N:04d}.json`` with the precond
 ``if_generation_match=0`` (create only if absent), so two publishers never take the same number:
 the loser sees 412 and tries the next one. A retried publish of the same run and model finds its
 own version and reuses it. The alias moves with a generation precondition too, and only forward:
-a publisher never points champion back at an older version than the one it holds.
+a publisher never points champion back at an older version than the one it holds, nor at a version
+an operator rolled back (``loraflow.registry.operations``). Each move is recorded in the registry's
+audit trail (``audit/NNNNNN.json``, ``loraflow.registry.audit``) as made by the gate of the run.
 
 Writes ``registry_entry.json`` either way (with the Vertex AI model version when there is one);
 when the gate did not promote, registers nothing.
@@ -48,6 +50,7 @@ from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.pipeline import artifacts, gcs
+from loraflow.registry import alias, audit
 from loraflow.registry import store as registry
 from loraflow.registry import vertex as vertex_registry
 from loraflow.spec.step_configs import PublishConfig, parse
@@ -57,9 +60,8 @@ log = logging.getLogger(__name__)
 
 STAGE = "publish"
 VERSION_FORMAT = "loraflow.registry.store.version/1"
-ALIAS_FORMAT = "loraflow.registry.store.alias/1"
+ALIAS_FORMAT = alias.FORMAT
 ALIAS = "champion"
-_VERSION_NAME = re.compile(r"([0-9]{4,})\.json")  # fullmatch; ASCII digits ('\d' takes any script's)
 MAX_ATTEMPTS = 50
 
 
@@ -103,13 +105,7 @@ class Registry:
 
     def versions(self) -> dict[int, Any]:
         """Version number -> blob, for every version present."""
-        prefix = self._object("versions") + "/"
-        found = {}
-        for blob in gcs.client().list_blobs(self.bucket, prefix=prefix):
-            match = _VERSION_NAME.fullmatch(blob.name[len(prefix) :])
-            if match:
-                found[int(match.group(1))] = blob
-        return found
+        return registry.versions(self.registry_uri, self.pipeline)
 
     def find(self, run_id: str, model_manifest: str) -> tuple[int, dict[str, Any]] | None:
         """The version this run already registered for this model (a retried publish), if any; a version
@@ -143,50 +139,35 @@ class Registry:
                 number = max(max(self.versions(), default=0), number) + 1
         raise ArtifactError(f"could not take a version number in {self.uri} after {MAX_ATTEMPTS} attempts")
 
-    def move_alias(self, number: int, entry: dict[str, Any]) -> bool:
-        """Point the alias at version ``number`` unless it already points at a newer one."""
+    def move_alias(self, number: int, entry: dict[str, Any], reason: str = "") -> bool:
+        """Point the alias at version ``number`` unless it already points at a newer one, or a rollback
+        withdrew ``number`` (loraflow.registry.audit); the move is recorded in the audit trail."""
         from google.api_core.exceptions import PreconditionFailed
 
-        name = self._object("aliases", f"{ALIAS}.json")
         for _ in range(MAX_ATTEMPTS):
-            current = self.bucket.get_blob(name)
-            generation = 0
-            if current is not None:
-                generation = current.generation
-                held = self._held(current)
-                if held >= number:
-                    return held == number
-            data = {
-                "format": ALIAS_FORMAT,
-                "alias": ALIAS,
-                "version": number,
-                "version_uri": self.version_uri(number),
-                "model_manifest": entry["model_manifest"],
-                "model_fingerprint": entry["model_fingerprint"],
-                "run_id": entry["run_id"],
-                "updated_at": _now(),
-            }
+            current = alias.read(self.registry_uri, self.pipeline)
+            held = current.version or 0
+            if held >= number:
+                return held == number
+            if number in audit.withdrawn(audit.read_trail(self.registry_uri, self.pipeline, current.data)):
+                log.warning("version %s was rolled back; publish leaves the champion at version %s", number, held)
+                return False
             try:
-                self.bucket.blob(name).upload_from_string(
-                    json.dumps(data, indent=2, sort_keys=True),
-                    content_type="application/json",
-                    if_generation_match=generation,
+                alias.move(
+                    self.registry_uri,
+                    self.pipeline,
+                    current,
+                    number,
+                    entry,
+                    action="publish",
+                    actor=f"gate of run {entry['run_id']}",
+                    reason=reason,
+                    via="publish",
                 )
                 return True
             except PreconditionFailed:
                 continue  # the alias moved under us: read it again
         raise ArtifactError(f"could not move {self.alias_uri} after {MAX_ATTEMPTS} attempts")
-
-    def _held(self, current: Any) -> int:
-        """The version number the alias object ``current`` holds; an alias that cannot be read is refused."""
-        try:
-            alias = artifacts.read_json_object(self.alias_uri, max_bytes=registry.ALIAS_MAX_BYTES, blob=current)
-        except artifacts.JsonObjectError as exc:
-            raise registry.refused(self.alias_uri, f"it {exc.problem}") from None
-        held = (alias or {}).get("version", 0)
-        if not isinstance(held, int) or isinstance(held, bool) or held < 0:
-            raise registry.refused(self.alias_uri, f"its version is {str(held)[:40]!r}, not a version number")
-        return held
 
 
 def eval_metrics(decision: dict[str, Any]) -> dict[str, Any]:
@@ -332,11 +313,11 @@ def _without_per_example_lists(decision: dict[str, Any]) -> dict[str, Any]:
 
 
 def _move_alias(ctx: StepContext, models: Registry, number: int, entry: dict[str, Any]) -> bool:
-    moved = models.move_alias(number, entry)
+    moved = models.move_alias(number, entry, str(entry.get("decision", {}).get("reason") or ""))
     ctx.progress(
         f"alias {ALIAS} now points at version {number}"
         if moved
-        else f"alias {ALIAS} already points at a newer version; left as is"
+        else f"alias {ALIAS} left as is: it points at a newer version, or a rollback withdrew version {number}"
     )
     return moved
 

@@ -1,0 +1,264 @@
+"""Operating a pipeline's model registry: list its versions, promote one, roll the champion back.
+
+The same functions serve the ``loraflow registry`` command and the ``loraflow_registry`` maintenance
+DAG. A move is one precondition-guarded write of the champion alias (``loraflow.registry.alias``):
+decided from the alias as read, refused if anyone moved it meanwhile (``ConcurrentMove``), recorded
+in the append-only audit trail (``loraflow.registry.audit``: who, when, why, from which version to
+which) and mirrored to Vertex AI Model Registry when the spec registers there. Nothing is deleted:
+a rollback moves the alias back, every version and event stays.
+
+- promote N: version N must exist and verify as the gate's champion does (its run's committed gate
+  promoted it, judging the committed evaluation of its model; ``store.verified``) and its model's files
+  must still be in GCS as its manifest records them (``verify.verify_artifact``); else it is refused.
+- rollback: the champion goes to the newest version older than it that no rollback withdrew
+  (``audit.withdrawn``), verified the same way; there must be one.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loraflow.errors import ArtifactError, LoraflowError
+from loraflow.pipeline import artifacts
+from loraflow.pipeline.verify import verify_artifact
+from loraflow.registry import alias, audit, store
+
+if TYPE_CHECKING:
+    from loraflow.registry.vertex import VertexModelRegistry
+    from loraflow.spec.schema import PipelineSpec
+
+ACTIONS = ("list", "promote", "rollback")
+
+
+class RegistryOperationError(LoraflowError):
+    """A registry operation was refused; nothing was changed."""
+
+
+class UnknownVersion(RegistryOperationError):
+    pass
+
+
+class NothingToRollBack(RegistryOperationError):
+    pass
+
+
+class VersionDoesNotVerify(RegistryOperationError):
+    pass
+
+
+class ConcurrentMove(RegistryOperationError):
+    pass
+
+
+@dataclass(frozen=True)
+class PipelineRegistry:
+    """Where a pipeline's registry lives and what verifies it (its spec's artifact root)."""
+
+    registry_uri: str
+    pipeline: str
+    artifact_root: str
+    vertex: VertexModelRegistry | None = None
+
+    @classmethod
+    def for_spec(cls, spec: PipelineSpec) -> PipelineRegistry:
+        vertex = None
+        if spec.publish.vertex_model_registry is not None:
+            from loraflow.registry import vertex as vertex_registry
+
+            target = vertex_registry.Target.from_config(spec.publish.vertex_model_registry.model_dump(), spec.name)
+            vertex = vertex_registry.VertexModelRegistry(target, spec.name)
+        return cls(spec.registry_uri, spec.name, spec.artifact_root, vertex)
+
+
+def default_actor() -> str:
+    """Who runs the command, for the audit trail: ``$LORAFLOW_ACTOR``, else the local user."""
+    return os.environ.get("LORAFLOW_ACTOR") or getpass.getuser()
+
+
+# ------------------------------------------------------------------------------------------ list
+
+
+def listing(reg: PipelineRegistry) -> dict[str, Any]:
+    """Every version (oldest first) with its metrics and lineage, the champion, and the audit trail."""
+    state = alias.read(reg.registry_uri, reg.pipeline)
+    trail = audit.read_trail(reg.registry_uri, reg.pipeline, state.data)
+    gone = audit.withdrawn(trail)
+    versions = []
+    for number, blob in sorted(store.versions(reg.registry_uri, reg.pipeline).items()):
+        uri = store.version_uri(reg.registry_uri, reg.pipeline, number)
+        row: dict[str, Any] = {"version": number, "champion": number == state.version, "withdrawn": number in gone}
+        try:
+            entry = artifacts.read_json_object(uri, max_bytes=store.VERSION_MAX_BYTES, blob=blob) or {}
+        except artifacts.JsonObjectError as exc:
+            versions.append({**row, "problem": exc.problem})
+            continue
+        keys = ("run_id", "created_at", "metrics", "model_manifest", "model_fingerprint", "gate_manifest")
+        versions.append({**row, **{k: entry.get(k) for k in keys}, "eval_set": entry.get("eval_set_fingerprint")})
+    return {
+        "pipeline": reg.pipeline,
+        "registry": reg.registry_uri,
+        "alias_uri": state.uri,
+        "champion": state.version,
+        "versions": versions,
+        "audit": trail,
+    }
+
+
+def render(listed: dict[str, Any]) -> str:
+    """The listing as text: a table of versions, then the audit trail."""
+    lines = [
+        f"registry of {listed['pipeline']} ({listed['registry']}); champion: "
+        + (f"version {listed['champion']}" if listed["champion"] else "none yet")
+    ]
+    lines.append(f"{'':2}{'version':>7}  {'created':<20}  {'run':<40}  metrics")
+    for v in listed["versions"]:
+        mark = "*" if v["champion"] else ("x" if v["withdrawn"] else " ")
+        if "problem" in v:
+            lines.append(f"{mark} {v['version']:>7}  (unreadable: {v['problem']})")
+            continue
+        metrics = ", ".join(f"{k}={_figure(x)}" for k, x in sorted((v.get("metrics") or {}).items()))
+        lines.append(f"{mark} {v['version']:>7}  {v.get('created_at') or '?':<20}  {v.get('run_id')!s:<40}  {metrics}")
+        lines.append(f"{'':11}model {v.get('model_manifest')}")
+        lines.append(f"{'':11}gate  {v.get('gate_manifest')}")
+    if not listed["versions"]:
+        lines.append("  (no versions: no run of this pipeline was promoted yet)")
+    lines.append("* champion   x withdrawn by a rollback")
+    lines.append("audit trail:" if listed["audit"] else "audit trail: (empty)")
+    lines += ["  " + audit.describe(e) for e in listed["audit"]]
+    return "\n".join(lines)
+
+
+def _figure(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# ------------------------------------------------------------------------------------------ moves
+
+
+def promote(reg: PipelineRegistry, version: int, *, actor: str, reason: str, via: str) -> dict[str, Any]:
+    """Make ``version`` the champion. Promoting the champion changes nothing in GCS and mirrors it to
+    Vertex again (how a failed mirror is repaired)."""
+    _need_reason(reason, "promote")
+    state = alias.read(reg.registry_uri, reg.pipeline)
+    numbers = store.versions(reg.registry_uri, reg.pipeline)
+    if version not in numbers:
+        known = ", ".join(str(n) for n in sorted(numbers)) or "none"
+        raise UnknownVersion(
+            f"{reg.pipeline} has no registry version {version} (versions: {known}); "
+            f"see `loraflow registry list {reg.pipeline}`"
+        )
+    entry = _verified(reg, version, "promote")
+    if state.version == version:
+        return _result(reg, "promote", None, version, note=f"version {version} is the champion already")
+    event = _move(reg, state, version, entry, "promote", actor, reason, via)
+    return _result(reg, "promote", event, version)
+
+
+def rollback(reg: PipelineRegistry, *, actor: str, reason: str, via: str) -> dict[str, Any]:
+    """Move the champion back to the newest older version no rollback withdrew."""
+    _need_reason(reason, "rollback")
+    state = alias.read(reg.registry_uri, reg.pipeline)
+    if state.version is None:
+        raise NothingToRollBack(
+            f"{reg.pipeline} has no champion yet ({state.uri} does not exist): nothing to roll back"
+        )
+    gone = audit.withdrawn(audit.read_trail(reg.registry_uri, reg.pipeline, state.data))
+    older = sorted((n for n in store.versions(reg.registry_uri, reg.pipeline) if n < state.version), reverse=True)
+    candidates = [n for n in older if n not in gone]
+    if not candidates:
+        skipped = (
+            f" (versions {', '.join(map(str, sorted(gone & set(older))))} were rolled back)"
+            if gone & set(older)
+            else ""
+        )
+        raise NothingToRollBack(
+            f"{reg.pipeline}: the champion, version {state.version}, has no older version to roll back to{skipped}; "
+            f"promote a version explicitly with `loraflow registry promote {reg.pipeline} N`"
+        )
+    target = candidates[0]
+    entry = _verified(reg, target, "roll back to")
+    event = _move(reg, state, target, entry, "rollback", actor, reason, via)
+    return _result(reg, "rollback", event, target)
+
+
+def _need_reason(reason: str, action: str) -> None:
+    if not reason.strip():
+        raise RegistryOperationError(
+            f"a {action} needs a reason for the audit trail: say why (e.g. --reason 'v3 answers worse on the new "
+            "eval set'; the maintenance DAG's 'reason' param)"
+        )
+
+
+def _verified(reg: PipelineRegistry, version: int, doing: str) -> dict[str, Any]:
+    """Version ``version``'s entry, verified (its lineage and its model's files in GCS), or refused."""
+    uri = store.version_uri(reg.registry_uri, reg.pipeline, version)
+    fix = f"refusing to {doing} it; promote another version (`loraflow registry list {reg.pipeline}`)"
+
+    def wrong(problem: str) -> VersionDoesNotVerify:
+        return VersionDoesNotVerify(f"version {version} ({uri}) does not verify: {problem}; {fix}")
+
+    try:
+        entry = artifacts.read_json_object(uri, max_bytes=store.VERSION_MAX_BYTES)
+    except artifacts.JsonObjectError as exc:
+        raise wrong(f"it {exc.problem}") from None
+    if entry is None:
+        raise UnknownVersion(f"{reg.pipeline} has no registry version {version} ({uri} does not exist)")
+    checked = store.verified(entry, version, uri, reg.pipeline, reg.artifact_root, wrong)
+    try:
+        model = verify_artifact(checked["model_manifest"])
+    except ArtifactError as exc:
+        raise wrong(f"its model: {exc}") from None
+    if not model.ok:
+        raise wrong(f"its model {model.manifest.prefix} no longer matches its manifest: " + "; ".join(model.problems))
+    return checked
+
+
+def _move(
+    reg: PipelineRegistry,
+    state: alias.AliasState,
+    version: int,
+    entry: dict[str, Any],
+    action: str,
+    actor: str,
+    reason: str,
+    via: str,
+) -> dict[str, Any]:
+    from google.api_core.exceptions import PreconditionFailed
+
+    try:
+        return alias.move(
+            reg.registry_uri, reg.pipeline, state, version, entry, action=action, actor=actor, reason=reason, via=via
+        )
+    except PreconditionFailed:
+        now = alias.read(reg.registry_uri, reg.pipeline)
+        last = (now.data or {}).get("move") or {}
+        who = f", moved by {last.get('actor')} at {last.get('at')} ({last.get('action')})" if last else ""
+        raise ConcurrentMove(
+            f"the {alias.NAME} alias of {reg.pipeline} moved while this {action} was decided (it held version "
+            f"{state.version}, now {now.version}{who}); nothing was changed by this {action}: see "
+            f"`loraflow registry list {reg.pipeline}` and run it again if it still applies"
+        ) from None
+
+
+def _result(
+    reg: PipelineRegistry, action: str, event: dict[str, Any] | None, version: int, note: str = ""
+) -> dict[str, Any]:
+    """What a move did (small: the CLI prints it, the DAG task pushes it to XCom), after mirroring it."""
+    out: dict[str, Any] = {"pipeline": reg.pipeline, "action": action, "champion": version, "event": event}
+    if note:
+        out["note"] = note
+    if reg.vertex is not None:
+        try:
+            vertex = reg.vertex.move_champion(version)
+        except Exception as exc:  # the SDK's errors, an unreachable endpoint: the GCS move stands
+            raise LoraflowError(
+                f"the GCS registry's champion of {reg.pipeline} is version {version}, but mirroring it to Vertex AI "
+                f"Model Registry ({reg.vertex.model_name}) failed: {type(exc).__name__}: {exc}; run `loraflow "
+                f"registry promote {reg.pipeline} {version} --reason ...` again to mirror it (GCS is not moved twice)"
+            ) from exc
+        out["vertex_model"] = f"{vertex['model']}@{vertex['version_id']}"
+        out["vertex_aliases"] = vertex["version_aliases"]
+    return out
