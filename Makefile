@@ -87,13 +87,21 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
+# The CeleryExecutor's broker in the distributed e2e (loraflow/dev/local_celery.py): Debian's redis-server.
+REDIS_SERVER ?= /usr/bin/redis-server
+
+$(REDIS_SERVER):
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server)
+
 # CI runs every end-to-end module (each starts its own Airflow; 3-10 minutes each on 2 cores): the
 # tiny pipeline, every stage killed once and finished by Airflow's retries, the data-team hand-off,
-# lora_sft on the Vertex AI stand-in under a deferring Airflow, the browser test, and eight concurrent
-# runs on PostgreSQL (installed from Debian packages when missing).
+# lora_sft on the Vertex AI stand-in under a deferring Airflow, the browser test, eight concurrent
+# runs on PostgreSQL (installed from Debian packages when missing), and the tiny pipeline on Celery
+# workers with a Redis broker, one worker lost mid-stage.
 E2E := $(wildcard tests/e2e/test_*.py)
 
-test-e2e: envs $(CHROMIUM)
+test-e2e: envs $(CHROMIUM) $(REDIS_SERVER)
 	LORAFLOW_CHROMIUM=$(CHROMIUM) $(CONTROL) -m pytest $(E2E) -q -s $(PYTEST_ARGS)
 
 test: lint typecheck test-control test-trainer test-serving test-e2e  ## set up and run every check and test (what CI runs)

@@ -6,6 +6,10 @@
 The GCS emulator keeps its data under .demo/gcs, Airflow its database and logs under .demo/airflow.
 Airflow runs as its real components (API server, scheduler with the LocalExecutor, DAG processor, triggerer)
 with a password generated at first start. Nothing here is imported by the DAGs or the steps.
+
+``local_stack(..., celery=CeleryWorkers())`` runs it distributed instead, as production does: the
+CeleryExecutor with a Redis broker and Celery workers that share no disk (``loraflow.dev.local_celery``),
+on a PostgreSQL metadata database (``loraflow.dev.local_postgres``); tests/e2e/test_celery_workers.py.
 """
 
 from __future__ import annotations
@@ -14,23 +18,27 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loraflow.dev import local_gcs
+from loraflow.dev.local_celery import HOSTNAME_ENV, Broker, CeleryWorkers, start_broker
+from loraflow.dev.separate_hosts import host_dirs
 from loraflow.errors import LoraflowError
 from loraflow.evaluation.metrics import METRICS
 from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting.report import browser_url
+from loraflow.spec.cache import CACHE_ENV
 from loraflow.spec.schema import PipelineSpec, load_spec
 
 DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
@@ -58,6 +66,11 @@ WORKER_PRELOAD = (
     "pandas",
     "pyarrow.parquet",
 )
+# A Celery worker has no forkserver: each of its pool processes runs its tasks one after another, each
+# task process forked from it (Airflow's supervisor), so what the worker imported before it started its
+# pool reaches every task. Celery's ``imports`` setting imports these in the worker's main process first
+# (the LocalExecutor itself is not used there).
+CELERY_PRELOAD = tuple(m for m in WORKER_PRELOAD if m != "airflow.executors.local_executor")
 
 
 def say(message: str) -> None:
@@ -148,7 +161,8 @@ def write_private(path: Path, text: str) -> None:
 
 
 class LocalAirflow:
-    """Airflow's API server, scheduler (LocalExecutor), DAG processor and triggerer on 127.0.0.1."""
+    """Airflow's API server, scheduler (LocalExecutor, or CeleryExecutor with ``celery``), DAG processor
+    and triggerer on 127.0.0.1; with ``celery``, a Redis broker and the Celery workers too."""
 
     # The triggerer runs deferred tasks' triggers (a Vertex AI stage waiting for its job).
     COMPONENTS = (
@@ -166,9 +180,11 @@ class LocalAirflow:
         pipelines_dir: Path | None = None,
         database_url: str | None = None,
         parallelism: int = 4,
+        celery: CeleryWorkers | None = None,
     ):
         """``database_url``: the metadata DB as an SQLAlchemy URL (e.g. PostgreSQL); default SQLite in ``home``.
-        ``parallelism``: how many tasks the LocalExecutor runs at once."""
+        ``parallelism``: how many tasks the executor runs at once. ``celery``: run the CeleryExecutor and
+        these workers instead of the LocalExecutor (needs ``database_url``: every worker reaches it)."""
         self.home = home
         self.port = port or local_gcs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -210,6 +226,45 @@ class LocalAirflow:
         }
         if pipelines_dir is not None:
             self.env["LORAFLOW_PIPELINES_DIR"] = str(pipelines_dir)
+        self.celery = celery
+        self.broker: Broker | None = None
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        if celery is not None:
+            self.env |= self._celery_settings(celery, database_url)
+            for forkserver_only in ("AIRFLOW__SCHEDULER__MP_START_METHOD", "AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD"):
+                del self.env[forkserver_only]  # the LocalExecutor's; the scheduler then starts no forkserver
+
+    def _celery_settings(self, celery: CeleryWorkers, database_url: str | None) -> dict[str, str]:
+        """What the CeleryExecutor, its workers and the scheduler's lost-worker handling are set to."""
+        if not database_url or database_url.startswith("sqlite"):
+            raise LoraflowError(
+                "the CeleryExecutor needs a metadata database every worker reaches: pass database_url "
+                "(PostgreSQL, e.g. loraflow.dev.local_postgres.running()), not SQLite"
+            )
+        self.broker_port = local_gcs.free_port()
+        logs_bucket = json.dumps({"conn_type": "google_cloud_platform", "extra": {"is_anonymous": True}})
+        return {
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__CELERY__BROKER_URL": f"redis://127.0.0.1:{self.broker_port}/0",
+            # The result backend is Airflow's default: the metadata database (db+postgresql://...).
+            "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(celery.concurrency),
+            # Airflow's default, stated: a message is acknowledged when its task ends, not when a worker
+            # takes it. A worker lost mid-task leaves its message unacknowledged in Redis; Redis hands it
+            # out again only after the broker's visibility timeout (Airflow's default: 86400 s), long after
+            # the scheduler has retried the task (below); the late copy is then refused as already run.
+            "AIRFLOW__CELERY__TASK_ACKS_LATE": "True",
+            "AIRFLOW__CELERY__EXTRA_CELERY_CONFIG": json.dumps({"imports": list(CELERY_PRELOAD)}),
+            # A task whose worker vanished stops heartbeating (every [workers] min_heartbeat_interval,
+            # 1 s here): after this many seconds the scheduler fails that try, and the spec's retries
+            # start the next on a worker that is alive. Airflow's default is 300 s.
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(celery.heartbeat_timeout),
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+            # No worker reads another's disk, nor does the API server: task logs go to GCS, as on Composer.
+            "AIRFLOW__LOGGING__REMOTE_LOGGING": "True",
+            "AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER": "gs://loraflow-demo/_airflow-logs",
+            "AIRFLOW__LOGGING__REMOTE_LOG_CONN_ID": "loraflow_task_logs",
+            "AIRFLOW_CONN_LORAFLOW_TASK_LOGS": logs_bucket,
+        }
 
     def _secret(self, name: str) -> str:
         path = self.home / name
@@ -226,11 +281,15 @@ class LocalAirflow:
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         subprocess.run([self.airflow, "db", "migrate"], env=self.env, check=True, stdout=subprocess.DEVNULL)
+        if self.celery is not None:
+            self.broker = start_broker(self.home / "redis", self.broker_port)
+            for name in self.celery.names():
+                self.workers[name] = self._start_worker(name)
         for component in self.COMPONENTS:
             self.procs.append(self._start_component(component))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for proc in self.procs:
+            for proc in [*self.procs, *self.workers.values()]:
                 if proc.poll() is not None:
                     raise LoraflowError(f"an Airflow component exited at start; see {logs}")
             try:
@@ -256,6 +315,30 @@ class LocalAirflow:
             command = [self.airflow, *component]
         return subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
+    def _start_worker(self, name: str) -> subprocess.Popen[bytes]:
+        """A Celery worker as a machine of its own: its own HOME, TMPDIR, scratch, Airflow home (local
+        task logs, pid file) and spec cache; a host name of its own in the task instances."""
+        assert self.celery is not None
+        root = self.home / "workers"
+        dirs, work = host_dirs(root, name)
+        airflow_home = root / name / "airflow"
+        airflow_home.mkdir(parents=True, exist_ok=True)
+        env = {
+            **self.env,
+            **dirs,
+            "AIRFLOW_HOME": str(airflow_home),
+            CACHE_ENV: str(Path(dirs["XDG_CACHE_HOME"]) / "loraflow" / "specs"),
+            HOSTNAME_ENV: name,
+            "AIRFLOW__CORE__HOSTNAME_CALLABLE": "loraflow.dev.local_celery.worker_hostname",
+        }
+        command = [self.airflow, "celery", "worker", "--concurrency", str(self.celery.concurrency)]
+        command += ["--celery-hostname", f"{name}@%h", "--skip-serve-logs", "--without-mingle", "--without-gossip"]
+        out = open(self.home / "logs" / f"{name}.log", "ab")
+        # Its own session: stop() ends the worker and its pool together, as a machine going away would.
+        return subprocess.Popen(
+            command, env=env, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
     def restart(self, name: str) -> None:
         """Stop one component (e.g. ``triggerer``) as a deploy would, and start it again."""
         (i,) = [i for i, c in enumerate(self.COMPONENTS) if c[0] == name]
@@ -278,6 +361,12 @@ class LocalAirflow:
             except subprocess.TimeoutExpired:
                 proc.kill()
         self.procs.clear()
+        for proc in self.workers.values():
+            _end_group(proc)
+        self.workers.clear()
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
 
     # REST ------------------------------------------------------------------------------------
 
@@ -370,7 +459,17 @@ class LocalAirflow:
         )
         return body.get("value") if status == 200 and isinstance(body, dict) else None
 
-    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+    def task_tries(self, dag_id: str, run_id: str, task_id: str) -> list[dict[str, Any]]:
+        """Every try of a task so far, oldest first: try_number, state, hostname (the worker that ran it), ..."""
+        status, body = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/tries")
+        tries: list[dict[str, Any]] = body.get("task_instances", []) if status == 200 and isinstance(body, dict) else []
+        return sorted(tries, key=lambda t: int(t.get("try_number") or 0))
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int | None = 1) -> str:
+        """A try's log (``try_number`` None: the last try's)."""
+        if try_number is None:
+            status, ti = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}")
+            try_number = max(int(ti.get("try_number") or 1), 1) if status == 200 and isinstance(ti, dict) else 1
         status, body = self.call(
             "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}?full_content=true"
         )
@@ -382,6 +481,18 @@ class LocalAirflow:
         return str(content)
 
 
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
+    """End a process started in a session of its own, and its process group, by its id."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 @contextmanager
 def local_stack(
     home: Path = DEMO_HOME,
@@ -389,9 +500,10 @@ def local_stack(
     pipelines_dir: Path | None = None,
     database_url: str | None = None,
     parallelism: int = 4,
+    celery: CeleryWorkers | None = None,
 ) -> Iterator[LocalAirflow]:
-    """The GCS emulator + Airflow, started and (always) stopped again (``database_url``, ``parallelism``:
-    see ``LocalAirflow``)."""
+    """The GCS emulator + Airflow, started and (always) stopped again (``database_url``, ``parallelism``,
+    ``celery``: see ``LocalAirflow``)."""
     home.mkdir(parents=True, exist_ok=True)
     emulator = local_gcs.start("loraflow-demo", None if in_memory else home / "gcs", log=home / "gcs-emulator.log")
     os.environ.update(emulator.env())
@@ -402,6 +514,7 @@ def local_stack(
         pipelines_dir=pipelines_dir,
         database_url=database_url,
         parallelism=parallelism,
+        celery=celery,
     )
     try:
         say(f"GCS emulator on {emulator.host}; starting Airflow on {airflow.url} ...")
