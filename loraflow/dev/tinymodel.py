@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraflow.models import ModelFamily, llama
+from loraflow.models import ModelFamily, llama, qwen3
 
 # How a tensor is initialised: "normal" (std 0.02), "ones" (an RMSNorm scale), "zeros".
 Init = str
@@ -67,6 +67,28 @@ def _llama_config(dims: Mapping[str, int]) -> dict[str, object]:
     }
 
 
+def _qwen3_config(dims: Mapping[str, int]) -> dict[str, object]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": dims["num_hidden_layers"],
+    }
+
+
+def _qwen3_layer(dims: Mapping[str, int]) -> Shapes:
+    """Qwen3's q/k norms: an RMSNorm scale over head_dim, for queries and keys."""
+    return {f"self_attn.{n}_norm.weight": ("ones", (dims["head_dim"],)) for n in ("q", "k")}
+
+
 # Same dimensions for every family's tiny model unless its entry says otherwise.
 TINY_DIMS = {
     "hidden_size": 128,
@@ -81,6 +103,8 @@ TINY_DIMS = {
 FAMILIES: dict[str, Tiny] = {
     # Same architecture and RoPE scaling as MaxText's llama3.1-8b, tiny dimensions.
     "llama": Tiny(llama.FAMILY, "llama3.1-8b", TINY_DIMS, _llama_config),
+    # Qwen3-0.6B's architecture (q/k norms, tied embeddings, no attention bias), tiny dimensions.
+    "qwen3": Tiny(qwen3.FAMILY, "qwen3-0.6b", TINY_DIMS, _qwen3_config, _qwen3_layer, tied_embeddings=True),
 }
 
 # The tiny Llama (the default model of the demo, the tiny specs and most tests).

@@ -27,6 +27,28 @@ from typing import Any
 from loraflow.errors import LoraflowError
 from loraflow.models import peft_layout
 
+# The shape keys HF decoder configs and MaxText name alike across families (a family adds its own).
+# HF config key -> the MaxText config key that must agree with it ...
+DECODER_DIMS: dict[str, str] = {
+    "hidden_size": "emb_dim",
+    "intermediate_size": "mlp_dim",
+    "num_hidden_layers": "num_decoder_layers",
+    "num_attention_heads": "num_query_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "vocab_size": "vocab_size",
+}
+# ... and HF config key -> the MaxText command-line override that sets it.
+DECODER_OVERRIDES: dict[str, str] = {
+    "hidden_size": "base_emb_dim",
+    "num_attention_heads": "base_num_query_heads",
+    "num_key_value_heads": "base_num_kv_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "base_mlp_dim",
+    "num_hidden_layers": "base_num_decoder_layers",
+    "vocab_size": "vocab_size",
+}
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -46,12 +68,25 @@ class ModelFamily:
     # -------------------------------------------------------------------------------- dimensions
 
     def check_dims(self, hf_cfg: Any, maxtext_cfg: Any) -> None:
-        """Refuse a MaxText config whose dimensions disagree with the HF checkpoint (clear error, not a reshape failure)."""
+        """Refuse a MaxText config that disagrees with the HF checkpoint (clear error, not a reshape failure):
+        a dimension of ``dims``, or whether the output projection is the embedding (HF
+        ``tie_word_embeddings``, MaxText ``logits_via_embedding``: the checkpoint would lack, or carry
+        unread, ``lm_head.weight``)."""
         bad = []
         for hf_key, mt_key in self.dims.items():
             hv, mv = getattr(hf_cfg, hf_key, None), getattr(maxtext_cfg, mt_key, None)
             if hv is not None and mv is not None and hv != mv:
                 bad.append(f"{hf_key}={hv} vs MaxText {mt_key}={mv}")
+        tied, via_embedding = (
+            getattr(hf_cfg, "tie_word_embeddings", None),
+            getattr(maxtext_cfg, "logits_via_embedding", None),
+        )
+        if tied is not None and via_embedding is not None and bool(tied) != bool(via_embedding):
+            bad.append(
+                f"tie_word_embeddings={tied} vs MaxText logits_via_embedding={via_embedding} (use a MaxText "
+                f"model whose output projection is {'the embedding' if tied else 'its own'}: "
+                f"{', '.join(self.maxtext_models)})"
+            )
         if bad:
             raise LoraflowError(
                 "HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)"

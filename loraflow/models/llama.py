@@ -6,33 +6,16 @@ of the family is ``loraflow.dev.tinymodel``'s ``llama`` entry.
 
 from __future__ import annotations
 
-from loraflow.models.family import ModelFamily
+from loraflow.models.family import DECODER_DIMS, DECODER_OVERRIDES, ModelFamily
 
 NAME = "llama"
 HF_MODEL_TYPES: tuple[str, ...] = ("llama",)
 # The MaxText keys with the Llama 3.1 parameter mapping (maxtext.checkpoint_conversion.utils.param_mapping).
 MAXTEXT_MODELS: tuple[str, ...] = ("llama3.1-8b", "llama3.1-8b-Instruct", "llama3.1-70b", "llama3.1-405b")
 
-# HF config key -> the MaxText config key that must agree with it.
-DIMS: dict[str, str] = {
-    "hidden_size": "emb_dim",
-    "intermediate_size": "mlp_dim",
-    "num_hidden_layers": "num_decoder_layers",
-    "num_attention_heads": "num_query_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim",
-    "vocab_size": "vocab_size",
-}
-# HF config key -> the MaxText command-line override that sets it.
-OVERRIDES: dict[str, str] = {
-    "hidden_size": "base_emb_dim",
-    "num_attention_heads": "base_num_query_heads",
-    "num_key_value_heads": "base_num_kv_heads",
-    "head_dim": "head_dim",
-    "intermediate_size": "base_mlp_dim",
-    "num_hidden_layers": "base_num_decoder_layers",
-    "vocab_size": "vocab_size",
-}
+# The shape keys: those every decoder family shares (HF config key -> MaxText config key / override).
+DIMS: dict[str, str] = dict(DECODER_DIMS)
+OVERRIDES: dict[str, str] = dict(DECODER_OVERRIDES)
 # Each MaxText model's architecture (its configs/models/<name>.yml) as far as QLoRA's tile must know it.
 ARCHITECTURE: dict[str, dict[str, int]] = {
     "llama3.1-8b": {"base_emb_dim": 4096, "head_dim": 128, "base_mlp_dim": 14336},

@@ -11,7 +11,7 @@ import yaml
 
 from loraflow import models
 from loraflow.errors import SpecError
-from loraflow.models import llama
+from loraflow.models import llama, qwen3
 from loraflow.spec.schema import validate_spec
 
 TINY = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"
@@ -20,6 +20,17 @@ TINY = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml
 @pytest.mark.parametrize("name", ["llama", "llama3.1-8b", "llama3.1-70b", "llama3.1-8b-Instruct"])
 def test_family_for_llama(name: str) -> None:
     assert models.family_for(name) is llama.FAMILY
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
+def test_family_for_qwen3(name: str) -> None:
+    assert models.family_for(name) is qwen3.FAMILY
+
+
+def test_qwen3_moe_sizes_are_no_supported_model() -> None:
+    """Their experts are no LoRA target MaxText maps: refused at validation, not after training."""
+    with pytest.raises(models.UnsupportedModelError, match="qwen3-8b"):
+        models.family_for("qwen3-30b-a3b")
 
 
 def test_an_unsupported_model_names_the_supported_ones() -> None:
@@ -73,3 +84,27 @@ def test_check_dims_names_every_disagreement() -> None:
     with pytest.raises(Exception, match=r"num_attention_heads=2 vs MaxText num_query_heads=4; vocab_size=512"):
         llama.FAMILY.check_dims(hf, mt)
     llama.FAMILY.check_dims(hf, types.SimpleNamespace(emb_dim=128))  # what either side lacks is not compared
+
+
+@pytest.mark.parametrize(("tied", "via_embedding"), [(True, False), (False, True)])
+def test_check_dims_refuses_a_tied_checkpoint_for_an_untied_maxtext_model_and_back(tied: bool, via_embedding: bool):
+    """Qwen3-0.6B/4B tie lm_head to the embedding, 8B and larger do not: a checkpoint converted as the
+    other kind would lack lm_head.weight, or carry one MaxText never reads."""
+    hf = types.SimpleNamespace(hidden_size=128, tie_word_embeddings=tied)
+    mt = types.SimpleNamespace(emb_dim=128, logits_via_embedding=via_embedding)
+    with pytest.raises(Exception, match=rf"tie_word_embeddings={tied} vs MaxText logits_via_embedding={via_embedding}"):
+        qwen3.FAMILY.check_dims(hf, mt)
+    qwen3.FAMILY.check_dims(hf, types.SimpleNamespace(emb_dim=128, logits_via_embedding=tied))
+
+
+def test_every_familys_tiny_model_is_of_its_family_and_its_overrides_are_allowed() -> None:
+    from loraflow.dev import tinymodel
+    from loraflow.spec import override_rules
+
+    for name, entry in tinymodel.FAMILIES.items():
+        assert models.family_for(name) is entry.family
+        assert entry.maxtext_model in entry.family.maxtext_models
+        config = tinymodel.hf_config(entry.dims, family=name)
+        assert models.family_for(str(config["model_type"])) is entry.family
+        assert set(entry.maxtext_overrides) <= set(override_rules.ALLOWED)
+        assert ("lm_head.weight" in tinymodel.weight_shapes(entry.dims, name)) is not entry.tied_embeddings
