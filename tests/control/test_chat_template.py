@@ -1,0 +1,293 @@
+"""loraflow.data.chat_template: one renderer for training and evaluation, resolved from the spec's
+data.chat_template, sandboxed, and refusing templates that would make train and eval prompts differ.
+
+Rendering equality of training pieces and evaluation prompts is checked here on text; the token ids
+through MaxText's own SFT data pipeline are checked in tests/trainer/test_chat_template_training.py,
+and through vLLM in tests/serving/test_evaluate.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from loraflow.data import chat_template as ct
+from loraflow.data import dataset as ds
+from loraflow.dev.tinymodel import CHAT_TEMPLATE as TINY_TEMPLATE
+from loraflow.errors import DataValidationError
+from loraflow.spec.schema import DataSpec
+from loraflow.steps import validate_data
+
+# ChatML as instruct models ship it, with a default system turn: not the tiny model's own template.
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|end|>"}
+
+PROMPT_COMPLETION = {"id": "pc", "prompt": "What is 2+3?", "completion": "5"}
+CHAT_WITH_SYSTEM = {
+    "id": "sys",
+    "messages": [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "What is 4+4?"},
+        {"role": "assistant", "content": "8"},
+    ],
+}
+MULTI_TURN = {
+    "id": "multi",
+    "messages": [
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "And 2+2?"},
+        {"role": "assistant", "content": "4"},
+    ],
+}
+ROWS = [PROMPT_COMPLETION, CHAT_WITH_SYSTEM, MULTI_TURN]
+
+
+def template(source: str, setting: str = "inline") -> ct.ChatTemplate:
+    return ct.ChatTemplate(setting, "test", source, SPECIALS)
+
+
+def normalised(record: dict) -> list[dict]:
+    """The row as validate_data normalises it (prompt/completion becomes a user and an assistant turn)."""
+    return ds.normalise([(1, record)], "rows.jsonl").rows[0]["messages"]
+
+
+def tokenizer_dir(root: Path, config: dict, files: dict[str, str] | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    for name, text in (files or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+# ------------------------------------------------------------------------------ train == eval
+
+
+@pytest.mark.parametrize("source", [TINY_TEMPLATE, CHATML, ct.PLAIN_TEMPLATE], ids=["tiny", "chatml", "none"])
+@pytest.mark.parametrize("record", ROWS, ids=[r["id"] for r in ROWS])
+def test_training_pieces_hold_exactly_the_prompt_evaluation_renders(source: str, record: dict) -> None:
+    """For every answer the training text holds, the text before it is the prompt evaluation sends for
+    that turn (pieces cut at the same places), and the pieces put together are the whole conversation."""
+    t = template(source)
+    messages = normalised(record)
+    pieces = ct.pieces(t, messages)
+    assert "".join(text for text, _ in pieces) == ct.render(t, messages, add_generation_prompt=False)
+    assert [is_prompt for _, is_prompt in pieces] == [True, False] * (len(pieces) // 2)
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for k, turn in enumerate(answers):
+        eval_pieces = ct.prompt_pieces(t, messages[:turn])
+        assert eval_pieces == [text for text, _ in pieces[: 2 * k + 1]]
+        assert ct.render_prompt(t, messages[:turn]) == ct.render(t, messages[:turn], add_generation_prompt=True)
+        assert messages[turn]["content"] in pieces[2 * k + 1][0]  # the answer piece holds the answer
+
+
+def test_the_tiny_template_renders_the_special_tokens_and_the_generation_prompt() -> None:
+    t = template(TINY_TEMPLATE)
+    pieces = ct.pieces(t, normalised(CHAT_WITH_SYSTEM))
+    assert pieces == [("<|bos|><|system|>Answer with a number.\n<|user|>What is 4+4?\n<|assistant|>", True), ("8<|end|>", False)]
+
+
+def test_plain_text_is_the_turns_as_written_with_bos_and_eos() -> None:
+    t = template(ct.PLAIN_TEMPLATE)
+    assert ct.pieces(t, normalised(PROMPT_COMPLETION)) == [("<|bos|>What is 2+3?", True), ("5<|end|>", False)]
+    assert ct.render_prompt(t, [{"role": "user", "content": "Q: 1+1 ="}]) == "<|bos|>Q: 1+1 ="
+
+
+# ---------------------------------------------------------------------------- refused templates
+
+
+def test_a_template_without_a_generation_prompt_is_refused() -> None:
+    """ChatML without its add_generation_prompt branch: the model would have to write its own turn header."""
+    no_generation = CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "")
+    with pytest.raises(ct.ChatTemplateError, match="generation prompt"):
+        ct.pieces(template(no_generation), normalised(PROMPT_COMPLETION))
+
+
+def test_a_generation_prompt_that_does_not_begin_the_answer_turn_is_refused() -> None:
+    odd = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>model\n{% endif %}")
+    with pytest.raises(ct.ChatTemplateError, match="is not how it begins the assistant's turn"):
+        ct.pieces(template(odd), normalised(PROMPT_COMPLETION))
+
+
+def test_a_template_that_rewrites_history_is_refused() -> None:
+    """A template rendering an earlier answer differently once later turns follow (as templates that drop
+    earlier reasoning do): the prompt training sees for the second answer is not evaluation's."""
+    rewrites = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[old]{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    with pytest.raises(ct.ChatTemplateError, match="renders the turns before turn 3 differently"):
+        ct.pieces(template(rewrites), normalised(MULTI_TURN))
+
+
+def test_a_conversation_without_an_answer_has_nothing_to_train_on() -> None:
+    with pytest.raises(ct.ChatTemplateError, match="no assistant turn"):
+        ct.pieces(template(TINY_TEMPLATE), [{"role": "user", "content": "hi"}])
+
+
+def test_raise_exception_in_a_template_names_its_message() -> None:
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}" + CHATML
+    with pytest.raises(ct.ChatTemplateError, match="refused the conversation: no system turns"):
+        ct.pieces(template(strict), normalised(CHAT_WITH_SYSTEM))
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.__class__.__init__.__globals__ }}",
+        "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}{{ messages | length }}",
+        "{{ cycler.__init__.__globals__.os }}",
+    ],
+)
+def test_templates_run_sandboxed(hostile: str) -> None:
+    """A hostile spec or tokenizer reaches no Python internals and changes nothing it is given."""
+    messages = normalised(PROMPT_COMPLETION)
+    with pytest.raises(ct.ChatTemplateError):
+        ct.render(template(hostile), messages, add_generation_prompt=True)
+    assert messages == normalised(PROMPT_COMPLETION)
+
+
+def test_tokenizer_merging_across_the_prompt_and_answer_boundary_is_refused() -> None:
+    """A trainer finding the answer as what follows the prompt's tokens needs prompt+answer to tokenize as both."""
+
+    def merging(text: str) -> list[int]:  # "ab" is one token, every other character its own
+        out, i = [], 0
+        while i < len(text):
+            if text.startswith("ab", i):
+                out.append(1000)
+                i += 2
+            else:
+                out.append(ord(text[i]))
+                i += 1
+        return out
+
+    def decode(ids: list[int]) -> str:
+        return "".join("ab" if i == 1000 else chr(i) for i in ids)
+
+    assert ct.check_round_tokens(merging, decode, [("x a", True), (" b", False)]) == 5
+    with pytest.raises(ct.ChatTemplateError, match="merges the end of the prompt"):
+        ct.check_round_tokens(merging, decode, [("xa", True), ("b", False)])
+    with pytest.raises(ct.ChatTemplateError, match="does not give back the answer"):
+        ct.check_round_tokens(merging, lambda ids: decode(ids).strip(), [("x", True), (" b", False)])
+
+
+# ---------------------------------------------------------------------------- resolving settings
+
+
+def test_auto_takes_the_tokenizers_own_else_plain_text(tmp_path: Path) -> None:
+    with_template = tokenizer_dir(tmp_path / "a", {"chat_template": CHATML, "bos_token": {"content": "<s>"}})
+    own = ct.resolve("auto", with_template)
+    assert own.source == CHATML and own.specials == {"bos_token": "<s>"} and "tokenizer_config.json" in own.origin
+    bare = tokenizer_dir(tmp_path / "b", {"eos_token": "</s>"})
+    plain = ct.resolve("auto", bare)
+    assert plain.source == ct.PLAIN_TEMPLATE and plain.setting == "none" and "no chat template" in plain.origin
+    with pytest.raises(ct.ChatTemplateError, match="has no chat template.*set data.chat_template to none"):
+        ct.resolve("tokenizer", bare)
+
+
+def test_chat_template_jinja_file_wins_and_named_templates_are_found(tmp_path: Path) -> None:
+    d = tokenizer_dir(
+        tmp_path,
+        {"chat_template": [{"name": "default", "template": TINY_TEMPLATE}, {"name": "tool_use", "template": CHATML}]},
+        {"chat_template.jinja": ct.PLAIN_TEMPLATE, "additional_chat_templates/rag.jinja": CHATML + " "},
+    )
+    assert ct.resolve("tokenizer", d).source == ct.PLAIN_TEMPLATE
+    assert ct.resolve("tokenizer:tool_use", d).source == CHATML
+    assert ct.resolve("tokenizer:rag", d).source == CHATML + " "
+    with pytest.raises(ct.ChatTemplateError, match=r"no template named 'chatml' \(it has: default, rag, tool_use\)"):
+        ct.resolve("tokenizer:chatml", d)
+
+
+def test_inline_and_none_settings(tmp_path: Path) -> None:
+    d = tokenizer_dir(tmp_path, {"chat_template": TINY_TEMPLATE, "eos_token": "<|end|>"})
+    inline = ct.resolve(CHATML, d)
+    assert (inline.setting, inline.source) == ("inline", CHATML)
+    assert ct.resolve("none", d).source == ct.PLAIN_TEMPLATE
+    assert inline.digest != ct.resolve("auto", d).digest
+    assert ct.ChatTemplate.from_record(inline.record()) == inline
+
+
+def test_a_tampered_record_is_refused(tmp_path: Path) -> None:
+    record = template(CHATML).record() | {"source": CHATML + "x"}
+    (tmp_path / ct.RECORD_FILE).write_text(json.dumps(record))
+    with pytest.raises(ct.ChatTemplateError, match="sha256 does not match"):
+        ct.read_record(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("chatml", "is not a setting; use auto"),
+        ("{% for m in messages %}", "not valid Jinja"),
+        ("tokenizer:", "needs the name"),
+        ("", "must be one of"),
+    ],
+)
+def test_the_spec_refuses_bad_settings(value: str, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        DataSpec(train="gs://bkt/t.jsonl", eval="gs://bkt/e.jsonl", chat_template=value)
+
+
+def test_the_spec_default_is_auto() -> None:
+    assert DataSpec(train="gs://bkt/t.jsonl", eval="gs://bkt/e.jsonl").chat_template == "auto"
+
+
+# ---------------------------------------------------------------------------- validate_data
+
+
+@pytest.fixture
+def run_validate(tmp_path: Path, tokenizer_dir: Path, make_ctx: Callable) -> Callable:
+    def run(train: list[dict], eval_: list[dict], **config: object) -> tuple[object, object]:
+        inputs: dict[str, Path] = {"tokenizer": tokenizer_dir}
+        for split, rows in (("train", train), ("eval", eval_)):
+            d = tmp_path / "in" / split
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            inputs[split] = d
+        ctx = make_ctx("validate_data", inputs, {"expectations": {"row_count": {"min": 1}}, **config})
+        try:
+            return validate_data.run(ctx), ctx
+        except DataValidationError as exc:
+            return exc, ctx
+
+    return run
+
+
+def _rows(n: int, prefix: str) -> list[dict]:
+    return [{"id": f"{prefix}{i}", "prompt": f"{prefix} question {i} of {n}", "completion": f"answer {i}"} for i in range(n)]
+
+
+def test_validate_data_hands_the_resolved_template_on(run_validate: Callable, tokenizer_dir: Path) -> None:
+    summary, ctx = run_validate(_rows(20, "t"), _rows(5, "e"), chat_template=CHATML)
+    assert isinstance(summary, dict), summary
+    recorded = ct.read_record(ctx.out)
+    assert recorded is not None and recorded.source == CHATML and recorded.setting == "inline"
+    assert summary["chat_template"] == recorded.summary()
+    report = json.loads((ctx.out / "data_report.json").read_text())
+    assert report["chat_template"]["sha256"] == recorded.digest
+
+
+def test_validate_data_names_the_rows_a_template_refuses(run_validate: Callable) -> None:
+    picky = "{% if 'bad' in messages[0]['content'] %}{{ raise_exception('bad prompt') }}{% endif %}" + CHATML
+    train = _rows(20, "t")
+    train[3]["prompt"] = "a bad one"
+    result, ctx = run_validate(train, _rows(5, "e"), chat_template=picky)
+    assert isinstance(result, DataValidationError)
+    assert "cannot render 1 row(s)" in str(result) and "train line 4" in str(result) and "bad prompt" in str(result)
+    assert not (ctx.out / ct.RECORD_FILE).exists() and not (ctx.out / "train.jsonl").exists()
+
+
+def test_validate_data_refuses_a_named_template_the_tokenizer_lacks(run_validate: Callable) -> None:
+    result, _ = run_validate(_rows(20, "t"), _rows(5, "e"), chat_template="tokenizer:tool_use")
+    assert isinstance(result, DataValidationError)
+    assert "no template named 'tool_use'" in str(result)
