@@ -82,16 +82,18 @@ def say(message: str) -> None:
 
 @dataclass(frozen=True)
 class TinyModel:
-    """A tiny model the demo makes: the task whose text trains its tokenizer, and how it splits numbers."""
+    """A tiny model the demo makes: the task whose text trains its tokenizer, how it splits numbers, its family."""
 
     data: Path  # train.jsonl and eval.jsonl of the task (what `make demo` uploads beside the model)
     numbers: str  # loraflow.dev.tinymodel's --numbers
+    family: str = "llama"  # loraflow.dev.tinymodel's --family
 
 
 # The tiny models by the name the specs give them (the last part of base_model.hf_checkpoint).
 TINY_MODELS = {
     "tiny-llama": TinyModel(TINY_DATA, "digits"),
     "tiny-llama-arithmetic": TinyModel(REPO_ROOT / "pipelines" / "data" / "arithmetic", "groups"),
+    "tiny-qwen3": TinyModel(TINY_DATA, "digits", "qwen3"),
 }
 
 
@@ -113,7 +115,7 @@ def make_tiny_model(dest: Path, tiny: TinyModel = TINY_MODELS["tiny-llama"]) -> 
     python = ENVIRONMENTS["trainer"].local_python()
     argv = ["-m", "loraflow.dev.tinymodel", "--out", str(dest), "--corpus", str(tiny.data / "train.jsonl")]
     subprocess.run(
-        [str(python), *argv, "--numbers", tiny.numbers],
+        [str(python), *argv, "--numbers", tiny.numbers, "--family", tiny.family],
         check=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
