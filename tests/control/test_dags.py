@@ -56,7 +56,9 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_one_dag_per_shipped_spec(shipped: dict) -> None:
     assert shipped["errors"] == {}
-    assert shipped["dags"] == ["llama31-8b-lora", "llama31-8b-qlora", "tiny-llama-lora", "tiny-llama-qlora"]
+    assert shipped["dags"] == [
+        "llama31-8b-lora", "llama31-8b-qlora", "qwen3-8b-lora", "tiny-llama-lora", "tiny-llama-qlora", "tiny-qwen3-lora"
+    ]  # fmt: skip
     assert shipped["tasks"]["tiny-llama-lora"] == sorted(
         [
             "validate_data",
