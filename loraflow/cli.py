@@ -1,4 +1,5 @@
-"""The ``loraflow`` command: validate and plan pipeline specs, make the tiny model, seed the emulator."""
+"""The ``loraflow`` command: validate and plan pipeline specs, make the tiny model, seed the emulator;
+the daily work beside them (registry, runs, trigger, verify) is in loraflow/daily_commands.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from loraflow.daily_commands import add_commands
 from loraflow.errors import LoraflowError, SpecError
 from loraflow.launchers.environments import REPO_ROOT
 
@@ -93,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loraflow",
         description="Declarative LoRA fine-tuning pipelines on Airflow. Specs live in pipelines/*.yaml.",
-        epilog="Run `make demo` to run the tiny pipeline end to end; see docs/quickstart.md.",
+        epilog="Run `make demo` to run the tiny pipeline end to end; see docs/quickstart.md. Day-2 operations "
+        "(registry, runs, trigger, verify): docs/operations.md. `loraflow COMMAND --help` for each.",
     )
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check pipeline specs; print every problem; exit 1 if any is invalid")
@@ -112,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-dir", type=Path, required=True, help="the tiny HF checkpoint made by loraflow.dev.tinymodel"
     )
     s.set_defaults(fn=cmd_seed)
+    add_commands(sub)
     return p
 
 

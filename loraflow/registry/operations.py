@@ -262,3 +262,12 @@ def _result(
         out["vertex_model"] = f"{vertex['model']}@{vertex['version_id']}"
         out["vertex_aliases"] = vertex["version_aliases"]
     return out
+
+
+def summary_line(done: dict[str, Any]) -> str:
+    """One line saying what a promote or rollback did (the CLI prints it, the DAG task logs it)."""
+    event = done.get("event")
+    line = f"{done['pipeline']}: " + (audit.describe(event) if event else done.get("note", "nothing moved"))
+    if done.get("vertex_model"):
+        line += f"; Vertex AI {done['vertex_model']} holds {', '.join(done['vertex_aliases'])}"
+    return line

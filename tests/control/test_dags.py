@@ -57,7 +57,8 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_one_dag_per_shipped_spec(shipped: dict) -> None:
     assert shipped["errors"] == {}
     assert shipped["dags"] == [
-        "llama31-8b-lora", "llama31-8b-qlora", "qwen3-8b-lora", "tiny-llama-lora", "tiny-llama-qlora", "tiny-qwen3-lora"
+        "llama31-8b-lora", "llama31-8b-qlora", "loraflow_registry", "qwen3-8b-lora", "tiny-llama-lora",
+        "tiny-llama-qlora", "tiny-qwen3-lora",
     ]  # fmt: skip
     assert shipped["tasks"]["tiny-llama-lora"] == sorted(
         [
@@ -94,7 +95,7 @@ def test_invalid_spec_is_an_import_error_and_the_others_still_load(tmp_path: Pat
     broken["training"]["steps"] = -1
     (folder / "broken-one.yaml").write_text(yaml.safe_dump(broken))
     result = parse(folder, tmp_path)
-    assert result["dags"] == ["tiny-llama-lora"]
+    assert result["dags"] == ["loraflow_registry", "tiny-llama-lora"]
     [message] = result["errors"].values()
     assert "broken-one.yaml" in message
     assert "lora.rank" in message and "training.steps" in message

@@ -125,7 +125,7 @@ def test_the_dag_folder_loads_the_valid_pipeline_beside_every_hostile_spec(tmp_p
     (folder / "tiny-llama-lora.yaml").write_bytes(TINY_TEXT)
     os.mkfifo(folder / "a-fifo.yaml")
     result = parse(folder, tmp_path, LORAFLOW_SPEC_CACHE_DIR=str(tmp_path / "cache"))
-    assert result["dags"] == ["tiny-llama-lora"]
+    assert result["dags"] == ["loraflow_registry", "tiny-llama-lora"]
     [message] = result["errors"].values()
     for ident in [*idents, "a-fifo"]:
         assert f"{ident}.yaml" in message
@@ -311,7 +311,7 @@ def test_a_spec_that_validates_but_cannot_build_is_its_own_import_error(tmp_path
     (folder / "tiny-llama-lora.yaml").write_bytes(TINY_TEXT)
     (folder / "long-tag.yaml").write_text(yaml.safe_dump(tiny_with(TINY, "long-tag", {"tags": ["x" * 101]})))
     result = parse(folder, tmp_path, PARSE_WITH_OLD_TAG_LIMIT, LORAFLOW_SPEC_CACHE_DIR="off")
-    assert result["dags"] == ["tiny-llama-lora"]
+    assert result["dags"] == ["loraflow_registry", "tiny-llama-lora"]
     [message] = result["errors"].values()
     assert f"{folder / 'long-tag.yaml'}: its DAG cannot be built (ValueError: tag cannot be longer than 100" in message
 

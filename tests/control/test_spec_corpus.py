@@ -69,7 +69,7 @@ def test_the_whole_corpus_in_the_dag_folder_leaves_the_valid_dag_loading(tmp_pat
     }
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["dags"] == ["tiny-llama-lora"]
+    assert result["dags"] == ["loraflow_registry", "tiny-llama-lora"]
     [message] = result["errors"]
     for ident, *_ in CORPUS:
         assert f"{ident}.yaml" in message
