@@ -1,0 +1,105 @@
+"""The local stack's CeleryExecutor option: Airflow and its Celery provider read the settings as written,
+every module the workers preload imports (Celery's ``imports`` stops a worker at start on one that does
+not), and a stack that could not work is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loraflow.dev import local_celery
+from loraflow.dev.demo import CELERY_PRELOAD, WORKER_PRELOAD, LocalAirflow
+from loraflow.dev.local_celery import CeleryWorkers
+from loraflow.errors import LoraflowError
+
+REPO = Path(__file__).resolve().parents[2]
+PG = "postgresql+psycopg2://airflow@127.0.0.1:5999/airflow"
+
+# Runs in a fresh control-env interpreter with the stack's environment (nothing is contacted).
+PROBE = """
+import importlib, json, sys
+from airflow.configuration import conf
+from airflow.providers.celery.executors.default_celery import DEFAULT_CELERY_CONFIG as c
+
+failed = {}
+for name in c["imports"]:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed[name] = repr(exc)
+print(json.dumps({
+    "executor": conf.get("core", "executor"),
+    "broker": c["broker_url"],
+    "result_backend": c["result_backend"],
+    "acks_late": c["task_acks_late"],
+    "concurrency": c["worker_concurrency"],
+    "prefetch": c["worker_prefetch_multiplier"],
+    "imports": c["imports"],
+    "heartbeat_timeout": conf.getint("scheduler", "task_instance_heartbeat_timeout"),
+    "remote_logs": [conf.getboolean("logging", "remote_logging"), conf.get("logging", "remote_base_log_folder")],
+    "start_method": conf.get("scheduler", "mp_start_method", fallback=None),
+    "failed": failed,
+}))
+"""
+
+
+def test_airflow_reads_the_celery_settings_as_written(tmp_path: Path) -> None:
+    workers = CeleryWorkers(count=2, concurrency=3, heartbeat_timeout=40)
+    airflow = LocalAirflow(tmp_path / "home", {}, database_url=PG, celery=workers)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env={**airflow.env, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["executor"] == "CeleryExecutor"
+    assert seen["broker"] == f"redis://127.0.0.1:{airflow.broker_port}/0"
+    assert seen["result_backend"] == f"db+{PG}"  # the metadata database every worker reaches
+    assert seen["acks_late"] is True and seen["prefetch"] == 1
+    assert seen["concurrency"] == 3
+    assert seen["imports"] == list(CELERY_PRELOAD)
+    assert seen["failed"] == {}, "a Celery worker stops at start on these"
+    assert seen["heartbeat_timeout"] == 40  # Airflow's default, 300 s, would hold a lost worker's task 5 minutes
+    assert seen["remote_logs"] == [True, "gs://loraflow-demo/_airflow-logs"]
+    assert seen["start_method"] is None  # the LocalExecutor's forkserver is not started for nothing
+
+
+def test_the_celery_preload_is_the_local_one_without_the_local_executor() -> None:
+    assert set(CELERY_PRELOAD) == set(WORKER_PRELOAD) - {"airflow.executors.local_executor"}
+    assert "pandas" in CELERY_PRELOAD
+
+
+def test_celery_on_sqlite_is_refused_with_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(LoraflowError, match=r"database_url.*PostgreSQL"):
+        LocalAirflow(tmp_path / "home", {}, celery=CeleryWorkers())
+    with pytest.raises(LoraflowError, match="not SQLite"):
+        LocalAirflow(tmp_path / "home", {}, database_url=f"sqlite:///{tmp_path}/a.db", celery=CeleryWorkers())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"count": 0}, "at least one worker"),
+        ({"concurrency": 0}, "at least one worker"),
+        ({"heartbeat_timeout": 3}, "10 s"),
+    ],
+)
+def test_impossible_worker_settings_are_refused(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(LoraflowError, match=message):
+        CeleryWorkers(**kwargs)
+
+
+def test_a_worker_names_itself_as_the_stack_named_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(local_celery.HOSTNAME_ENV, "celery-worker-2")
+    assert local_celery.worker_hostname() == "celery-worker-2"
+    monkeypatch.delenv(local_celery.HOSTNAME_ENV)
+    assert local_celery.worker_hostname()  # the machine's own name
+    assert CeleryWorkers(count=3).names() == ["celery-worker-1", "celery-worker-2", "celery-worker-3"]
