@@ -1,7 +1,7 @@
 """The tiny checkpoints and tokenizer loraflow creates for itself, one per model family.
 
 Nothing can be downloaded from a model hub where loraflow runs its demo and tests, so the project
-makes its own Hugging Face checkpoint: a randomly initialised 2-layer model of a family's real HF
+makes its own Hugging Face checkpoint: a randomly initialised few-layer model of a family's real HF
 architecture (the same layer layout, RoPE and quirks as the MaxText model it is converted with,
 tiny dimensions) and a byte-level BPE tokenizer trained on the task's own text, with a chat
 template. Deterministic for a given seed.
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraflow.models import ModelFamily, llama, qwen3
+from loraflow.models import ModelFamily, gemma3, llama, qwen3
 
 # How a tensor is initialised: "normal" (std 0.02), "ones" (an RMSNorm scale), "zeros".
 Init = str
@@ -89,6 +89,40 @@ def _qwen3_layer(dims: Mapping[str, int]) -> Shapes:
     return {f"self_attn.{n}_norm.weight": ("ones", (dims["head_dim"],)) for n in ("q", "k")}
 
 
+def _gemma3_config(dims: Mapping[str, int]) -> dict[str, object]:
+    """Gemma 3 text (gemma3-4b's RoPE, activation and query scalar): 5 sliding-window layers, then a global one."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "query_pre_attn_scalar": dims["head_dim"],  # gemma3-4b's: queries scaled by head_dim ** -0.5
+        "layer_types": [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(dims["num_hidden_layers"])
+        ],
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+    }
+
+
+def _gemma3_layer(dims: Mapping[str, int]) -> Shapes:
+    """Gemma 3's q/k norms and its norms around the MLP; every norm weight random (Gemma scales by 1 + w,
+    so a conversion that forgot the offset would show)."""
+    d, hd = dims["hidden_size"], dims["head_dim"]
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    return {
+        **{f"{n}.weight": ("normal", (d,)) for n in norms},
+        **{f"self_attn.{n}_norm.weight": ("normal", (hd,)) for n in ("q", "k")},
+    }
+
+
 # Same dimensions for every family's tiny model unless its entry says otherwise.
 TINY_DIMS = {
     "hidden_size": 128,
@@ -105,6 +139,17 @@ FAMILIES: dict[str, Tiny] = {
     "llama": Tiny(llama.FAMILY, "llama3.1-8b", TINY_DIMS, _llama_config),
     # Qwen3-0.6B's architecture (q/k norms, tied embeddings, no attention bias), tiny dimensions.
     "qwen3": Tiny(qwen3.FAMILY, "qwen3-0.6b", TINY_DIMS, _qwen3_config, _qwen3_layer, tied_embeddings=True),
+    # Gemma 3's text architecture as MaxText's gemma3-4b has it (tied embeddings, q/k norms, four norms a
+    # layer); 7 layers: one scanned block of 6 (its 6th global) and a remainder layer; a 16-token window,
+    # so the local layers' window cuts into the tiny task's 64-token rows.
+    "gemma3": Tiny(
+        gemma3.FAMILY,
+        "gemma3-4b",
+        {**TINY_DIMS, "num_hidden_layers": 7, "sliding_window": 16},
+        _gemma3_config,
+        _gemma3_layer,
+        tied_embeddings=True,
+    ),
 }
 
 # The tiny Llama (the default model of the demo, the tiny specs and most tests).

@@ -15,7 +15,7 @@ Adding a family: docs/architecture.md, "Adding a model family".
 from __future__ import annotations
 
 from loraflow.errors import LoraflowError
-from loraflow.models import llama, qwen3
+from loraflow.models import gemma3, llama, qwen3
 from loraflow.models.family import ModelFamily
 
 __all__ = ["FAMILIES", "ModelFamily", "UnsupportedModelError", "family_for"]
@@ -25,7 +25,7 @@ class UnsupportedModelError(LoraflowError, ValueError):
     """A model of no family loraflow supports (a ValueError too, so the spec schema reports it at its key)."""
 
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, qwen3.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, qwen3.FAMILY, gemma3.FAMILY)
 
 
 def family_for(name: str) -> ModelFamily:

@@ -20,7 +20,7 @@ validation imports the families.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,9 +69,17 @@ class ModelFamily:
 
     def check_dims(self, hf_cfg: Any, maxtext_cfg: Any) -> None:
         """Refuse a MaxText config that disagrees with the HF checkpoint (clear error, not a reshape failure):
-        a dimension of ``dims``, or whether the output projection is the embedding (HF
-        ``tie_word_embeddings``, MaxText ``logits_via_embedding``: the checkpoint would lack, or carry
-        unread, ``lm_head.weight``)."""
+        every problem :meth:`dim_problems` finds, in one message."""
+        bad = self.dim_problems(hf_cfg, maxtext_cfg)
+        if bad:
+            raise LoraflowError(
+                "HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)"
+            )
+
+    def dim_problems(self, hf_cfg: Any, maxtext_cfg: Any) -> list[str]:
+        """Where the HF config and the MaxText config disagree: a dimension of ``dims``, or whether the
+        output projection is the embedding (HF ``tie_word_embeddings``, MaxText ``logits_via_embedding``:
+        the checkpoint would lack, or carry unread, ``lm_head.weight``)."""
         bad = []
         for hf_key, mt_key in self.dims.items():
             hv, mv = getattr(hf_cfg, hf_key, None), getattr(maxtext_cfg, mt_key, None)
@@ -87,10 +95,7 @@ class ModelFamily:
                 f"model whose output projection is {'the embedding' if tied else 'its own'}: "
                 f"{', '.join(self.maxtext_models)})"
             )
-        if bad:
-            raise LoraflowError(
-                "HF checkpoint and MaxText model config disagree: " + "; ".join(bad) + " (fix model_overrides)"
-            )
+        return bad
 
     def maxtext_overrides(self, hf_dims: Mapping[str, Any]) -> dict[str, int]:
         """MaxText ``model_overrides`` that give a model the HF dimensions ``hf_dims`` (config.json keys)."""
@@ -108,6 +113,19 @@ class ModelFamily:
             "head_dim": (int(arch["head_dim"]), "out"),
             "mlp_dim": (int(arch["base_mlp_dim"]), "wo"),
         }
+
+    # -------------------------------------------------------------------------------- conversion
+
+    def conversion_config(self, hf_cfg: Any) -> Any:
+        """The HF config MaxText's parameter mapping and hooks are given for this checkpoint (as it is,
+        unless the family's mapping expects another shape of config)."""
+        return hf_cfg
+
+    def stored_name(self, name: str, stored: Collection[str]) -> str:
+        """The name under which the checkpoint stores the tensor MaxText's mapping calls ``name``
+        (``stored``: every tensor name the checkpoint has); the same unless the family's checkpoints
+        come in more than one layout."""
+        return name
 
     # -------------------------------------------------------------------------------- LoRA targets
 

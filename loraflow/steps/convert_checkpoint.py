@@ -12,7 +12,12 @@ its snags handled:
   family's) and its key one MaxText knows; its HF config is taken from
   ``HF_MODEL_CONFIGS[model_name]``, which for ``llama3.1-8b`` is the real 8B config. We register
   the checkpoint's own config.json under the key, so the parameter mapping and hooks see the
-  dimensions of the weights actually being converted.
+  dimensions of the weights actually being converted (in the shape the family's mapping reads:
+  MaxText's Gemma3 mapping wants the multimodal config's ``text_config``, a text-only checkpoint
+  has none).
+* MaxText's mapping names one key layout per model (Gemma3: ``model.language_model.layers...``);
+  a family whose checkpoints come in several (a text-only Gemma3 stores ``model.layers...``, the
+  released multimodal ones ``language_model.model.layers...``) says which stored name to read.
 * the eager loader opens safetensors with ``framework="pt"`` (torch is not in the trainer image);
   the lazy loader uses numpy when torch is absent and reads one tensor at a time (mmap), so we use
   the lazy loader ...
@@ -49,7 +54,8 @@ PARAMS_RELPATH = f"{CKPT_SUBDIR}/0/items"
 
 
 def register_hf_config(model_name: str, hf_dir: Path) -> Any:
-    """Make MaxText's conversion tables use this checkpoint's own config under ``model_name``."""
+    """Make MaxText's conversion tables use this checkpoint's own config under ``model_name`` (in the
+    shape the family's mapping reads, ``ModelFamily.conversion_config``); returns the config as read."""
     import transformers
     from maxtext.checkpoint_conversion.utils import hf_model_configs
     from maxtext.utils.globals import HF_IDS
@@ -57,8 +63,39 @@ def register_hf_config(model_name: str, hf_dir: Path) -> Any:
     if model_name not in HF_IDS:
         raise LoraflowError(f"model_name {model_name!r} is not a MaxText model key (known: {sorted(HF_IDS)[:8]}...)")
     cfg = transformers.AutoConfig.from_pretrained(str(hf_dir))
-    hf_model_configs.HF_MODEL_CONFIGS[model_name] = cfg
+    hf_model_configs.HF_MODEL_CONFIGS[model_name] = models.family_for(model_name).conversion_config(cfg)
     return cfg
+
+
+def stored_tensor_names(hf_dir: Path) -> set[str]:
+    """Every tensor name the checkpoint holds (the shard index, else each safetensors file's header)."""
+    from safetensors import safe_open
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="np") as f:
+            names.update(f.keys())
+    return names
+
+
+@contextlib.contextmanager
+def _stored_names(to_maxtext: Any, family: models.ModelFamily, hf_dir: Path) -> Iterator[None]:
+    """While converting, MaxText's loader reads each tensor under the name this checkpoint stores it by
+    (``ModelFamily.stored_name``: one family's checkpoints come in more than one key layout)."""
+    stored = stored_tensor_names(hf_dir)
+    original = to_maxtext.LazyHFLoader.get_tensor
+
+    def get_tensor(self: Any, key: str) -> Any:
+        return original(self, family.stored_name(key, stored))
+
+    to_maxtext.LazyHFLoader.get_tensor = get_tensor
+    try:
+        yield
+    finally:
+        to_maxtext.LazyHFLoader.get_tensor = original
 
 
 def progress_line(name: str, nbytes: int, done: dict[str, int], totals: dict[str, Any], seconds: float) -> str:
@@ -140,7 +177,7 @@ def convert(
     family.check_dims(hf_cfg, pyconfig.initialize(list(args)))
 
     captured: dict[str, Any] = {}
-    with _streaming_save(to_maxtext, captured, progress):
+    with _streaming_save(to_maxtext, captured, progress), _stored_names(to_maxtext, family, hf_dir):
         to_maxtext.main(
             args,
             lazy_load_tensors=True,
