@@ -223,3 +223,47 @@ def test_qlora_run_learns_the_tagged_arithmetic_and_reports_what_merging_cost(ru
     html = gcs.client().bucket(bucket).blob(path).download_as_bytes().decode()
     assert "What merging cost (QLoRA)" in html and "The first 100 eval examples" in html
     assert "numeric_accuracy" in html and "tagged_format_rate" in html
+
+
+def test_day_two_operations_through_rest_and_the_cli(
+    runs: Runs, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loraflow_registry maintenance DAG promotes and rolls back through the REST API, as the
+    triggering user; a refused move fails its run with the reason; `loraflow runs` and `loraflow verify`
+    read the live stack."""
+    from loraflow import cli
+    from loraflow.registry import audit, store
+
+    airflow, spec = runs.airflow, load_spec(TINY)
+    # A second registry version of the first run's promoted model (what registering it again under a new
+    # number would write) gives the rollback a version to go back to without a third training run.
+    first = artifacts.read_json(store.version_uri(spec.registry_uri, spec.name, 1))
+    artifacts.write_json(store.version_uri(spec.registry_uri, spec.name, 2), {**first, "version": 2}, create_only=True)
+    airflow.wait_for_dag("loraflow_registry")
+    moves = {}
+    for action, extra in (("promote", {"version": 2}), ("rollback", {})):
+        conf = {"action": action, "pipeline": spec.name, "reason": f"e2e {action}", **extra}
+        run_id = airflow.trigger("loraflow_registry", conf)
+        assert airflow.wait_for_run("loraflow_registry", run_id, timeout=600) == "success", action
+        moves[action] = airflow.xcom("loraflow_registry", run_id, "registry")["event"]
+    assert (moves["promote"]["from_version"], moves["promote"]["to_version"]) == (1, 2)
+    assert (moves["rollback"]["from_version"], moves["rollback"]["to_version"]) == (2, 1)
+    assert moves["rollback"]["actor"] == "admin" and moves["rollback"]["reason"] == "e2e rollback"
+    champion = store.champion(spec.registry_uri, spec.name, spec.artifact_root)
+    assert champion is not None and champion["version"] == 1
+    trail = audit.read_trail(spec.registry_uri, spec.name)
+    assert [(e["action"], e["to_version"]) for e in trail] == [("publish", 1), ("promote", 2), ("rollback", 1)]
+    refused = airflow.trigger("loraflow_registry", {"action": "rollback", "pipeline": spec.name, "reason": "again"})
+    assert airflow.wait_for_run("loraflow_registry", refused, timeout=600) == "failed"
+    assert "has no older version to roll back to" in last_log(airflow, "loraflow_registry", refused, "registry")
+
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_URL", airflow.url)
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_USERNAME", "admin")
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_PASSWORD", airflow.password)
+    capsys.readouterr()
+    assert cli.main(["runs", spec.name, "--limit", "5"]) == 0
+    out = capsys.readouterr().out
+    assert runs.results["first"] in out and "promoted as version 1: accuracy" in out and "not promoted" in out
+    model = runs.results["first_verdict"]["artifacts"] + "/merge_adapter"
+    assert cli.main(["verify", model]) == 0
+    assert capsys.readouterr().out.startswith("ok: ")
