@@ -94,6 +94,7 @@ TINY_MODELS = {
     "tiny-llama": TinyModel(TINY_DATA, "digits"),
     "tiny-llama-arithmetic": TinyModel(REPO_ROOT / "pipelines" / "data" / "arithmetic", "groups"),
     "tiny-qwen3": TinyModel(TINY_DATA, "digits", "qwen3"),
+    "tiny-gemma3": TinyModel(TINY_DATA, "digits", "gemma3"),
 }
 
 

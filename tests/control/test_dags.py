@@ -57,8 +57,8 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_one_dag_per_shipped_spec(shipped: dict) -> None:
     assert shipped["errors"] == {}
     assert shipped["dags"] == [
-        "llama31-8b-lora", "llama31-8b-qlora", "loraflow_registry", "qwen3-8b-lora", "tiny-llama-lora",
-        "tiny-llama-qlora", "tiny-qwen3-lora",
+        "gemma3-12b-lora", "llama31-8b-lora", "llama31-8b-qlora", "loraflow_registry", "qwen3-8b-lora",
+        "tiny-gemma3-lora", "tiny-llama-lora", "tiny-llama-qlora", "tiny-qwen3-lora",
     ]  # fmt: skip
     assert shipped["tasks"]["tiny-llama-lora"] == sorted(
         [
