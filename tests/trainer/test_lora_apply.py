@@ -1,0 +1,158 @@
+"""LoRA applied under jit (loraflow.steps._lora_apply): the model MaxText's eager LoRA set-up builds,
+value for value, without a second copy of the frozen weights; and lora_sft builds its trainer that way."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytest
+
+pytest.importorskip("maxtext")
+
+from loraflow.dev import tinymodel
+from loraflow.steps._harness import StepContext
+
+PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
+TRAINING = {"rank": 8, "alpha": 16.0, "seed": 0, "batch_size": 8, "max_length": 64, "learning_rate": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from loraflow.steps import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("lora-apply")
+    hf = tinymodel.create(root / "hf", [PARITY / "train.jsonl"])
+    data = root / "data"
+    data.mkdir()
+    with (PARITY / "train.jsonl").open() as f, (data / "train.jsonl").open("w") as g:
+        for line in f:
+            row = json.loads(line)
+            messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+            g.write(json.dumps({"messages": messages}) + "\n")
+    config = {
+        "model_name": tinymodel.MAXTEXT_MODEL,
+        "model_overrides": tinymodel.MAXTEXT_OVERRIDES,
+        "scan_layers": True,
+    }
+    ctx = _context(root / "convert", "convert_checkpoint", {"hf_checkpoint": hf}, config)
+    convert_checkpoint.run(ctx)
+    return {"root": root, "checkpoint": ctx.out, "dataset": data, "tokenizer": hf}
+
+
+def _context(folder: Path, stage: str, inputs: dict[str, Path], config: dict[str, Any]) -> StepContext:
+    for sub in ("out", "work"):
+        (folder / sub).mkdir(parents=True)
+    return StepContext(
+        stage, str(folder / "remote"), inputs, {k: None for k in inputs}, folder / "out", folder / "work", config
+    )
+
+
+def _sft_context(converted: dict[str, Path], name: str, **config: Any) -> StepContext:
+    inputs = {k: converted[k] for k in ("checkpoint", "dataset", "tokenizer")}
+    return _context(converted["root"] / name, "lora_sft", inputs, {**TRAINING, **config})
+
+
+def _model_and_config(ctx: StepContext) -> tuple[Any, Any, Any]:
+    from absl import flags
+    from maxtext.configs import pyconfig
+    from maxtext.utils import model_creation_utils
+
+    from loraflow.steps import lora_sft
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    cfg = lora_sft._resolve_config(ctx)
+    train_file, n_rows = lora_sft._training_data(ctx)
+    mt_config = pyconfig.initialize_pydantic(
+        lora_sft._maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], str(ctx.work), n_rows)
+    )
+    model, mesh = model_creation_utils.from_pretrained(mt_config)
+    return model, mesh, mt_config
+
+
+def _with_lora(model: Any, mesh: Any, mt_config: Any) -> Any:
+    import jax
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.utils import lora_utils
+
+    with jax.set_mesh(mesh), logical_axis_rules(mt_config.logical_axis_rules):
+        return lora_utils.apply_lora_to_model(model, mesh, mt_config)
+
+
+def _arrays(model: Any) -> dict[str, Any]:
+    """Every array of the model's state by path (variable type included; PRNG keys as their data)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(var.get_value()):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)
+            out["/".join(map(str, path)) + jax.tree_util.keystr(leaf_path) + f" ({type(var).__name__})"] = np.asarray(
+                leaf
+            )
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_lora_under_jit_is_the_eager_model_and_keeps_the_frozen_weights(converted, quantization):
+    import numpy as np
+    from flax import nnx
+
+    from loraflow.steps import _lora_apply
+
+    extra = {"quantization": quantization, "tile_size": 32} if quantization != "none" else {}
+    ctx = _sft_context(converted, f"apply-{quantization}", steps=2, **extra)
+    eager = _arrays(_with_lora(*_model_and_config(ctx)))
+
+    model, mesh, mt_config = _model_and_config(ctx)
+    frozen = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    notes: list[str] = []
+    with _lora_apply.applied_under_jit(notes.append):
+        traced_model = _with_lora(model, mesh, mt_config)
+    traced = _arrays(traced_model)
+
+    assert traced.keys() == eager.keys()
+    assert any("lora_a" in k for k in traced) and any("lora_b" in k for k in traced)
+    different = [k for k in eager if eager[k].dtype != traced[k].dtype or not np.array_equal(eager[k], traced[k])]
+    assert different == [], different
+
+    # Frozen weights LoRA leaves alone are the very arrays the model had (no copy); with nf4 the
+    # targeted kernels are replaced by their quantized form, the rest (embeddings, norms) kept.
+    after = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(traced_model, nnx.Param))}
+    kept = [path for path, value in frozen.items() if after.get(path) is value]
+    kernels = [path for path in frozen if path[-1] == "kernel" and "layers" in path]
+    assert kernels and any("embedding" in path for path in kept)
+    if quantization == "none":
+        assert set(kept) == set(frozen)
+    else:
+        assert not set(kernels) & set(kept)
+    assert len(notes) == 1 and f"{len(kept)} frozen weights kept, not copied" in notes[0], notes
+    assert qwix_is_restored()
+
+
+def qwix_is_restored() -> bool:
+    import qwix
+    from qwix._src.providers import lora
+
+    return qwix.apply_lora_to_model is lora.apply_lora_to_model
+
+
+def test_lora_sft_builds_its_trainer_with_lora_applied_under_jit(converted, capsys):
+    from loraflow.steps import lora_sft
+
+    ctx = _sft_context(converted, "sft", steps=2, checkpoint_period=50)
+    summary = lora_sft.run(ctx)
+    log = capsys.readouterr()
+    assert summary["steps"] == 2 and (ctx.out / "peft" / "adapter_model.safetensors").is_file()
+    assert "LoRA applied under jit" in log.out + log.err
