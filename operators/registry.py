@@ -43,6 +43,7 @@ class RegistryOperator(BaseOperator):
             raise AirflowFailException(str(exc)) from None
 
     def run_action(self, params: dict[str, Any], context: Context) -> dict[str, Any]:
+        from loraflow.errors import excerpt
         from loraflow.registry import operations
         from loraflow.spec.locate import spec_named
 
@@ -60,11 +61,13 @@ class RegistryOperator(BaseOperator):
         via = f"airflow {run.dag_id} run {run.run_id}"
         reason = str(params.get("reason") or "")
         if action == "promote":
-            if params.get("version") is None:
+            version = params.get("version")
+            if not isinstance(version, int) or isinstance(version, bool) or version < 1:
                 raise operations.RegistryOperationError(
-                    "promote needs the version to promote: set the 'version' param (see the list action's log)"
+                    f"promote needs the version to promote (a number from 1; got {excerpt(version)}): set the "
+                    "'version' param (see the list action's log)"
                 )
-            done = operations.promote(reg, int(params["version"]), actor=actor, reason=reason, via=via)
+            done = operations.promote(reg, version, actor=actor, reason=reason, via=via)
         else:
             done = operations.rollback(reg, actor=actor, reason=reason, via=via)
         line = operations.summary_line(done)
@@ -108,7 +111,7 @@ def registry_dag(pipelines_dir: Path) -> DAG:
             "reason": Param(
                 "",
                 type="string",
-                maxLength=1000,
+                maxLength=1000,  # operations.MAX_REASON_CHARS (not imported at parse)
                 title="reason",
                 description="why (required to promote or roll back): recorded in the audit trail",
             ),

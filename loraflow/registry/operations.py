@@ -184,11 +184,19 @@ def rollback(reg: PipelineRegistry, *, actor: str, reason: str, via: str) -> dic
     return _result(reg, "rollback", event, target)
 
 
+#: The longest reason an event records (the maintenance DAG's param has the same maxLength).
+MAX_REASON_CHARS = 1000
+
+
 def _need_reason(reason: str, action: str) -> None:
     if not reason.strip():
         raise RegistryOperationError(
             f"a {action} needs a reason for the audit trail: say why (e.g. --reason 'v3 answers worse on the new "
             "eval set'; the maintenance DAG's 'reason' param)"
+        )
+    if len(reason) > MAX_REASON_CHARS:
+        raise RegistryOperationError(
+            f"the reason has {len(reason)} characters; an audit event keeps at most {MAX_REASON_CHARS}: shorten it"
         )
 
 

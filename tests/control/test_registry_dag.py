@@ -86,6 +86,8 @@ def test_a_refused_operation_fails_the_task_with_the_reason(gcs_bucket: str, tmp
     base = {"pipeline": "tiny-llama-lora", "version": None, "reason": "r"}
     with pytest.raises(AirflowFailException, match=r"promote needs the version"):
         op.execute(context({**base, "action": "promote"}))  # type: ignore[arg-type]
+    with pytest.raises(AirflowFailException, match=r"a number from 1; got '3'"):  # a run Airflow never checked
+        op.execute(context({**base, "action": "promote", "version": "3"}))  # type: ignore[arg-type]
     with pytest.raises(AirflowFailException, match=r"has no champion yet"):
         op.execute(context({**base, "action": "rollback"}))  # type: ignore[arg-type]
     with pytest.raises(AirflowFailException, match=r"no pipeline 'other' in .*its pipelines: tiny-llama-lora"):

@@ -111,6 +111,8 @@ def test_an_unknown_version_is_named_with_the_versions_there_are(reg: operations
 def test_a_move_needs_a_reason(reg: operations.PipelineRegistry) -> None:
     with pytest.raises(operations.RegistryOperationError, match=r"needs a reason for the audit trail"):
         operations.rollback(reg, actor="a", reason="  ", via="cli")
+    with pytest.raises(operations.RegistryOperationError, match=r"the reason has 1001 characters; .* at most 1000"):
+        operations.rollback(reg, actor="a", reason="x" * 1001, via="cli")
     assert audit.read_trail(reg.registry_uri, reg.pipeline) == []
 
 
