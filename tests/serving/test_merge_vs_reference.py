@@ -1,4 +1,5 @@
-"""The merged checkpoint computes what base + LoRA computes (serving env: torch + transformers).
+"""The merged checkpoint computes what base + LoRA computes (serving env: torch + transformers), for
+each model family's tiny model (loraflow.dev.tinymodel.FAMILIES: its real HF architecture).
 
 Reference: the tiny base loaded by transformers, with forward hooks adding the LoRA path
 ``scale · x Aᵀ Bᵀ`` to every target Linear's output (the definition of LoRA, independent of any
@@ -24,16 +25,17 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA = 4, 8.0
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=list(tinymodel.FAMILIES))
+def base(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     corpus = REPO / "pipelines/data/parity/train.jsonl"
-    return tinymodel.create(tmp_path_factory.mktemp("base"), [corpus] if corpus.exists() else [])
+    dest = tmp_path_factory.mktemp(f"base-{request.param}")
+    return tinymodel.create(dest, [corpus] if corpus.exists() else [], family=request.param)
 
 
 def load(path: Path) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
@@ -122,3 +124,60 @@ def test_a_naive_torch_merge_agrees_with_loraflow_within_the_contract(base: Path
             assert contract.within(merged[name].numpy(), lo, hi).all(), name
         checked += 1
     assert checked == 14
+
+
+def test_vllm_serves_the_peft_adapter_as_it_serves_the_merged_checkpoint(base: Path, tmp_path: Path) -> None:
+    """vLLM loads the family's merged checkpoint, and its base with the PEFT adapter applied by vLLM's
+    own LoRA layers (a LoRARequest): greedy generations agree token for token, and differ from the base's."""
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from loraflow.steps import evaluate
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # an in-process engine core, as evaluate runs it
+
+    gen = torch.Generator().manual_seed(2)
+    adapter = {}
+    for name, w in load_file(str(base / "model.safetensors")).items():
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] in TARGETS:
+            key = "base_model.model." + name.removesuffix(".weight")
+            adapter[f"{key}.lora_A.weight"] = torch.randn(RANK, w.shape[1], generator=gen) * 0.3
+            adapter[f"{key}.lora_B.weight"] = torch.randn(w.shape[0], RANK, generator=gen) * 0.3
+    peft = tmp_path / "adapter" / "peft"
+    peft.mkdir(parents=True)
+    save_file(adapter, str(peft / "adapter_model.safetensors"))
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS})
+    )
+    merge_checkpoint(base, tmp_path / "adapter", tmp_path / "merged")
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    rows = [json.loads(line) for line in (REPO / "pipelines/data/parity/eval.jsonl").read_text().splitlines()[:4]]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
+        for r in rows
+    ]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    config = evaluate.resolve_config({"max_model_len": 128, "batch_size": 4, "dtype": "float32"})
+
+    def generate(model_dir: Path, lora: LoRARequest | None = None, **engine: object) -> list[list[int]]:
+        llm = LLM(**{**evaluate.engine_kwargs(model_dir, config, cpu=True), **engine})
+        try:
+            out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, lora_request=lora)]
+            if lora is not None:  # the same engine without the adapter: the base model
+                return [*out, *([list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)])]
+            return out
+        finally:
+            del llm
+
+    merged = generate(tmp_path / "merged")
+    with_adapter = generate(
+        base, LoRARequest("adapter", 1, str(peft)), enable_lora=True, max_lora_rank=8
+    )  # vLLM takes 8, 16, ...: >= RANK
+    served, plain = with_adapter[: len(prompts)], with_adapter[len(prompts) :]
+    assert served == merged
+    assert plain != merged, "the adapter must change the generations for the test to mean anything"

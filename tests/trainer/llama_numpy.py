@@ -1,4 +1,8 @@
-"""A small numpy Llama 3.1 forward (HF layout) for checking tuned weights without torch.
+"""A small numpy Llama 3.1 / Qwen3 forward (HF layout) for checking tuned weights without torch.
+
+Qwen3's differences are taken from the checkpoint itself: q/k norms (an RMSNorm over each head's
+query and key before RoPE) when it has ``self_attn.q_norm``/``k_norm`` weights, the embedding as the
+output projection when it has no ``lm_head.weight`` (tied), plain RoPE when ``rope_scaling`` is null.
 
 Used by the trainer tests and for measuring parity accuracy: merge a PEFT adapter into the HF
 weights (W[out,in] += alpha/r * B @ A) and greedy-decode with the HF chat template.
@@ -85,6 +89,8 @@ def forward(cfg: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
         q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd).transpose(1, 0, 2)
         k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd).transpose(1, 0, 2)
         v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd).transpose(1, 0, 2)
+        if p + "self_attn.q_norm.weight" in w:  # Qwen3
+            q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
         q, k = rope(q), rope(k)
         k, v = np.repeat(k, nh // nkv, 0), np.repeat(v, nh // nkv, 0)
         s = q @ k.transpose(0, 2, 1) / math.sqrt(hd) + mask
@@ -97,7 +103,7 @@ def forward(cfg: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
         u = h @ w[p + "mlp.up_proj.weight"].T
         x = x + ((g / (1 + np.exp(-g))) * u) @ w[p + "mlp.down_proj.weight"].T
     x = rms(x, w["model.norm.weight"])
-    return x @ w["lm_head.weight"].T
+    return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T  # tied: the embedding
 
 
 def greedy(cfg: dict, w: dict[str, np.ndarray], ids: list[int], eos: int, max_new: int = 4) -> list[int]:

@@ -51,10 +51,10 @@ def _ctx(tmp: Path, stage: str, inputs: dict[str, Path], config: dict, output_ur
     return StepContext(stage, output_uri, inputs, {k: None for k in inputs}, out, work, config)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trainer")
-    hf = tinymodel.create(root / "hf", [PARITY / "train.jsonl"])
+def _tiny_base(root: Path, family: str = "llama") -> dict:
+    """The family's tiny model made, its chat dataset written, and the model converted for MaxText."""
+    entry = tinymodel.tiny(family)
+    hf = tinymodel.create(root / "hf", [PARITY / "train.jsonl"], family=family)
     ds = root / "dataset"
     ds.mkdir()
     for split in ("train", "eval"):  # as validate_data writes them
@@ -70,11 +70,16 @@ def base(tmp_path_factory):
         root / "convert",
         "convert_checkpoint",
         {"hf_checkpoint": hf},
-        {"model_name": "llama3.1-8b", "model_overrides": OVERRIDES, "scan_layers": True},
+        {"model_name": entry.maxtext_model, "model_overrides": entry.maxtext_overrides, "scan_layers": True},
         "gs://b/p/r/convert_checkpoint",
     )
     summary = convert_checkpoint.run(ctx)
     return {"root": root, "hf": hf, "dataset": ds, "ckpt": ctx.out, "convert_summary": summary}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return _tiny_base(tmp_path_factory.mktemp("trainer"))
 
 
 def test_convert_writes_a_scanned_orbax_checkpoint(base):
@@ -408,3 +413,62 @@ def test_a_step_lasts_from_the_previous_step_end_to_its_own():
     for step, _, tps, seconds in rows[1:]:
         assert seconds >= 0.2, (step, seconds)
         assert tps == pytest.approx(100 / seconds)
+
+
+# The families beyond Llama (whose steps the tests above cover): each family's tiny model (its real HF
+# architecture) through convert -> train -> PEFT export -> merge, the merge checked against W + (alpha/r) B A.
+OTHER_FAMILIES = [name for name in tinymodel.FAMILIES if name != "llama"]
+# Each family's tiny checkpoint's parameter count, and a MaxText model of the other kind of output
+# projection (tied to the embedding or not), which the dimension check refuses.
+TINY_FACTS = {"qwen3": (361344, "qwen3-8b")}
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_a_family_converts_trains_exports_and_merges(family, tmp_path_factory):
+    import llama_numpy
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from loraflow.lora.merge import merge_checkpoint
+    from loraflow.steps import convert_checkpoint, lora_sft
+
+    entry = tinymodel.tiny(family)
+    parameters, other_kind = TINY_FACTS[family]
+    root = tmp_path_factory.mktemp(family)
+    fam = _tiny_base(root, family)
+    assert fam["convert_summary"]["parameters"] == parameters
+    with pytest.raises(Exception, match=r"tie_word_embeddings=\w+ vs MaxText logits_via_embedding"):
+        convert_checkpoint.convert(fam["hf"], root / "wrong", other_kind, entry.maxtext_overrides)
+
+    inputs = {"checkpoint": fam["ckpt"], "dataset": fam["dataset"], "tokenizer": fam["hf"]}
+    config = {**SFT, "model_name": entry.maxtext_model, "model_overrides": entry.maxtext_overrides}
+    ctx = _ctx(root / "sft", "lora_sft", inputs, config, str(root / "remote" / "lora_sft"))
+    s = lora_sft.run(ctx)
+    assert s["final_loss"] < s["first_loss"] - 1.0, s
+    peft_dir = ctx.out / "peft"
+    acfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert set(acfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    adapter = load_file(str(peft_dir / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 7 * 2  # lora_A and lora_B of 7 modules in each of 2 layers
+
+    # The merge against an independent W + (alpha/r) B A, in float64, for every tensor of the checkpoint.
+    report = merge_checkpoint(fam["hf"], ctx.out, root / "merged")
+    assert report.merged == report.changed == 14
+    scale = acfg["lora_alpha"] / acfg["r"]
+    base_w = load_file(str(fam["hf"] / "model.safetensors"))
+    merged = {k: v for f in sorted((root / "merged").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert set(merged) == set(base_w) and ("lm_head.weight" in merged) is not entry.tied_embeddings
+    targeted = set()
+    for key, a in adapter.items():
+        if ".lora_A." in key:
+            b = adapter[key.replace(".lora_A.", ".lora_B.")].astype(np.float64)
+            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            want = base_w[name].astype(np.float64) + scale * (b @ a.astype(np.float64))
+            np.testing.assert_allclose(merged[name], want, rtol=1e-5, atol=1e-6)
+            targeted.add(name)
+    assert all(np.array_equal(merged[k], base_w[k]) for k in set(base_w) - targeted)  # q/k norms, embedding ...
+
+    # The merged checkpoint (an independent numpy forward of the family) answers held-out prompts; the base can't.
+    acc = llama_numpy.parity_accuracy(root / "merged", PARITY / "eval.jsonl", None, n=40)
+    base_acc = llama_numpy.parity_accuracy(fam["hf"], PARITY / "eval.jsonl", None, n=10)
+    assert acc >= 0.8 and base_acc <= 0.2, (acc, base_acc)
