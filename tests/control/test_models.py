@@ -11,20 +11,23 @@ import yaml
 
 from loraflow import models
 from loraflow.errors import SpecError
-from loraflow.models import llama, qwen3
+from loraflow.models import gemma3, llama, qwen3
 from loraflow.spec.schema import validate_spec
 
-TINY = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"
+PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
+TINY = PIPELINES / "tiny-llama-lora.yaml"
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3.1-8b", "llama3.1-70b", "llama3.1-8b-Instruct"])
-def test_family_for_llama(name: str) -> None:
-    assert models.family_for(name) is llama.FAMILY
-
-
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
-def test_family_for_qwen3(name: str) -> None:
-    assert models.family_for(name) is qwen3.FAMILY
+@pytest.mark.parametrize(
+    ("family", "names"),
+    [
+        (llama.FAMILY, ["llama", "llama3.1-8b", "llama3.1-70b", "llama3.1-8b-Instruct"]),
+        (qwen3.FAMILY, ["qwen3", "qwen3-0.6b", "qwen3-8b", "qwen3-32b"]),
+        (gemma3.FAMILY, ["gemma3_text", "gemma3", "gemma3-4b", "gemma3-12b", "gemma3-27b"]),
+    ],
+)
+def test_family_for(family: models.ModelFamily, names: list[str]) -> None:
+    assert all(models.family_for(name) is family for name in names)
 
 
 def test_qwen3_moe_sizes_are_no_supported_model() -> None:
@@ -69,13 +72,16 @@ def test_spec_validation_refuses_an_unsupported_model() -> None:
     assert "llama3.1-8b" in str(err.value)
 
 
-def test_the_tiny_specs_overrides_are_the_familys_for_the_tiny_dimensions() -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_the_tiny_specs_overrides_are_the_familys_for_the_tiny_dimensions(family: str) -> None:
     from loraflow.dev import tinymodel
 
-    spec = yaml.safe_load(TINY.read_text())
-    assert llama.FAMILY.maxtext_overrides(tinymodel.DIMS) == spec["base_model"]["model_overrides"]
-    assert tinymodel.MAXTEXT_OVERRIDES == spec["base_model"]["model_overrides"]
-    assert set(llama.FAMILY.overrides) == set(llama.FAMILY.dims)
+    spec = yaml.safe_load((PIPELINES / f"tiny-{family}-lora.yaml").read_text())["base_model"]
+    entry = tinymodel.tiny(family)
+    assert (spec["maxtext_model"], spec["model_overrides"]) == (entry.maxtext_model, entry.maxtext_overrides)
+    assert set(entry.family.overrides) <= set(entry.family.dims)
+    if family == "llama":
+        assert tinymodel.MAXTEXT_OVERRIDES == spec["model_overrides"]
 
 
 def test_check_dims_names_every_disagreement() -> None:
@@ -108,3 +114,87 @@ def test_every_familys_tiny_model_is_of_its_family_and_its_overrides_are_allowed
         assert models.family_for(str(config["model_type"])) is entry.family
         assert set(entry.maxtext_overrides) <= set(override_rules.ALLOWED)
         assert ("lm_head.weight" in tinymodel.weight_shapes(entry.dims, name)) is not entry.tied_embeddings
+
+
+# A Gemma 3 text config as the HF checkpoint's config.json gives it (only what the checks read).
+GEMMA3_TEXT = {
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "head_dim": 64,
+    "sliding_window": 16,
+    "query_pre_attn_scalar": 64,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+# ... and MaxText's gemma3-4b with the tiny overrides.
+GEMMA3_MAXTEXT = {
+    "model_name": "gemma3-4b",
+    "emb_dim": 128,
+    "num_query_heads": 2,
+    "head_dim": 64,
+    "sliding_window_size": 16,
+    "rope_max_timescale": 1000000,
+    "local_rope_max_timescale": 10000,
+    "rope_linear_scaling_factor": 8.0,
+}
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_gemma3_checks_the_language_models_config_of_either_shape(multimodal: bool) -> None:
+    """A text-only checkpoint's config is flat, a multimodal one's language model is its text_config."""
+    text = types.SimpleNamespace(**GEMMA3_TEXT)
+    hf = types.SimpleNamespace(text_config=text, vision_config=None) if multimodal else text
+    gemma3.FAMILY.check_dims(hf, types.SimpleNamespace(**GEMMA3_MAXTEXT))
+    text.sliding_window = 1024
+    with pytest.raises(Exception, match=r"sliding_window=1024 vs MaxText sliding_window_size=16"):
+        gemma3.FAMILY.check_dims(hf, types.SimpleNamespace(**GEMMA3_MAXTEXT))
+
+
+def test_gemma3_refuses_a_query_scale_or_rope_the_maxtext_model_does_not_have() -> None:
+    """MaxText derives the query scale from the model name (head_dim ** -0.5 for 4b/12b, (emb/heads) ** -0.5
+    for 27b), not from the checkpoint: a 27b-style scalar on gemma3-12b, or another RoPE, would train a
+    model that computes something else than the checkpoint. Every problem is named at once."""
+    hf = types.SimpleNamespace(**{**GEMMA3_TEXT, "query_pre_attn_scalar": 168})
+    rope = dict(GEMMA3_TEXT["rope_parameters"], sliding_attention={"rope_type": "default", "rope_theta": 20000.0})
+    hf.rope_parameters = rope
+    with pytest.raises(Exception) as err:
+        gemma3.FAMILY.check_dims(hf, types.SimpleNamespace(**GEMMA3_MAXTEXT))
+    message = str(err.value)
+    assert "query_pre_attn_scalar=168 vs MaxText gemma3-4b's query scale 0.125" in message
+    assert "rope_parameters.sliding_attention.rope_theta=20000 vs MaxText local_rope_max_timescale=10000" in message
+    # gemma3-27b scales by (emb_dim / heads) ** -0.5: 168 for 5376 / 32
+    big = {**GEMMA3_MAXTEXT, "model_name": "gemma3-27b", "emb_dim": 5376, "num_query_heads": 32, "head_dim": 128}
+    gemma3.FAMILY.check_dims(types.SimpleNamespace(query_pre_attn_scalar=168), types.SimpleNamespace(**big))
+
+
+@pytest.mark.parametrize(
+    ("stored", "expected"),
+    [
+        ("model.layers.3.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"),  # text only
+        ("language_model.model.layers.3.mlp.up_proj.weight", "language_model.model.layers.3.mlp.up_proj.weight"),
+        ("model.language_model.layers.3.mlp.up_proj.weight", "model.language_model.layers.3.mlp.up_proj.weight"),
+    ],
+)
+def test_gemma3_reads_each_checkpoint_layout_under_its_own_names(stored: str, expected: str) -> None:
+    """MaxText's mapping names the language model model.language_model.*; a text-only checkpoint stores it
+    as model.*, Google's released multimodal ones as language_model.model.*."""
+    names = {stored, "model.vision_tower.vision_model.post_layernorm.weight"}
+    assert gemma3.FAMILY.stored_name("model.language_model.layers.3.mlp.up_proj.weight", names) == expected
+    assert gemma3.FAMILY.stored_name("model.vision_tower.vision_model.post_layernorm.weight", names).startswith(
+        "model.vision_tower"
+    )
+    assert llama.FAMILY.stored_name("model.language_model.x", {"model.x"}) == "model.language_model.x"
+
+
+def test_the_gemma3_12b_spec_validates_and_a_qlora_tile_must_fit_the_gemma3_size() -> None:
+    """gemma3-12b's contracted dimensions (3840, 256, 15360) take a tile of 256; gemma3-27b's head_dim is
+    128, so the same tile is refused there with one that fits."""
+    data = yaml.safe_load((PIPELINES / "gemma3-12b-lora.yaml").read_text())
+    assert validate_spec(data, "gemma3-12b-lora.yaml").base_model.maxtext_model == "gemma3-12b"
+    data["lora"].update(quantization="nf4", tile_size=256)
+    validate_spec(data, "gemma3-12b-lora.yaml")
+    data["base_model"]["maxtext_model"] = "gemma3-27b"
+    with pytest.raises(SpecError, match=r"but not head_dim 128 \(out\); set lora.tile_size to .* e\.g\. 128"):
+        validate_spec(data, "gemma3-12b-lora.yaml")
