@@ -153,7 +153,7 @@ def promote(reg: PipelineRegistry, version: int, *, actor: str, reason: str, via
     entry = _verified(reg, version, "promote")
     if state.version == version:
         return _result(reg, "promote", None, version, note=f"version {version} is the champion already")
-    event = _move(reg, state, version, entry, "promote", actor, reason, via)
+    event = _move(reg, state, version, entry, "promote", actor=actor, reason=reason, via=via)
     return _result(reg, "promote", event, version)
 
 
@@ -180,7 +180,7 @@ def rollback(reg: PipelineRegistry, *, actor: str, reason: str, via: str) -> dic
         )
     target = candidates[0]
     entry = _verified(reg, target, "roll back to")
-    event = _move(reg, state, target, entry, "rollback", actor, reason, via)
+    event = _move(reg, state, target, entry, "rollback", actor=actor, reason=reason, via=via)
     return _result(reg, "rollback", event, target)
 
 
@@ -225,28 +225,20 @@ def _verified(reg: PipelineRegistry, version: int, doing: str) -> dict[str, Any]
 
 
 def _move(
-    reg: PipelineRegistry,
-    state: alias.AliasState,
-    version: int,
-    entry: dict[str, Any],
-    action: str,
-    actor: str,
-    reason: str,
-    via: str,
+    reg: PipelineRegistry, state: alias.AliasState, version: int, entry: dict[str, Any], action: str, **who: str
 ) -> dict[str, Any]:
+    """``alias.move`` (``who``: actor, reason, via), a lost race refused as ``ConcurrentMove``."""
     from google.api_core.exceptions import PreconditionFailed
 
     try:
-        return alias.move(
-            reg.registry_uri, reg.pipeline, state, version, entry, action=action, actor=actor, reason=reason, via=via
-        )
+        return alias.move(reg.registry_uri, reg.pipeline, state, version, entry, action=action, **who)
     except PreconditionFailed:
         now = alias.read(reg.registry_uri, reg.pipeline)
         last = (now.data or {}).get("move") or {}
-        who = f", moved by {last.get('actor')} at {last.get('at')} ({last.get('action')})" if last else ""
+        by = f", moved by {last.get('actor')} at {last.get('at')} ({last.get('action')})" if last else ""
         raise ConcurrentMove(
             f"the {alias.NAME} alias of {reg.pipeline} moved while this {action} was decided (it held version "
-            f"{state.version}, now {now.version}{who}); nothing was changed by this {action}: see "
+            f"{state.version}, now {now.version}{by}); nothing was changed by this {action}: see "
             f"`loraflow registry list {reg.pipeline}` and run it again if it still applies"
         ) from None
 
