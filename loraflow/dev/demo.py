@@ -262,8 +262,10 @@ class LocalAirflow:
             # start the next on a worker that is alive. Airflow's default is 300 s.
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(celery.heartbeat_timeout),
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
-            # No worker reads another's disk, nor does the API server: task logs go to GCS, as on Composer.
+            # No worker reads another's disk, nor does the API server: task logs go to GCS, as on Composer
+            # (with a handler that takes the emulator's 404 for "no log yet": operators/emulator_task_logs.py).
             "AIRFLOW__LOGGING__REMOTE_LOGGING": "True",
+            "AIRFLOW__LOGGING__LOGGING_CONFIG_CLASS": "operators.emulator_task_logs.LOGGING_CONFIG",
             "AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER": "gs://loraflow-demo/_airflow-logs",
             "AIRFLOW__LOGGING__REMOTE_LOG_CONN_ID": "loraflow_task_logs",
             "AIRFLOW_CONN_LORAFLOW_TASK_LOGS": logs_bucket,

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,7 @@ print(json.dumps({
     "heartbeat_timeout": conf.getint("scheduler", "task_instance_heartbeat_timeout"),
     "remote_logs": [conf.getboolean("logging", "remote_logging"), conf.get("logging", "remote_base_log_folder")],
     "start_method": conf.get("scheduler", "mp_start_method", fallback=None),
+    "log_io": type(__import__("airflow.logging_config").logging_config.get_remote_task_log()).__name__,
     "failed": failed,
 }))
 """
@@ -69,6 +71,7 @@ def test_airflow_reads_the_celery_settings_as_written(tmp_path: Path) -> None:
     assert seen["failed"] == {}, "a Celery worker stops at start on these"
     assert seen["heartbeat_timeout"] == 40  # Airflow's default, 300 s, would hold a lost worker's task 5 minutes
     assert seen["remote_logs"] == [True, "gs://loraflow-demo/_airflow-logs"]
+    assert seen["log_io"] == "EmulatorGCSRemoteLogIO"  # what writes and reads them (operators/emulator_task_logs.py)
     assert seen["start_method"] is None  # the LocalExecutor's forkserver is not started for nothing
 
 
@@ -103,3 +106,26 @@ def test_a_worker_names_itself_as_the_stack_named_it(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv(local_celery.HOSTNAME_ENV)
     assert local_celery.worker_hostname()  # the machine's own name
     assert CeleryWorkers(count=3).names() == ["celery-worker-1", "celery-worker-2", "celery-worker-3"]
+
+
+def test_task_logs_are_written_to_and_read_from_the_gcs_emulator(
+    gcs_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Airflow's own handler refuses to write a new log to the emulator (its 404 lacks GCS's "No such
+    object"); the stack's handler writes it, appends a later write, and reads both back."""
+    from airflow.providers.google.cloud.log.gcs_task_handler import GCSRemoteLogIO
+
+    from operators.emulator_task_logs import EmulatorGCSRemoteLogIO
+
+    stack = LocalAirflow(tmp_path / "home", {}, database_url=PG, celery=CeleryWorkers()).env
+    for name in ("AIRFLOW__LOGGING__REMOTE_LOG_CONN_ID", "AIRFLOW_CONN_LORAFLOW_TASK_LOGS"):
+        monkeypatch.setenv(name, stack[name])  # the stack's connection for its task logs
+    remote = f"{gcs_bucket}/airflow-logs"
+    where = f"{remote}/dag_id=d/run_id=r/task_id=t/attempt=1.log"
+    kwargs: dict[str, Any] = {"base_log_folder": tmp_path, "remote_base": remote, "delete_local_copy": False}
+    assert GCSRemoteLogIO(**kwargs).write("first", where) is False
+    io = EmulatorGCSRemoteLogIO(**kwargs)
+    assert io.write("first", where) is True
+    assert io.write("second", where) is True
+    _, streams = io.read("dag_id=d/run_id=r/task_id=t/attempt=1.log", None)
+    assert streams == ["first\nsecond"]
