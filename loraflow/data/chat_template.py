@@ -190,7 +190,11 @@ def _tokenizer_files(tokenizer_dir: Path) -> tuple[dict[str, Any], dict[str, tup
         templates["default"] = ("tokenizer_config.json", found)
     elif isinstance(found, list):
         for entry in found:
-            if isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str):
+            if (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
                 templates[entry["name"]] = ("tokenizer_config.json", entry["template"])
     jinja = tokenizer_dir / "chat_template.jinja"
     if jinja.is_file():  # newer checkpoints keep the default template in its own file; it wins
@@ -198,7 +202,9 @@ def _tokenizer_files(tokenizer_dir: Path) -> tuple[dict[str, Any], dict[str, tup
     extra = tokenizer_dir / "additional_chat_templates"
     if extra.is_dir():
         for path in sorted(extra.glob("*.jinja")):
-            templates.setdefault(path.stem, (f"additional_chat_templates/{path.name}", path.read_text(encoding="utf-8")))
+            templates.setdefault(
+                path.stem, (f"additional_chat_templates/{path.name}", path.read_text(encoding="utf-8"))
+            )
     return (cfg if isinstance(cfg, dict) else {}), templates
 
 
@@ -287,7 +293,9 @@ def _compile(source: str) -> Any:
 
 
 def _turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    return [{"role": str(m["role"]), "content": "" if m.get("content") is None else str(m["content"])} for m in messages]
+    return [
+        {"role": str(m["role"]), "content": "" if m.get("content") is None else str(m["content"])} for m in messages
+    ]
 
 
 def render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
@@ -306,8 +314,7 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], add_ge
         raise ChatTemplateError(f"the chat template tried an unsafe operation ({exc}); it is refused") from None
     except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
         raise ChatTemplateError(
-            f"the chat template failed to render ({type(exc).__name__}: {exc}); "
-            "check it against a row of the dataset"
+            f"the chat template failed to render ({type(exc).__name__}: {exc}); check it against a row of the dataset"
         ) from None
 
 
@@ -343,8 +350,8 @@ def pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> lis
             )
         if not full.startswith(prompt):
             raise ChatTemplateError(
-                f"the chat template's generation prompt {_tail(prompt[len(done):])!r} is not how it begins the "
-                f"assistant's turn {i} ({_head(full[len(done):])!r}); evaluation would prompt the model differently "
+                f"the chat template's generation prompt {_tail(prompt[len(done) :])!r} is not how it begins the "
+                f"assistant's turn {i} ({_head(full[len(done) :])!r}); evaluation would prompt the model differently "
                 "from training: fix the template's add_generation_prompt branch"
             )
         answer = full[len(prompt) :]
@@ -396,6 +403,39 @@ def prompt_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]])
 def render_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> str:
     """An eval prompt's text: the turns and the generation prompt."""
     return "".join(prompt_pieces(template, messages))
+
+
+def check_round_tokens(
+    encode: Callable[[str], Sequence[int]], decode: Callable[[list[int]], str], parts: Sequence[Piece]
+) -> int:
+    """The token count of a training conversation's pieces; an error when a round would not split where
+    loraflow cut it.
+
+    A trainer that finds the answer of a round (prompt piece + answer piece) as what follows the
+    longest common token prefix of the round and the prompt alone, and turns tokens back into text
+    between steps, gets loraflow's pieces only when the round tokenizes as its two pieces do and
+    each piece's tokens decode to the piece. Otherwise the prompt the model trains on differs from
+    the one evaluation sends it.
+    """
+    total = 0
+    for k in range(0, len(parts) - 1, 2):
+        prompt, answer = parts[k][0], parts[k + 1][0]
+        ids_prompt, ids_answer = list(encode(prompt)), list(encode(answer))
+        if list(encode(prompt + answer)) != ids_prompt + ids_answer:
+            raise ChatTemplateError(
+                f"the tokenizer merges the end of the prompt {_tail(prompt, 30)!r} with the start of the answer "
+                f"{_head(answer, 30)!r} into other tokens, so training could not keep them apart as evaluation "
+                "does; end the prompt (or begin the answer) with a separator such as a space or newline"
+            )
+        for what, text, ids in (("prompt", prompt, ids_prompt), ("answer", answer, ids_answer)):
+            if decode(ids) != text:
+                raise ChatTemplateError(
+                    f"the tokenizer does not give back the {what} {_head(text, 40)!r} from its tokens "
+                    f"({_head(decode(ids), 40)!r}); the text changes on its way through training: "
+                    "use a tokenizer that round-trips its text (or remove the characters it drops)"
+                )
+        total += len(ids_prompt) + len(ids_answer)
+    return total
 
 
 def encode_pieces(encode: Callable[[str], Sequence[int]], texts: Sequence[str]) -> list[int]:

@@ -4,7 +4,8 @@ trainer environment), so both answer exactly the same token ids.
 
 An eval row is ``{"messages": [...]}`` (the last assistant turn, or ``reference``, is the reference
 answer) or ``{"prompt", "completion"|"reference"}``; an optional ``id`` names it. Prompts render
-through the checkpoint tokenizer's chat template with the generation prompt added.
+through :mod:`loraflow.data.chat_template` with the template validate_data recorded beside the
+eval set (the one training renders with; :func:`eval_template`), the generation prompt added.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraflow.data import chat_template
+from loraflow.data.chat_template import ChatTemplate
 from loraflow.errors import LoraflowError
 
 EVAL_FILE = "eval.jsonl"
@@ -79,13 +82,49 @@ def load_examples(path: Path, max_examples: int | None = None) -> list[Example]:
     return examples
 
 
-def render_prompts(tokenizer: Any, examples: list[Example]) -> tuple[list[str], list[list[int]]]:
-    """Chat-template text and token ids of each example's prompt (``add_generation_prompt=True``)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise LoraflowError(
-            "evaluate: the checkpoint's tokenizer has no chat_template; training and evaluation render through it"
+def eval_template(eval_set: Path, tokenizer_dir: Path, progress: Any = None) -> ChatTemplate:
+    """The template the eval prompts render with: the one validate_data recorded beside the eval set
+    (the one training renders with), else the tokenizer's own (``auto``; an eval set made by hand).
+
+    When the record came from a tokenizer (``auto``/``tokenizer``) and ``tokenizer_dir``'s own
+    template differs, the model being evaluated ships another template than the one its training
+    data was rendered with: rendering stays with the record (train and eval agree), and a loud
+    warning says so, since a user serving the model with its own template gets other prompts.
+    """
+    root = eval_set if eval_set.is_dir() else eval_set.parent
+    recorded = chat_template.read_record(root)
+    say = progress or (lambda _msg: None)
+    if recorded is None:
+        template = chat_template.resolve(chat_template.AUTO, tokenizer_dir)
+        say(
+            f"WARNING: the eval set carries no {chat_template.RECORD_FILE} (not a validate_data output): prompts "
+            f"render with {template.origin}, which need not be what training used"
         )
-    texts = [tokenizer.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True) for ex in examples]
-    # The template already holds the BOS: no second one from the tokenizer.
-    ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        return template
+    own = chat_template.own_template_digest(tokenizer_dir)
+    if recorded.setting in (chat_template.AUTO, chat_template.TOKENIZER) and own != recorded.digest:
+        say(
+            f"WARNING: the model's tokenizer ({tokenizer_dir.name}) has another chat template than the one "
+            f"training rendered with ({recorded.origin}, sha256 {recorded.digest[:12]}); evaluation renders with "
+            "training's. Serve the model with that template too, or set data.chat_template explicitly"
+        )
+    return recorded
+
+
+def render_prompts(
+    tokenizer: Any, examples: list[Example], template: ChatTemplate | None = None
+) -> tuple[list[str], list[list[int]]]:
+    """Text and token ids of each example's prompt, rendered by :mod:`loraflow.data.chat_template`.
+
+    ``template`` None: the tokenizer's own (``auto``, from its files in ``tokenizer.name_or_path``).
+    Each piece is tokenized alone without special tokens (the template writes them), exactly as
+    training tokenizes the same pieces, so the ids are those the trained model saw before its answer.
+    """
+    if template is None:
+        template = chat_template.resolve(chat_template.AUTO, Path(tokenizer.name_or_path))
+    texts, ids = [], []
+    for ex in examples:
+        parts = chat_template.prompt_pieces(template, ex.messages)
+        texts.append("".join(parts))
+        ids.append(chat_template.encode_pieces(lambda t: tokenizer(t, add_special_tokens=False)["input_ids"], parts))
     return texts, ids

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.evaluation.examples import EVAL_FILE, load_examples, render_prompts
+from loraflow.evaluation.examples import EVAL_FILE, eval_template, load_examples, render_prompts
 
 ANSWERS_JSONL = "quantized_answers.jsonl"
 
@@ -68,8 +68,9 @@ def answer_eval_prompts(
 
     started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    chosen = load_examples(eval_file(dataset_dir), examples)
-    _, prompts = render_prompts(tokenizer, chosen)
+    path = eval_file(dataset_dir)
+    chosen = load_examples(path, examples)
+    _, prompts = render_prompts(tokenizer, chosen, eval_template(path, tokenizer_dir, progress))
     progress(
         f"answering {len(chosen)} eval prompt(s) with the quantized base + adapter "
         f"(greedy, up to {max_new_tokens} tokens, batches of {batch_size})"

@@ -5,7 +5,7 @@ One program serves both evaluation stages; the stage label is the last path comp
 
 Inputs
     ``model``    a Hugging Face checkpoint directory: config.json, ``*.safetensors`` (one file, or
-                 shards with ``model.safetensors.index.json``), tokenizer files with a chat template.
+                 shards with ``model.safetensors.index.json``) and its tokenizer files.
     ``eval_set`` the validate_data artifact: a directory holding ``eval.jsonl`` with rows
                  ``{"id", "messages": [{"role": "user", "content": ...}], "reference"}``
                  (``{"prompt", "completion"}`` rows are accepted too).
@@ -21,9 +21,13 @@ Config (``loraflow.spec.step_configs.EvaluateConfig``; defaults the spec's ``eva
     ``batch_size`` sequences of ``max_model_len`` tokens fill, at most a quarter of the memory; vLLM's
     profiling elsewhere), ``gpu_memory_utilization``, ``engine_args`` (any other ``vllm.LLM`` kwargs).
 
-Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``), exactly as
-training renders them, tokenised without extra special tokens (the template holds the BOS) and
-handed to vLLM as token ids. The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+Prompts are rendered by :mod:`loraflow.data.chat_template` with the template validate_data recorded
+beside the eval set (``chat_template.json``, the one training renders with; an eval set without it
+falls back to the tokenizer's own, with a warning), the generation prompt added, tokenised piece by
+piece as training tokenises them, without extra special tokens (the template writes them), and
+handed to vLLM as token ids. ``metrics.json`` names the template (``chat_template``: setting,
+origin, sha256) and warns in the log when the model's own tokenizer template differs from it. The
+engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
 the same argv runs on a laptop CPU, a GPU host or a TPU host. The program leaves the engine to the
 end of its process rather than tearing it down first (:meth:`Engine.leave_to_exit`).
 
@@ -32,7 +36,8 @@ Output
     one row per example with id, prompt, reference, generation, answer and each scored metric's
     column (correct, format_ok, ...: loraflow/evaluation/metrics.py).
     ``metrics.json``: every scored metric (accuracy, format_rate, ...), n, the per-example ``ids`` and
-    metric columns in eval-set order (for the gate's paired comparison), timings, settings.
+    metric columns in eval-set order (for the gate's paired comparison), the chat template that
+    rendered the prompts, timings, settings.
 """
 
 from __future__ import annotations
@@ -48,10 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraflow.data.chat_template import ChatTemplate
 from loraflow.errors import LoraflowError
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import scoring
-from loraflow.evaluation.examples import Example, find_eval_file, load_examples, render_prompts
+from loraflow.evaluation.examples import Example, eval_template, find_eval_file, load_examples, render_prompts
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 
@@ -271,12 +277,14 @@ def evaluate(ctx: StepContext, engine: Engine | None = None, *, process_ends: bo
     eval_file = find_eval_file(ctx.inputs["eval_set"])
     examples = load_examples(eval_file, cfg.max_examples)
     ctx.progress(f"{len(examples)} example(s) from {eval_file.name}; model {model_dir.name}")
+    template = eval_template(eval_file, model_dir, ctx.progress)
+    ctx.progress(f"chat template: {template.origin} (sha256 {template.digest[:12]})")
 
     own_engine = engine is None
     if engine is None:
         engine = build_engine(model_dir, cfg, ctx.progress)
     try:
-        return _evaluate(ctx, engine, cfg, examples, started)
+        return _evaluate(ctx, engine, cfg, examples, template, started)
     finally:
         if own_engine and process_ends:
             engine.leave_to_exit()
@@ -285,10 +293,15 @@ def evaluate(ctx: StepContext, engine: Engine | None = None, *, process_ends: bo
 
 
 def _evaluate(
-    ctx: StepContext, engine: Engine, cfg: EvaluateConfig, examples: list[Example], started: float
+    ctx: StepContext,
+    engine: Engine,
+    cfg: EvaluateConfig,
+    examples: list[Example],
+    template: ChatTemplate,
+    started: float,
 ) -> dict[str, Any]:
     sampling = _sampling_params(cfg)
-    texts, prompt_ids = render_prompts(engine.tokenizer, examples)
+    texts, prompt_ids = render_prompts(engine.tokenizer, examples, template)
     _check_prompts_fit(prompt_ids, cfg)
     gen = _generate(ctx, engine, sampling, prompt_ids, cfg.batch_size)
 
@@ -302,6 +315,7 @@ def _evaluate(
     report = _metrics_report(
         ctx.stage, cfg, engine, examples, metrics, settings.chosen, pattern.pattern, _timing(engine, gen, prompt_ids)
     )
+    report["chat_template"] = template.summary()
     report["files"] = [*written, METRICS_JSON]
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
     ctx.progress(

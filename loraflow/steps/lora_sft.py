@@ -1,7 +1,8 @@
 """lora_sft: LoRA supervised fine-tuning with MaxText's ``train_sft`` (Tunix PeftTrainer underneath).
 
 Inputs: ``checkpoint`` (the convert_checkpoint output: Orbax params + loraflow_checkpoint.json),
-``dataset`` (``train.jsonl`` of ``{"messages": [...]}`` rows), ``tokenizer`` (the HF checkpoint dir).
+``dataset`` (``train.jsonl`` of ``{"messages": [...]}`` rows and ``chat_template.json``, the template
+validate_data resolved), ``tokenizer`` (the HF checkpoint dir).
 Config (``loraflow.spec.step_configs.LoraSftConfig``; defaults the spec's ``lora`` and ``training``):
 model_name, model_overrides (null: the converted checkpoint's), rank, alpha, target_modules (regexes
 or null = MaxText's default for the model), steps, batch_size (global, packed rows), learning_rate,
@@ -10,6 +11,11 @@ warmup_fraction, hardware, log_every, packing, shuffle.
 
 MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflow adds:
 
+* the prompts: loraflow renders every example with the dataset's chat template
+  (``loraflow.data.chat_template``, the renderer evaluation uses) into prompt and answer pieces and
+  hands MaxText the pieces with a template that writes them as they are, so MaxText tokenizes
+  exactly the text evaluation prompts with and trains on the answer pieces only
+  (``_render_training_file``); the adapter's ``loraflow_adapter.json`` and the summary name the template;
 * LoRA applied under ``jax.jit`` (``_lora_apply``): MaxText's eager application copies the frozen
   layer stack once more, which alone stops a 3B model fitting one 16 GiB chip;
 * a training hook that prints ``step N loss L tokens/s T`` lines (flushed: the Airflow log is live)
@@ -67,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow import models
+from loraflow.data import chat_template
 from loraflow.data.epochs import write_epochs
 from loraflow.errors import LoraflowError
 from loraflow.launchers import multihost
@@ -109,10 +116,12 @@ def _resolve_config(ctx: StepContext) -> dict[str, Any]:
 def _maxtext_argv(
     cfg: dict[str, Any], train_file: Path, tokenizer_dir: Path, base_output: str, n_rows: int
 ) -> list[str]:
-    """MaxText's ``train_sft`` command line; first writes the examples in training order beside ``train_file``."""
+    """MaxText's ``train_sft`` command line; first renders the examples and writes them in training order
+    beside ``train_file``."""
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
 
-    ordered = _write_training_order(cfg, train_file, tokenizer_dir, n_rows)
+    rendered = _render_training_file(train_file, tokenizer_dir, _training_template(train_file.parent, tokenizer_dir))
+    ordered = _write_training_order(cfg, rendered, n_rows)
     return [
         "lora_sft",
         os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
@@ -120,7 +129,7 @@ def _maxtext_argv(
         *hardware_args(cfg),
         f"scan_layers={str(bool(cfg['scan_layers'])).lower()}",
         f"load_parameters_path={cfg['load_parameters_path']}",
-        *_data_args(ordered, tokenizer_dir),
+        *_data_args(ordered, tokenizer_dir, rendered.passthrough),
         *_batch_args(cfg),
         *_optimizer_args(cfg),
         *_output_args(cfg, base_output),
@@ -129,23 +138,85 @@ def _maxtext_argv(
     ]
 
 
-def _write_training_order(cfg: dict[str, Any], train_file: Path, tokenizer_dir: Path, n_rows: int) -> Path:
+def _training_template(dataset_dir: Path, tokenizer_dir: Path, progress: Any = None) -> chat_template.ChatTemplate:
+    """The template validate_data recorded beside train.jsonl; a dataset without one (made by hand): the
+    tokenizer's own (``auto``), with a warning."""
+    recorded = chat_template.read_record(dataset_dir)
+    if recorded is not None:
+        return recorded
+    template = chat_template.resolve(chat_template.AUTO, tokenizer_dir)
+    if progress is not None:
+        progress(
+            f"WARNING: the dataset carries no {chat_template.RECORD_FILE} (not a validate_data output): "
+            f"training renders with {template.origin}"
+        )
+    return template
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    path: Path  # train.rendered.jsonl: each example as its prompt and answer pieces
+    passthrough: Path  # the template MaxText renders the pieces with: each written as it is
+    shortest: int  # tokens of the shortest example
+
+
+def _render_training_file(train_file: Path, tokenizer_dir: Path, template: chat_template.ChatTemplate) -> _Rendered:
+    """Every example of ``train_file`` rendered by loraflow (:func:`loraflow.data.chat_template.pieces`).
+
+    MaxText's SFT pipeline applies a chat template itself, one round (prompt turns + answer) at a time,
+    and masks the prompt side out of the loss. It is handed the pieces loraflow rendered, as alternating
+    user (prompt piece) and assistant (answer piece) turns, and a template that writes each turn's content
+    as it is: it then tokenizes exactly loraflow's pieces, each alone, and trains on the answer pieces
+    only; evaluation tokenizes the same prompt pieces (``prompt_pieces``). MaxText finds a round's answer
+    as the tokens after the longest common prefix of the round and its prompt alone: each round is
+    checked to tokenize as its two pieces do, so that split falls where loraflow cut.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=False))
+
+    rendered = train_file.with_name("train.rendered.jsonl")
+    shortest: int | None = None
+    with train_file.open(encoding="utf-8") as src, rendered.open("w", encoding="utf-8") as dst:
+        for line_no, line in enumerate(src, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            where = f"{train_file.name} line {line_no} (id {row.get('id')!r})"
+            try:
+                pieces = chat_template.pieces(template, row["messages"])
+                n = chat_template.check_round_tokens(encode, decode, pieces)
+            except chat_template.ChatTemplateError as exc:
+                raise LoraflowError(f"{where}: {exc}") from None
+            shortest = n if shortest is None else min(shortest, n)
+            turns = [{"role": "user" if is_prompt else "assistant", "content": text} for text, is_prompt in pieces]
+            dst.write(json.dumps({"id": row.get("id"), "messages": turns}, ensure_ascii=False) + "\n")
+    passthrough = train_file.with_name("chat_template.passthrough.json")
+    passthrough.write_text(json.dumps({"chat_template": chat_template.PASSTHROUGH_TEMPLATE}))
+    return _Rendered(rendered, passthrough, shortest or 1)
+
+
+def _write_training_order(cfg: dict[str, Any], rendered: _Rendered, n_rows: int) -> Path:
     """``train.ordered.jsonl``: enough epochs of the examples for ``steps`` batches, in training order."""
     # Packing puts several short examples in one row, and MaxText stops training when the iterator
     # runs dry: repeat the data enough epochs for `steps` batches of the shortest examples.
-    per_row = (
-        max(1.0, cfg["max_length"] / max(1, _shortest_example(train_file, tokenizer_dir))) if cfg["packing"] else 1.0
-    )
+    per_row = max(1.0, cfg["max_length"] / max(1, rendered.shortest)) if cfg["packing"] else 1.0
     num_epoch = max(1, math.ceil(cfg["steps"] * cfg["batch_size"] * per_row / max(n_rows, 1)) + 1)
     # MaxText reads the examples in loraflow's training order (every epoch shuffled by the seed, the
     # same file on every host) and shuffles nothing itself: its own shuffle depends on the host count.
-    ordered = train_file.with_name("train.ordered.jsonl")
-    write_epochs(train_file, ordered, num_epoch, cfg["seed"], cfg["shuffle"])
+    ordered = rendered.path.with_name("train.ordered.jsonl")
+    write_epochs(rendered.path, ordered, num_epoch, cfg["seed"], cfg["shuffle"])
     return ordered
 
 
-def _data_args(ordered: Path, tokenizer_dir: Path) -> list[str]:
-    """Read the ordered examples once, as they are, with the HF tokenizer."""
+def _data_args(ordered: Path, tokenizer_dir: Path, passthrough: Path) -> list[str]:
+    """Read the ordered, rendered examples once, as they are, with the HF tokenizer; loss on the answers only."""
     return [
         "dataset_type=hf",
         "hf_path=json",
@@ -156,6 +227,8 @@ def _data_args(ordered: Path, tokenizer_dir: Path) -> list[str]:
         "grain_worker_count=0",
         "tokenizer_type=huggingface",
         f"tokenizer_path={tokenizer_dir}",
+        f"chat_template_path={passthrough.resolve()}",
+        "sft_train_on_completion_only=true",
     ]
 
 
@@ -220,24 +293,6 @@ def _quantization_args(cfg: dict[str, Any]) -> list[str]:
         return []
     tile = [f"lora.lora_tile_size={cfg['tile_size']}"] if cfg["tile_size"] is not None else []
     return [f"lora.lora_weight_qtype={cfg['quantization']}", *tile]
-
-
-def _shortest_example(train_file: Path, tokenizer_dir: Path, sample: int = 512) -> int:
-    """Token count of the shortest chat-templated example among the first ``sample`` rows."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    shortest = None
-    with train_file.open() as f:
-        for i, line in enumerate(f):
-            if i >= sample:
-                break
-            if not line.strip():
-                continue
-            text = tok.apply_chat_template(json.loads(line)["messages"], tokenize=False)
-            n = len(tok.encode(text, add_special_tokens=False))
-            shortest = n if shortest is None else min(shortest, n)
-    return shortest or 1
 
 
 def _make_hooks(base_cls, ctx: StepContext, cfg: dict[str, Any], syncer, rows: list[tuple[int, float, float, float]]):
@@ -378,6 +433,8 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
         flags.FLAGS.mark_as_parsed()
     train_file, n_rows = _training_data(ctx)
+    template = _training_template(ctx.inputs["dataset"], ctx.inputs["tokenizer"], ctx.progress)
+    ctx.progress(f"chat template: {template.origin} (sha256 {template.digest[:12]})")
     if _wants_answers(cfg):
         _trainer_answers.eval_file(ctx.inputs["dataset"])  # before hours of training, not after
     store = _checkpoint_storage(ctx, cfg, dist)
@@ -418,6 +475,7 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
         "setup_seconds": t_train - started,
         "train_seconds": train_seconds,
         "memory": memory,
+        "chat_template": template.summary(),
     }
 
 
@@ -851,6 +909,7 @@ def _adapter_meta(cfg: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
         "quantization": cfg["quantization"],
         "tile_size": cfg["tile_size"],
         "steps": res["final_step"],
+        "chat_template": res["chat_template"],
     }
 
 
@@ -912,6 +971,7 @@ def _summary(
         "total_seconds": round(time.monotonic() - started, 1),
         "processes": dist.num_processes if dist is not None else 1,
         "quantization": cfg["quantization"],
+        "chat_template": res["chat_template"],
         **res["memory"],
         **_answers_summary(res["answers"]),
     }

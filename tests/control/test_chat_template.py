@@ -93,7 +93,10 @@ def test_training_pieces_hold_exactly_the_prompt_evaluation_renders(source: str,
 def test_the_tiny_template_renders_the_special_tokens_and_the_generation_prompt() -> None:
     t = template(TINY_TEMPLATE)
     pieces = ct.pieces(t, normalised(CHAT_WITH_SYSTEM))
-    assert pieces == [("<|bos|><|system|>Answer with a number.\n<|user|>What is 4+4?\n<|assistant|>", True), ("8<|end|>", False)]
+    assert pieces == [
+        ("<|bos|><|system|>Answer with a number.\n<|user|>What is 4+4?\n<|assistant|>", True),
+        ("8<|end|>", False),
+    ]
 
 
 def test_plain_text_is_the_turns_as_written_with_bos_and_eos() -> None:
@@ -191,7 +194,7 @@ def test_auto_takes_the_tokenizers_own_else_plain_text(tmp_path: Path) -> None:
     bare = tokenizer_dir(tmp_path / "b", {"eos_token": "</s>"})
     plain = ct.resolve("auto", bare)
     assert plain.source == ct.PLAIN_TEMPLATE and plain.setting == "none" and "no chat template" in plain.origin
-    with pytest.raises(ct.ChatTemplateError, match="has no chat template.*set data.chat_template to none"):
+    with pytest.raises(ct.ChatTemplateError, match=r"has no chat template.*set data\.chat_template to none"):
         ct.resolve("tokenizer", bare)
 
 
@@ -264,7 +267,9 @@ def run_validate(tmp_path: Path, tokenizer_dir: Path, make_ctx: Callable) -> Cal
 
 
 def _rows(n: int, prefix: str) -> list[dict]:
-    return [{"id": f"{prefix}{i}", "prompt": f"{prefix} question {i} of {n}", "completion": f"answer {i}"} for i in range(n)]
+    return [
+        {"id": f"{prefix}{i}", "prompt": f"{prefix} question {i} of {n}", "completion": f"answer {i}"} for i in range(n)
+    ]
 
 
 def test_validate_data_hands_the_resolved_template_on(run_validate: Callable, tokenizer_dir: Path) -> None:

@@ -436,3 +436,113 @@ def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: 
     manifest = artifacts.read_manifest(output)
     assert manifest.data["stage"] == "evaluate_base"
     assert {evaluate.PREDICTIONS_JSONL, evaluate.METRICS_JSON} <= set(manifest.files)
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+# Not the tiny tokenizer's own template: a default system turn, no BOS, the tiny special tokens (short prompts).
+OTHER_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|system|>Be brief.\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{% elif m['role'] == 'assistant' %}<|assistant|>"
+    "{% else %}<|system|>{% endif %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<|end|>{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CHAT_ROWS = [
+    {"id": "plain", "messages": [{"role": "user", "content": "Is 7 even?"}], "reference": "no"},
+    {
+        "id": "system",
+        "messages": [{"role": "system", "content": "Answer yes or no."}, {"role": "user", "content": "Is 4 even?"}],
+        "reference": "yes",
+    },
+    {
+        "id": "multi",
+        "messages": [
+            {"role": "user", "content": "Is 3 even?"},
+            {"role": "assistant", "content": "no"},
+            {"role": "user", "content": "Is 8 even?"},
+        ],
+        "reference": "yes",
+    },
+]
+
+
+def _chat_eval_set(dest: Path, template: Any) -> Path:
+    """An eval set as validate_data hands it on: eval.jsonl and the resolved chat_template.json."""
+    from loraflow.data import chat_template as ct
+
+    dest.mkdir(parents=True)
+    (dest / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS))
+    ct.write_record(template, dest)
+    return dest
+
+
+def test_the_tokenizers_own_template_renders_as_vllms_tokenizer_renders_it(
+    engine: evaluate.Engine, tiny_model: Path
+) -> None:
+    """loraflow's sandboxed renderer and the tokenizer vLLM serves with (transformers' apply_chat_template)
+    give the same text and ids for the tiny model's own template, with and without a system turn."""
+    from loraflow.data import chat_template as ct
+
+    template = ct.resolve("auto", tiny_model)
+    examples = [eval_examples.Example(r["id"], r["messages"], r["reference"]) for r in CHAT_ROWS]
+    texts, ids = eval_examples.render_prompts(engine.tokenizer, examples, template)
+    for ex, text, prompt_ids in zip(examples, texts, ids, strict=True):
+        theirs = engine.tokenizer.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+        assert text == theirs
+        assert prompt_ids == list(engine.tokenizer(theirs, add_special_tokens=False)["input_ids"])
+
+
+def test_evaluation_renders_with_the_recorded_template_and_names_it(
+    engine: evaluate.Engine, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The eval set's chat_template.json (here not the tokenizer's own) renders every prompt;
+    metrics.json names it; vLLM's own chat path with the same template answers the same."""
+    from loraflow.data import chat_template as ct
+
+    template = ct.resolve(OTHER_TEMPLATE, tiny_model)
+    eval_set = _chat_eval_set(tmp_path / "validate_data", template)
+    ctx = make_ctx(tmp_path / "run", tiny_model, eval_set, CONFIG)
+    evaluate.evaluate(ctx, engine)
+    metrics = json.loads((ctx.out / evaluate.METRICS_JSON).read_text())
+    assert metrics["chat_template"] == template.summary() and metrics["chat_template"]["setting"] == "inline"
+    preds = read_predictions(ctx.out)
+    assert [p["prompt"] for p in preds] == [ct.render_prompt(template, r["messages"]) for r in CHAT_ROWS]
+    # (trim_blocks drops the newline after a block tag, as transformers renders chat templates)
+    assert preds[1]["prompt"] == "<|system|>Answer yes or no.<|user|>Is 4 even?<|assistant|>"
+    assert preds[0]["prompt"] == "<|system|>Be brief.\n<|user|>Is 7 even?<|assistant|>"
+    assert "WARNING" not in capsys.readouterr().out  # an inline template is the spec's choice, nothing to warn of
+
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=CONFIG["max_new_tokens"], seed=0, skip_special_tokens=True)
+    chats = engine.llm.chat(
+        [r["messages"] for r in CHAT_ROWS],
+        params,
+        chat_template=OTHER_TEMPLATE,
+        add_generation_prompt=True,
+        use_tqdm=False,
+    )
+    assert [c.prompt_token_ids for c in chats] == [
+        ct.encode_pieces(
+            lambda t: engine.tokenizer(t, add_special_tokens=False)["input_ids"],
+            ct.prompt_pieces(template, r["messages"]),
+        )
+        for r in CHAT_ROWS
+    ]
+    assert [c.outputs[0].text for c in chats] == [p["generation"] for p in preds]
+
+
+def test_a_model_shipping_another_template_than_training_used_is_warned_about(
+    engine: evaluate.Engine, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """data.chat_template auto resolved against another tokenizer than the evaluated model's: evaluation
+    keeps training's template (the prompts agree with training) and says loudly that the model's differs."""
+    from loraflow.data import chat_template as ct
+
+    trained_with = ct.ChatTemplate("auto", "the tokenizer's own (tokenizer_config.json)", OTHER_TEMPLATE, {})
+    eval_set = _chat_eval_set(tmp_path / "validate_data", trained_with)
+    ctx = make_ctx(tmp_path / "run", tiny_model, eval_set, CONFIG | {"max_examples": 1})
+    evaluate.evaluate(ctx, engine)
+    out = capsys.readouterr().out
+    assert "WARNING: the model's tokenizer (model) has another chat template than the one training rendered with" in out
+    assert read_predictions(ctx.out)[0]["prompt"] == ct.render_prompt(trained_with, CHAT_ROWS[0]["messages"])

@@ -1,0 +1,143 @@
+"""Training sees exactly the prompt token ids evaluation sends, and learns only the answers.
+
+lora_sft's MaxText command line (the real ``_maxtext_argv``) drives MaxText's own SFT data pipeline
+(``create_data_iterator``: the HF dataset, MaxText's chat template step, tokenization and prompt
+masking); each example's batch is compared with the ids the evaluation path renders for the same row
+(``loraflow.evaluation.examples.render_prompts``, as evaluate and the QLoRA answers call it), for
+prompt/completion and chat rows, with and without a system turn, multi-turn, under a template the
+test adds to the tiny tokenizer (ChatML with a default system turn), the tiny model's own and none.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loraflow.data import chat_template as ct
+from loraflow.data import dataset as ds
+from loraflow.dev import tinymodel
+from loraflow.evaluation.examples import Example, render_prompts
+
+PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+RECORDS = [
+    {"id": "pc", "prompt": "What is 2 plus 3?", "completion": "5"},
+    {
+        "id": "system",
+        "messages": [
+            {"role": "system", "content": "Answer with a number."},
+            {"role": "user", "content": "What is 4 plus 4?"},
+            {"role": "assistant", "content": "8"},
+        ],
+    },
+    {
+        "id": "multi",
+        "messages": [
+            {"role": "user", "content": "What is 1 plus 1?"},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "And 2 plus 2?"},
+            {"role": "assistant", "content": "4"},
+        ],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's checkpoint, its tokenizer given a second, named template (ChatML)."""
+    hf = tinymodel.create(tmp_path_factory.mktemp("tiny") / "hf", [PARITY / "train.jsonl"])
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "default", "template": cfg["chat_template"]},
+        {"name": "chatml", "template": CHATML},
+    ]
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return hf
+
+
+def _rows() -> list[dict[str, Any]]:
+    """The records as validate_data normalises them (one per file: each format is its own file)."""
+    return [ds.normalise([(1, r)], "rows.jsonl").rows[0] for r in RECORDS]
+
+
+def _maxtext_batches(tokenizer: Path, dataset: Path, tmp: Path, n: int) -> list[dict[str, np.ndarray]]:
+    """The first ``n`` batches (one example each, unpacked, in file order) of MaxText's SFT data pipeline."""
+    from absl import flags
+    from maxtext.configs import pyconfig
+    from maxtext.input_pipeline import input_pipeline_interface
+    from maxtext.utils import maxtext_utils
+
+    from loraflow.spec.step_configs import LoraSftConfig, parse
+    from loraflow.steps import lora_sft
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    cfg = parse(
+        LoraSftConfig,
+        {"steps": 1, "batch_size": 1, "max_length": 512, "dtype": "float32", "packing": False, "shuffle": False},
+    ).model_dump()
+    cfg |= {
+        "hardware": "cpu",
+        "model_name": tinymodel.MAXTEXT_MODEL,
+        "model_overrides": dict(tinymodel.MAXTEXT_OVERRIDES),
+        "scan_layers": True,
+        "load_parameters_path": "/nowhere",
+    }
+    argv = lora_sft._maxtext_argv(cfg, dataset / "train.jsonl", tokenizer, str(tmp / "maxtext"), n)
+    mt_config = pyconfig.initialize_pydantic(argv)
+    assert mt_config.sft_train_on_completion_only and mt_config.use_sft
+    iterator, _ = input_pipeline_interface.create_data_iterator(
+        mt_config, maxtext_utils.get_mesh_from_config(mt_config)
+    )
+    return [{k: np.asarray(v)[0] for k, v in next(iterator).items()} for _ in range(n)]
+
+
+@pytest.mark.parametrize("setting", ["tokenizer:chatml", "auto", "none"])
+def test_training_inputs_begin_with_the_eval_prompt_ids_and_only_answers_are_learned(
+    tokenizer: Path, tmp_path: Path, setting: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    template = ct.resolve(setting, tokenizer)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    rows = _rows()
+    ds.write_jsonl(rows, dataset / "train.jsonl")
+    ct.write_record(template, dataset)  # as validate_data hands it on
+    batches = _maxtext_batches(tokenizer, dataset, tmp_path, len(rows))
+    hf_tok = AutoTokenizer.from_pretrained(str(tokenizer))
+
+    for row, batch in zip(rows, batches, strict=True):
+        messages = row["messages"]
+        length = int((batch["inputs_segmentation"] > 0).sum())
+        inputs = batch["inputs"][:length].tolist()
+        learned = batch["targets_segmentation"][:length] > 0
+        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        expected_learned = np.zeros(length, dtype=bool)
+        for turn in answers:
+            # What evaluation sends for this turn: the turns before it, with the generation prompt.
+            _, (prompt_ids,) = render_prompts(hf_tok, [Example(row["id"], messages[:turn], "")], template)
+            assert inputs[: len(prompt_ids)] == prompt_ids, (setting, row["id"], turn)
+            answer = hf_tok(messages[turn]["content"], add_special_tokens=False)["input_ids"]
+            assert inputs[len(prompt_ids) : len(prompt_ids) + len(answer)] == answer
+            end = len(prompt_ids) + len(answer)
+            while end < length and not _through_answer(template, inputs[:end], hf_tok, messages, turn):
+                end += 1
+            # The target at position p is the token at p + 1: the answer's tokens, through its end.
+            expected_learned[len(prompt_ids) - 1 : end - 1] = True
+        assert learned.tolist() == expected_learned.tolist(), (setting, row["id"])
+        full_text = ct.render(template, messages, add_generation_prompt=False)
+        assert hf_tok.decode(inputs, skip_special_tokens=False) == full_text
+
+
+def _through_answer(template: ct.ChatTemplate, ids: list[int], tok: Any, messages: list[dict], turn: int) -> bool:
+    """Whether ``ids`` decode to the conversation through answer ``turn`` (its end marker included)."""
+    return bool(tok.decode(ids, skip_special_tokens=False) == ct.render(template, messages[: turn + 1], False))
