@@ -301,6 +301,11 @@ def _verdict(
     return f"<p>{badge}{version} &mdash; {_e(decision.get('reason'))}</p>"
 
 
+def _mismatch_line(data: Mapping[str, Any]) -> str:
+    mismatch = template_mismatch(data)
+    return f"<p class='bad'><b>CHAT TEMPLATE MISMATCH</b>: {_e(mismatch)}.</p>" if mismatch else ""
+
+
 def _metrics_section(data: Mapping[str, Any]) -> str:
     base, tuned = data.get("base_metrics") or {}, data.get("tuned_metrics") or {}
     decision = data.get("decision") or {}
@@ -422,6 +427,60 @@ def _training_section(data: Mapping[str, Any]) -> str:
         )
     body = f"<p>{facts}</p>" if facts else ""
     return body + (loss_svg(loss) if loss else '<p class="muted">no loss curve (training did not run)</p>')
+
+
+# Where each stage records the chat template that rendered its prompts (loraflow/data/chat_template.py).
+TEMPLATE_SOURCES = (
+    ("validate_data", "data_report", "resolved and checked on every row"),
+    ("lora_sft", "training_summary", "rendered the training examples"),
+    ("evaluate_base", "base_metrics", "rendered the base model's eval prompts"),
+    ("evaluate_tuned", "tuned_metrics", "rendered the tuned model's eval prompts"),
+)
+
+
+def chat_templates(data: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """stage -> the chat template it recorded (setting, origin, sha256), for the stages that recorded one."""
+    found = {}
+    for stage, key, _ in TEMPLATE_SOURCES:
+        recorded = (data.get(key) or {}).get("chat_template")
+        if isinstance(recorded, Mapping) and recorded.get("sha256"):
+            found[stage] = recorded
+    return found
+
+
+def template_mismatch(data: Mapping[str, Any]) -> str | None:
+    """The warning when the stages rendered prompts with different chat templates; None when they agree."""
+    found = chat_templates(data)
+    if len({str(t["sha256"]) for t in found.values()}) <= 1:
+        return None
+    named = ", ".join(f"{stage} {str(t['sha256'])[:12]}" for stage, t in found.items())
+    return (
+        f"the stages rendered prompts with different chat templates ({named}): the scores do not measure the "
+        "model on the prompts it was trained on. Re-run the pipeline with data.chat_template set explicitly "
+        "so that every stage renders with one template"
+    )
+
+
+def _templates_section(data: Mapping[str, Any]) -> str:
+    found = chat_templates(data)
+    if not found:
+        return '<p class="muted">no stage recorded a chat template</p>'
+    why = {stage: what for stage, _, what in TEMPLATE_SOURCES}
+    rows = [
+        [
+            f"<code>{_e(stage)}</code>",
+            _e(why[stage]),
+            _e(t.get("setting")),
+            _e(t.get("origin")),
+            f"<code>{_e(str(t.get('sha256'))[:12])}</code>",
+        ]
+        for stage, t in found.items()
+    ]
+    out = _table(["stage", "what it rendered", "setting", "template", "sha256"], rows)
+    mismatch = template_mismatch(data)
+    if mismatch:
+        return out + f"<p class='bad'><b>CHAT TEMPLATE MISMATCH</b>: {_e(mismatch)}.</p>"
+    return out + f"<p class='ok'>All {len(found)} stage(s) rendered prompts with the same chat template.</p>"
 
 
 def _data_section(data: Mapping[str, Any]) -> str:
@@ -575,11 +634,16 @@ def render(data: Mapping[str, Any]) -> str:
     """The report page for one run. ``data`` is what ``loraflow.steps.report`` collects."""
     title = f"{data.get('pipeline', 'pipeline')} · run {data.get('run_id', '?')}"
     sections = [
-        _section("verdict", "Verdict", _verdict(data.get("decision"), data.get("publish"), data.get("failure"))),
+        _section(
+            "verdict",
+            "Verdict",
+            _verdict(data.get("decision"), data.get("publish"), data.get("failure")) + _mismatch_line(data),
+        ),
         _section("metrics", "Before vs after", _metrics_section(data)),
         _section("gate", "Gate decision", _gate_section(data)),
         _section("training", "Training loss", _training_section(data)),
         _section("data", "Dataset and expectations", _data_section(data)),
+        _section("templates", "Chat template: training and evaluation", _templates_section(data)),
         _section("samples", "Sample outputs before and after", _samples_section(data)),
         _section("stages", "Stages: durations and cache hits", _stages_section(data)),
     ]

@@ -296,3 +296,36 @@ def test_validate_data_refuses_a_named_template_the_tokenizer_lacks(run_validate
     result, _ = run_validate(_rows(20, "t"), _rows(5, "e"), chat_template="tokenizer:tool_use")
     assert isinstance(result, DataValidationError)
     assert "no template named 'tool_use'" in str(result)
+
+
+# ---------------------------------------------------------------------------------- the report
+
+
+def _run_data(**digests: str) -> dict:
+    """The report's data with each stage's recorded template (stage -> digest)."""
+    keys = {"validate_data": "data_report", "lora_sft": "training_summary"}
+    keys |= {"evaluate_base": "base_metrics", "evaluate_tuned": "tuned_metrics"}
+    return {
+        keys[stage]: {"chat_template": {"setting": "auto", "origin": "the tokenizer's own", "sha256": digest * 64}}
+        for stage, digest in digests.items()
+    }
+
+
+def test_the_report_shows_which_template_each_stage_rendered_with() -> None:
+    from loraflow.reporting import report
+
+    page = report.render(_run_data(validate_data="a", lora_sft="a", evaluate_base="a", evaluate_tuned="a"))
+    assert 'id="templates"' in page and "All 4 stage(s) rendered prompts with the same chat template" in page
+    assert "rendered the tuned model&#x27;s eval prompts" in page and "aaaaaaaaaaaa" in page
+    assert "MISMATCH" not in page
+
+
+def test_the_report_flags_a_template_mismatch_in_the_verdict() -> None:
+    from loraflow.reporting import report
+
+    data = _run_data(validate_data="a", lora_sft="a", evaluate_base="a", evaluate_tuned="b")
+    assert report.template_mismatch(data) is not None
+    page = report.render(data)
+    verdict = page[page.index('id="verdict"') : page.index('id="metrics"')]
+    assert "CHAT TEMPLATE MISMATCH" in verdict and "evaluate_tuned bbbbbbbbbbbb" in verdict
+    assert report.template_mismatch(_run_data(lora_sft="a")) is None
