@@ -128,6 +128,8 @@ def test_first_run_writes_its_report(runs: Runs) -> None:
     bucket, path = gcs.split_uri(v["report"])
     html = gcs.client().bucket(bucket).blob(path).download_as_bytes().decode()
     assert "PROMOTED" in html and "<polyline" in html and "Sample outputs" in html
+    # validate_data, lora_sft and both evaluations rendered prompts with one chat template (the tiny tokenizer's)
+    assert "All 4 stage(s) rendered prompts with the same chat template" in html and "MISMATCH" not in html
     assert v["report_url"].startswith("http://") and "alt=media" in v["report_url"]
     link = runs.airflow.call("GET", f"/dags/tiny-llama-lora/dagRuns/{runs.results['first']}/taskInstances/report/links")
     assert link[0] == 200 and v["report_url"] in json.dumps(link[1]), link
