@@ -66,6 +66,10 @@ def _rope_inv_freq(cfg: dict) -> np.ndarray:
 
 def forward(cfg: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     """Logits (T, vocab) for one sequence."""
+    if cfg.get("model_type") == "gemma3_text":  # another architecture: gemma3_numpy
+        import gemma3_numpy
+
+        return gemma3_numpy.forward(cfg, w, ids)
     T = len(ids)
     d, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or d // nh

@@ -419,8 +419,9 @@ def test_a_step_lasts_from_the_previous_step_end_to_its_own():
 # architecture) through convert -> train -> PEFT export -> merge, the merge checked against W + (alpha/r) B A.
 OTHER_FAMILIES = [name for name in tinymodel.FAMILIES if name != "llama"]
 # Each family's tiny checkpoint's parameter count, and a MaxText model of the other kind of output
-# projection (tied to the embedding or not), which the dimension check refuses.
-TINY_FACTS = {"qwen3": (361344, "qwen3-8b")}
+# projection (tied to the embedding or not), which the dimension check refuses (every MaxText Gemma 3 is
+# tied: a Llama one).
+TINY_FACTS = {"qwen3": (361344, "qwen3-8b"), "gemma3": (1102336, "llama3.1-8b")}
 
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
@@ -449,11 +450,12 @@ def test_a_family_converts_trains_exports_and_merges(family, tmp_path_factory):
     acfg = json.loads((peft_dir / "adapter_config.json").read_text())
     assert set(acfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     adapter = load_file(str(peft_dir / "adapter_model.safetensors"))
-    assert len(adapter) == 2 * 7 * 2  # lora_A and lora_B of 7 modules in each of 2 layers
+    layers = entry.dims["num_hidden_layers"]
+    assert len(adapter) == 2 * 7 * layers  # lora_A and lora_B of 7 modules in every layer
 
     # The merge against an independent W + (alpha/r) B A, in float64, for every tensor of the checkpoint.
     report = merge_checkpoint(fam["hf"], ctx.out, root / "merged")
-    assert report.merged == report.changed == 14
+    assert report.merged == report.changed == 7 * layers
     scale = acfg["lora_alpha"] / acfg["r"]
     base_w = load_file(str(fam["hf"] / "model.safetensors"))
     merged = {k: v for f in sorted((root / "merged").glob("*.safetensors")) for k, v in load_file(str(f)).items()}

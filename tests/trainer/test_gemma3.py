@@ -1,0 +1,152 @@
+"""What the Gemma 3 family does beyond the tables (loraflow/models/gemma3.py), on the tiny Gemma 3.
+
+The family's convert -> train -> PEFT export -> merge chain runs in test_trainer_steps.py (parametrised
+by family); here: the converted values are Gemma 3's definition (RMSNorm scale 1 + w, the embedding
+times sqrt(hidden) as MaxText stores it, the layers in a scanned block of 6 plus a remainder), the
+released multimodal key layout converts to the same checkpoint, and the PEFT export unstacks blocks
+and remainder into HF layers 6 * block + i, named as the checkpoint's transformers model names them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytest
+
+pytest.importorskip("maxtext")
+
+from loraflow.dev import tinymodel
+from loraflow.models import gemma3
+
+TINY = tinymodel.tiny("gemma3")
+
+
+def _restore(ckpt: Path) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    tree = ocp.PyTreeCheckpointer().restore(str(ckpt / "maxtext" / "0" / "items"))["params"]["params"]
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v) for path, v in flat}
+
+
+def _released_layout(text_only: Path, dest: Path) -> Path:
+    """The tiny model as Google releases Gemma 3 12B/27B: a multimodal config whose text_config is the
+    language model's, and its tensors under language_model.model.* (no vision tower: MaxText's text
+    training never reads it)."""
+    from safetensors.numpy import load_file, save_file
+
+    dest.mkdir()
+    for f in text_only.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            (dest / f.name).write_bytes(f.read_bytes())
+    text = json.loads((text_only / "config.json").read_text())
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text}
+    (dest / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(text_only / "model.safetensors"))
+    save_file({"language_model." + k: v for k, v in tensors.items()}, str(dest / "model.safetensors"))
+    return dest
+
+
+def test_the_converted_checkpoint_is_gemma3s_definition_in_either_layout(tmp_path: Path) -> None:
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from loraflow.steps import convert_checkpoint
+
+    hf = tinymodel.create(tmp_path / "hf", family="gemma3")
+    convert_checkpoint.convert(hf, tmp_path / "text", TINY.maxtext_model, TINY.maxtext_overrides)
+    mt = _restore(tmp_path / "text")
+    w = load_file(str(hf / "model.safetensors"))
+
+    assert not any("lm_head" in k or "logits_dense" in k for k in mt)  # tied: the embedding is the output
+    root = float(ml_dtypes.bfloat16(math.sqrt(128)))  # MaxText's factor, rounded as its hook rounds it
+    np.testing.assert_array_equal(mt["token_embedder/embedding"], w["model.embed_tokens.weight"] * np.float32(root))
+    np.testing.assert_allclose(mt["decoder/decoder_norm/scale"], 1 + w["model.norm.weight"], rtol=0, atol=1e-7)
+    # HF layer 6 * block + i is the scanned block's layers_i (block on axis 1), layer 6 the remainder's layers_0.
+    for layer, prefix, block in [
+        (0, "layers/layers_0", 0),
+        (5, "layers/layers_5", 0),
+        (6, "layers_remainder/layers_0", None),
+    ]:
+
+        def at(name: str, prefix: str = prefix, block: int | None = block) -> np.ndarray:
+            value = mt[f"decoder/{prefix}/{name}"]
+            return value if block is None else np.take(value, block, axis=1)
+
+        p = f"model.layers.{layer}."
+        for mt_norm, hf_norm in [
+            ("pre_self_attention_norm", "input_layernorm"),
+            ("post_self_attention_norm", "post_attention_layernorm"),
+            ("pre_ffw_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+            ("self_attention/query_norm", "self_attn.q_norm"),
+            ("self_attention/key_norm", "self_attn.k_norm"),
+        ]:
+            np.testing.assert_allclose(at(f"{mt_norm}/scale"), 1 + w[p + hf_norm + ".weight"], rtol=0, atol=1e-7)
+        query = w[p + "self_attn.q_proj.weight"].T.reshape(128, 2, 64)  # (emb, heads, head_dim)
+        np.testing.assert_array_equal(at("self_attention/query/kernel"), query)
+        np.testing.assert_array_equal(at("mlp/wo/kernel"), w[p + "mlp.down_proj.weight"].T)
+
+    released = _released_layout(hf, tmp_path / "released")
+    convert_checkpoint.convert(released, tmp_path / "multimodal", TINY.maxtext_model, TINY.maxtext_overrides)
+    again = _restore(tmp_path / "multimodal")
+    assert again.keys() == mt.keys() and all(np.array_equal(again[k], mt[k]) for k in mt)
+
+
+def _mt_config(layers: int):
+    from maxtext.configs import pyconfig
+
+    from loraflow.steps._maxtext import overrides_args
+
+    overrides = {**TINY.maxtext_overrides, "base_num_decoder_layers": layers}
+    argv = ["x", *overrides_args(TINY.maxtext_model, overrides), "hardware=cpu", "skip_jax_distributed_system=true"]
+    return pyconfig.initialize([*argv, "scan_layers=true", "attention=dot_product"])
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_the_peft_export_unstacks_blocks_and_remainder_into_hf_layers(multimodal: bool) -> None:
+    """13 layers: two scanned blocks of 6 and one remainder layer. The query factors of block k's layers_i
+    become HF layer 6k + i's q_proj (lora_A = a^T, lora_B = b^T); the remainder's, layer 12's. A text-only
+    model's modules are model.layers.*, a multimodal one's model.language_model.layers.*."""
+    import numpy as np
+    import transformers
+
+    rng = np.random.default_rng(0)
+    rank, blocks = 4, 2
+    flat = {}
+    for i in range(6):
+        path = ("decoder", "layers", f"layers_{i}", "self_attention", "query")
+        flat[(*path, "kernel_lora_a", "value")] = rng.standard_normal((128, blocks, rank))
+        flat[(*path, "kernel_lora_b", "value")] = rng.standard_normal((rank, blocks, 128))
+    remainder = ("decoder", "layers_remainder", "layers_0", "self_attention", "query")
+    flat[(*remainder, "kernel_lora_a", "value")] = rng.standard_normal((128, rank))
+    flat[(*remainder, "kernel_lora_b", "value")] = rng.standard_normal((rank, 128))
+
+    text = transformers.Gemma3TextConfig(
+        **{**tinymodel.hf_config(TINY.dims, family="gemma3"), "num_hidden_layers": 13, "layer_types": None}
+    )
+    hf_config = transformers.Gemma3Config(text_config=text.to_dict()) if multimodal else text
+    modules, err = gemma3.FAMILY.peft_modules(flat, _mt_config(13), hf_config, 2.0)
+
+    prefix = "model.language_model.layers." if multimodal else "model.layers."
+    assert sorted(modules) == sorted(f"{prefix}{n}.self_attn.q_proj" for n in range(13)) and err < 1e-5
+    for block in range(blocks):
+        for i in range(6):
+            path = ("decoder", "layers", f"layers_{i}", "self_attention", "query")
+            lora_a, lora_b = modules[f"{prefix}{6 * block + i}.self_attn.q_proj"]
+            np.testing.assert_allclose(lora_a, flat[(*path, "kernel_lora_a", "value")][:, block, :].T)
+            np.testing.assert_allclose(lora_b, flat[(*path, "kernel_lora_b", "value")][:, block, :].T)
+    np.testing.assert_allclose(
+        modules[f"{prefix}12.self_attn.q_proj"][0], flat[(*remainder, "kernel_lora_a", "value")].T
+    )
