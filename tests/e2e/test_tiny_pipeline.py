@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
 QLORA = REPO / "pipelines" / "tiny-llama-qlora.yaml"
+QWEN3 = REPO / "pipelines" / "tiny-qwen3-lora.yaml"
 HEAVY_STAGES = {"validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned"}
 
 
@@ -55,6 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     pipelines.mkdir()
     shutil.copy(TINY, pipelines)
     shutil.copy(QLORA, pipelines)
+    shutil.copy(QWEN3, pipelines)
     bad = bad_data_spec(pipelines, home / "bad-data")
     with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
         spec = prepare(TINY, home)
@@ -79,6 +81,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         r.results["qlora"] = airflow.trigger(qlora.name)
         r.results["qlora_state"] = airflow.wait_for_run(qlora.name, r.results["qlora"])
         r.results["qlora_verdict"] = verdict(qlora, airflow, r.results["qlora"])
+        # A tiny Qwen3 (q/k norms, tied embeddings) through every stage, in the same stack.
+        qwen3 = prepare(QWEN3, home)
+        airflow.wait_for_dag(qwen3.name)
+        r.results["qwen3"] = airflow.trigger(qwen3.name)
+        r.results["qwen3_state"] = airflow.wait_for_run(qwen3.name, r.results["qwen3"])
+        r.results["qwen3_verdict"] = verdict(qwen3, airflow, r.results["qwen3"])
         yield r
 
 
@@ -225,6 +233,21 @@ def test_qlora_run_learns_the_tagged_arithmetic_and_reports_what_merging_cost(ru
     html = gcs.client().bucket(bucket).blob(path).download_as_bytes().decode()
     assert "What merging cost (QLoRA)" in html and "The first 100 eval examples" in html
     assert "numeric_accuracy" in html and "tagged_format_rate" in html
+
+
+def test_a_tiny_qwen3_runs_every_stage_and_learns_parity(runs: Runs) -> None:
+    """pipelines/tiny-qwen3-lora.yaml: MaxText converts the tiny Qwen3 as qwen3-0.6b (tied output
+    projection: no lm_head; q/k norms) and trains LoRA, its PEFT export merges, and vLLM evaluates the
+    merged Qwen3 before and after."""
+    assert runs.results["qwen3_state"] == "success"
+    v = runs.results["qwen3_verdict"]
+    assert v["tuned"]["n"] == v["base"]["n"] == 400
+    assert v["tuned"]["accuracy"] - v["base"]["accuracy"] >= 0.30, v
+    assert v["decision"]["promote"] is True
+    convert = runs.airflow.xcom("tiny-qwen3-lora", runs.results["qwen3"], "convert_checkpoint")["summary"]
+    assert convert["parameters"] == 361344, convert  # 426,624 of the tiny Llama - its lm_head + the q/k norms
+    training = runs.airflow.xcom("tiny-qwen3-lora", runs.results["qwen3"], "lora_sft")["summary"]
+    assert training["peft_tensors"] == 28, training
 
 
 def test_day_two_operations_through_rest_and_the_cli(
