@@ -40,6 +40,7 @@ class RegistryOperator(BaseOperator):
         try:
             return self.run_action(dict(context["params"]), context)
         except LoraflowError as exc:
+            self.log.error("refused: %s", exc)  # in the task log as a line, not only in the exception's details
             raise AirflowFailException(str(exc)) from None
 
     def run_action(self, params: dict[str, Any], context: Context) -> dict[str, Any]:
