@@ -33,7 +33,7 @@ import re
 import shutil
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -390,8 +390,14 @@ class LoraTarget:
     scale: float
 
 
+StoredName = Callable[[str, Collection[str]], str]  # a tensor's HF module name -> the name the checkpoint stores
+
+
 def plan_merge(
-    adapter: Mapping[str, TensorInfo], base: Mapping[str, TensorInfo], cfg: LoraConfig
+    adapter: Mapping[str, TensorInfo],
+    base: Mapping[str, TensorInfo],
+    cfg: LoraConfig,
+    stored_name: StoredName | None = None,
 ) -> dict[str, LoraTarget]:
     """Match adapter tensors to base tensors and check everything that can be checked from headers.
 
@@ -399,6 +405,8 @@ def plan_merge(
         adapter: the adapter's tensors (name -> :class:`TensorInfo`).
         base: the base checkpoint's tensors.
         cfg: the adapter config.
+        stored_name: where the base stores ``<module>.weight`` when its file layout differs from its
+            transformers model's module names (a released multimodal Gemma 3); None: as named.
 
     Returns:
         ``{base tensor name: LoraTarget}``.
@@ -412,7 +420,7 @@ def plan_merge(
     pairs = _pair_keys(adapter, problems)
     targets: dict[str, LoraTarget] = {}
     for module, slot in pairs.items():
-        target = _plan_target(module, slot, adapter, base, cfg)
+        target = _plan_target(module, slot, adapter, base, cfg, stored_name)
         if isinstance(target, str):
             problems.append(target)
         else:
@@ -448,12 +456,13 @@ def _plan_target(
     adapter: Mapping[str, TensorInfo],
     base: Mapping[str, TensorInfo],
     cfg: LoraConfig,
+    stored_name: StoredName | None = None,
 ) -> LoraTarget | str:
     """One module's :class:`LoraTarget`, or the problem that keeps it from being merged."""
     if set(slot) != {"A", "B"}:
         have = next(iter(slot.values()))
         return f"adapter key {have!r} has no lora_{'B' if 'A' in slot else 'A'} partner: the export is incomplete"
-    name = module + ".weight"
+    name = stored_name(module + ".weight", base.keys()) if stored_name else module + ".weight"
     if name not in base:
         return _missing_base(slot["A"], name, base)
     a, b, w = adapter[slot["A"]], adapter[slot["B"]], base[name]
@@ -622,7 +631,7 @@ def merge_checkpoint(
     weights_file, config_file = find_adapter(adapter_dir)
     cfg = load_adapter_config(config_file)
     adapter = Checkpoint.open(weights_file)
-    targets = plan_merge(adapter.tensors, base.tensors, cfg)
+    targets = plan_merge(adapter.tensors, base.tensors, cfg, _stored_names(base_dir))
     check_finite(adapter)
     say(
         f"{len(targets)} of {len(base)} base tensors get a LoRA update ({_scales(targets.values())}); "
@@ -632,6 +641,17 @@ def merge_checkpoint(
     report.copied, report.skipped = copy_side_files(base_dir, out_dir)
     _say_done(report, say)
     return report
+
+
+def _stored_names(base_dir: Path) -> StoredName | None:
+    """The base's model family's ``stored_name`` (``loraflow.models``), for a model_type of a supported family."""
+    from loraflow import models
+
+    model_type = json.loads((base_dir / "config.json").read_text()).get("model_type")
+    try:
+        return models.family_for(str(model_type)).stored_name
+    except models.UnsupportedModelError:
+        return None  # any other HF model: the adapter names the stored tensors
 
 
 def _check_dirs(base_dir: Path, out_dir: Path) -> None:

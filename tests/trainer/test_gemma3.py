@@ -150,3 +150,36 @@ def test_the_peft_export_unstacks_blocks_and_remainder_into_hf_layers(multimodal
     np.testing.assert_allclose(
         modules[f"{prefix}12.self_attn.q_proj"][0], flat[(*remainder, "kernel_lora_a", "value")].T
     )
+
+
+def test_a_multimodal_adapter_merges_into_the_released_layout(tmp_path: Path) -> None:
+    """The PEFT export names a multimodal Gemma 3's modules as transformers does (model.language_model.*),
+    while the released checkpoint (and transformers' save_pretrained) stores language_model.model.*: the
+    merge finds each stored tensor through the family and writes W + (alpha/r) B A there."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from loraflow.lora.merge import merge_checkpoint
+
+    released = _released_layout(tinymodel.create(tmp_path / "hf", family="gemma3"), tmp_path / "released")
+    base = load_file(str(released / "model.safetensors"))
+    rng = np.random.default_rng(1)
+    adapter, expected = {}, {}
+    for layer in (0, 6):
+        module = f"model.language_model.layers.{layer}.self_attn.q_proj"
+        a, b = rng.standard_normal((4, 128)).astype(np.float32), rng.standard_normal((128, 4)).astype(np.float32)
+        adapter |= {f"base_model.model.{module}.lora_A.weight": a, f"base_model.model.{module}.lora_B.weight": b}
+        stored = f"language_model.model.layers.{layer}.self_attn.q_proj.weight"
+        expected[stored] = base[stored].astype(np.float64) + 2.0 * (b.astype(np.float64) @ a.astype(np.float64))
+    peft = tmp_path / "adapter" / "peft"
+    peft.mkdir(parents=True)
+    save_file(adapter, str(peft / "adapter_model.safetensors"))
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    )
+    report = merge_checkpoint(released, tmp_path / "adapter", tmp_path / "merged")
+    assert report.merged == report.changed == 2
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged.keys() == base.keys()
+    for name, want in expected.items():
+        np.testing.assert_allclose(merged[name], want, rtol=1e-5, atol=1e-6)
