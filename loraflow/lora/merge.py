@@ -10,7 +10,8 @@ PEFT layout (what ``adapter_model.safetensors`` holds), for a base ``Linear`` wh
 with ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` when ``use_rslora``), from
 ``adapter_config.json``; ``rank_pattern`` / ``alpha_pattern`` override r / alpha per module and
 ``fan_in_fan_out`` means W is stored ``[in, out]`` (GPT-2 Conv1D). The base tensor is
-``<module>.weight``, where the base's model family stores it (``ModelFamily.stored_name``). DoRA, LoRA biases, embedding LoRA and ``modules_to_save`` are refused.
+``<module>.weight``, where the base's model family stores it (``ModelFamily.stored_name``).
+DoRA, LoRA biases, embedding LoRA and ``modules_to_save`` are refused.
 
 The pure pieces (:func:`lora_scale`, :func:`merge_lora`, :func:`peft_module`, :func:`plan_merge`)
 are separate from the streaming driver :func:`merge_checkpoint`, which holds at most a few tensors
