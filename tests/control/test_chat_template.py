@@ -16,39 +16,15 @@ import pytest
 from pydantic import ValidationError
 
 from loraflow.data import chat_template as ct
-from loraflow.data import dataset as ds
 from loraflow.dev.tinymodel import CHAT_TEMPLATE as TINY_TEMPLATE
 from loraflow.errors import DataValidationError
 from loraflow.spec.schema import DataSpec
 from loraflow.steps import validate_data
+from tests import chat_cases
+from tests.chat_cases import CHAT_WITH_SYSTEM, CHATML, MULTI_TURN, PROMPT_COMPLETION, RECORDS
 
-# ChatML as instruct models ship it, with a default system turn: not the tiny model's own template.
-CHATML = (
-    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|end|>"}
-
-PROMPT_COMPLETION = {"id": "pc", "prompt": "What is 2+3?", "completion": "5"}
-CHAT_WITH_SYSTEM = {
-    "id": "sys",
-    "messages": [
-        {"role": "system", "content": "Answer with a number."},
-        {"role": "user", "content": "What is 4+4?"},
-        {"role": "assistant", "content": "8"},
-    ],
-}
-MULTI_TURN = {
-    "id": "multi",
-    "messages": [
-        {"role": "user", "content": "What is 1+1?"},
-        {"role": "assistant", "content": "2"},
-        {"role": "user", "content": "And 2+2?"},
-        {"role": "assistant", "content": "4"},
-    ],
-}
-ROWS = [PROMPT_COMPLETION, CHAT_WITH_SYSTEM, MULTI_TURN]
+ROWS = RECORDS
 
 
 def template(source: str, setting: str = "inline") -> ct.ChatTemplate:
@@ -56,8 +32,7 @@ def template(source: str, setting: str = "inline") -> ct.ChatTemplate:
 
 
 def normalised(record: dict) -> list[dict]:
-    """The row as validate_data normalises it (prompt/completion becomes a user and an assistant turn)."""
-    return ds.normalise([(1, record)], "rows.jsonl").rows[0]["messages"]
+    return chat_cases.normalised(record)["messages"]
 
 
 def tokenizer_dir(root: Path, config: dict, files: dict[str, str] | None = None) -> Path:

@@ -19,6 +19,7 @@ from loraflow.errors import LoraflowError
 from loraflow.evaluation import examples as eval_examples
 from loraflow.steps import evaluate
 from loraflow.steps._harness import StepContext
+from tests import chat_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ROOT / "pipelines" / "data" / "parity"
@@ -447,23 +448,7 @@ OTHER_TEMPLATE = (
     "{% else %}<|system|>{% endif %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<|end|>{% endif %}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-CHAT_ROWS = [
-    {"id": "plain", "messages": [{"role": "user", "content": "Is 7 even?"}], "reference": "no"},
-    {
-        "id": "system",
-        "messages": [{"role": "system", "content": "Answer yes or no."}, {"role": "user", "content": "Is 4 even?"}],
-        "reference": "yes",
-    },
-    {
-        "id": "multi",
-        "messages": [
-            {"role": "user", "content": "Is 3 even?"},
-            {"role": "assistant", "content": "no"},
-            {"role": "user", "content": "Is 8 even?"},
-        ],
-        "reference": "yes",
-    },
-]
+CHAT_ROWS = chat_cases.eval_rows()
 
 
 def _chat_eval_set(dest: Path, template: Any) -> Path:
@@ -508,8 +493,8 @@ def test_evaluation_renders_with_the_recorded_template_and_names_it(
     preds = read_predictions(ctx.out)
     assert [p["prompt"] for p in preds] == [ct.render_prompt(template, r["messages"]) for r in CHAT_ROWS]
     # (trim_blocks drops the newline after a block tag, as transformers renders chat templates)
-    assert preds[1]["prompt"] == "<|system|>Answer yes or no.<|user|>Is 4 even?<|assistant|>"
-    assert preds[0]["prompt"] == "<|system|>Be brief.\n<|user|>Is 7 even?<|assistant|>"
+    assert preds[1]["prompt"] == "<|system|>Answer with a number.<|user|>What is 4+4?<|assistant|>"
+    assert preds[0]["prompt"] == "<|system|>Be brief.\n<|user|>What is 2+3?<|assistant|>"
     assert "WARNING" not in capsys.readouterr().out  # an inline template is the spec's choice, nothing to warn of
 
     from vllm import SamplingParams

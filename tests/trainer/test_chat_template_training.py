@@ -21,33 +21,10 @@ from loraflow.data import chat_template as ct
 from loraflow.data import dataset as ds
 from loraflow.dev import tinymodel
 from loraflow.evaluation.examples import Example, render_prompts
+from tests import chat_cases
+from tests.chat_cases import CHATML
 
 PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
-CHATML = (
-    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-RECORDS = [
-    {"id": "pc", "prompt": "What is 2 plus 3?", "completion": "5"},
-    {
-        "id": "system",
-        "messages": [
-            {"role": "system", "content": "Answer with a number."},
-            {"role": "user", "content": "What is 4 plus 4?"},
-            {"role": "assistant", "content": "8"},
-        ],
-    },
-    {
-        "id": "multi",
-        "messages": [
-            {"role": "user", "content": "What is 1 plus 1?"},
-            {"role": "assistant", "content": "2"},
-            {"role": "user", "content": "And 2 plus 2?"},
-            {"role": "assistant", "content": "4"},
-        ],
-    },
-]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +41,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rows() -> list[dict[str, Any]]:
-    """The records as validate_data normalises them (one per file: each format is its own file)."""
-    return [ds.normalise([(1, r)], "rows.jsonl").rows[0] for r in RECORDS]
+    return [chat_cases.normalised(r) for r in chat_cases.RECORDS]
 
 
 def _maxtext_batches(tokenizer: Path, dataset: Path, tmp: Path, n: int) -> list[dict[str, np.ndarray]]:
