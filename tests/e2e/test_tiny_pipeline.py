@@ -22,7 +22,12 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
 QLORA = REPO / "pipelines" / "tiny-llama-qlora.yaml"
-QWEN3 = REPO / "pipelines" / "tiny-qwen3-lora.yaml"
+# The tiny pipelines of the other model families, run in the same stack: each family's tiny model
+# (loraflow.dev.tinymodel) with its converted parameter count and PEFT tensors (2 per module and layer).
+OTHER_FAMILIES = {
+    "qwen3": (REPO / "pipelines" / "tiny-qwen3-lora.yaml", 361344, 28),  # the tiny Llama - lm_head + q/k norms
+    "gemma3": (REPO / "pipelines" / "tiny-gemma3-lora.yaml", 1102336, 98),  # 7 layers of 7 modules
+}
 HEAVY_STAGES = {"validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned"}
 
 
@@ -56,7 +61,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     pipelines.mkdir()
     shutil.copy(TINY, pipelines)
     shutil.copy(QLORA, pipelines)
-    shutil.copy(QWEN3, pipelines)
+    for path, *_ in OTHER_FAMILIES.values():
+        shutil.copy(path, pipelines)
     bad = bad_data_spec(pipelines, home / "bad-data")
     with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
         spec = prepare(TINY, home)
@@ -81,12 +87,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         r.results["qlora"] = airflow.trigger(qlora.name)
         r.results["qlora_state"] = airflow.wait_for_run(qlora.name, r.results["qlora"])
         r.results["qlora_verdict"] = verdict(qlora, airflow, r.results["qlora"])
-        # A tiny Qwen3 (q/k norms, tied embeddings) through every stage, in the same stack.
-        qwen3 = prepare(QWEN3, home)
-        airflow.wait_for_dag(qwen3.name)
-        r.results["qwen3"] = airflow.trigger(qwen3.name)
-        r.results["qwen3_state"] = airflow.wait_for_run(qwen3.name, r.results["qwen3"])
-        r.results["qwen3_verdict"] = verdict(qwen3, airflow, r.results["qwen3"])
+        # A tiny model of each other family through every stage, in the same stack.
+        for family, (path, *_) in OTHER_FAMILIES.items():
+            other = prepare(path, home)
+            airflow.wait_for_dag(other.name)
+            r.results[family] = airflow.trigger(other.name)
+            r.results[f"{family}_state"] = airflow.wait_for_run(other.name, r.results[family])
+            r.results[f"{family}_verdict"] = verdict(other, airflow, r.results[family])
         yield r
 
 
@@ -235,19 +242,23 @@ def test_qlora_run_learns_the_tagged_arithmetic_and_reports_what_merging_cost(ru
     assert "numeric_accuracy" in html and "tagged_format_rate" in html
 
 
-def test_a_tiny_qwen3_runs_every_stage_and_learns_parity(runs: Runs) -> None:
-    """pipelines/tiny-qwen3-lora.yaml: MaxText converts the tiny Qwen3 as qwen3-0.6b (tied output
-    projection: no lm_head; q/k norms) and trains LoRA, its PEFT export merges, and vLLM evaluates the
-    merged Qwen3 before and after."""
-    assert runs.results["qwen3_state"] == "success"
-    v = runs.results["qwen3_verdict"]
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_a_tiny_model_of_another_family_runs_every_stage_and_learns_parity(runs: Runs, family: str) -> None:
+    """pipelines/tiny-<family>-lora.yaml: MaxText converts the family's tiny model (tiny-qwen3: qwen3-0.6b,
+    tied output projection, q/k norms; tiny-gemma3: gemma3-4b, 1 + w norms, a scanned block of 5 local +
+    1 global layer and a remainder layer) and trains LoRA, its PEFT export merges, and vLLM evaluates the
+    merged model before and after."""
+    path, parameters, peft_tensors = OTHER_FAMILIES[family]
+    name, run = load_spec(path).name, runs.results[family]
+    assert runs.results[f"{family}_state"] == "success"
+    v = runs.results[f"{family}_verdict"]
     assert v["tuned"]["n"] == v["base"]["n"] == 400
     assert v["tuned"]["accuracy"] - v["base"]["accuracy"] >= 0.30, v
     assert v["decision"]["promote"] is True
-    convert = runs.airflow.xcom("tiny-qwen3-lora", runs.results["qwen3"], "convert_checkpoint")["summary"]
-    assert convert["parameters"] == 361344, convert  # 426,624 of the tiny Llama - its lm_head + the q/k norms
-    training = runs.airflow.xcom("tiny-qwen3-lora", runs.results["qwen3"], "lora_sft")["summary"]
-    assert training["peft_tensors"] == 28, training
+    convert = runs.airflow.xcom(name, run, "convert_checkpoint")["summary"]
+    assert convert["parameters"] == parameters, convert
+    training = runs.airflow.xcom(name, run, "lora_sft")["summary"]
+    assert training["peft_tensors"] == peft_tensors, training
 
 
 def test_day_two_operations_through_rest_and_the_cli(
