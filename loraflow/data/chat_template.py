@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -53,6 +54,9 @@ from loraflow.errors import LoraflowError
 RECORD_FILE = "chat_template.json"
 AUTO, TOKENIZER, NONE = "auto", "tokenizer", "none"
 NAMED_PREFIX = "tokenizer:"
+# One conversation's rendering may take at most this much text and time (loops in a hostile template).
+MAX_RENDER_CHARS = 4 * 2**20
+RENDER_TIME_LIMIT_S = 5.0
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # ``none``: the turns as written, the BOS first, the EOS closing each answer (the tokenizer's own).
 PLAIN_TEMPLATE = (
@@ -305,8 +309,10 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], add_ge
 
     compiled = _compile(template.source)
     try:
-        return str(
-            compiled.render(messages=_turns(messages), add_generation_prompt=add_generation_prompt, **template.specials)
+        return _bounded(
+            compiled.generate(
+                messages=_turns(messages), add_generation_prompt=add_generation_prompt, **template.specials
+            )
         )
     except ChatTemplateError:
         raise
@@ -316,6 +322,22 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], add_ge
         raise ChatTemplateError(
             f"the chat template failed to render ({type(exc).__name__}: {exc}); check it against a row of the dataset"
         ) from None
+
+
+def _bounded(chunks: Iterator[str]) -> str:
+    """The rendered text, stopped once it passes ``MAX_RENDER_CHARS`` or ``RENDER_TIME_LIMIT_S``: a template
+    looping over large ranges would otherwise hold a worker (and its memory) for as long as it likes."""
+    parts: list[str] = []
+    size, started = 0, time.monotonic()
+    for chunk in chunks:
+        parts.append(chunk)
+        size += len(chunk)
+        if size > MAX_RENDER_CHARS or time.monotonic() - started > RENDER_TIME_LIMIT_S:
+            raise ChatTemplateError(
+                f"the chat template renders one conversation into more than {MAX_RENDER_CHARS} characters or "
+                f"{RENDER_TIME_LIMIT_S:g} s; a chat template writes the turns it is given, not loops of its own"
+            )
+    return "".join(parts)
 
 
 Piece = tuple[str, bool]  # (text, is_prompt): the prompt side is never trained on

@@ -135,6 +135,13 @@ def test_templates_run_sandboxed(hostile: str) -> None:
     assert messages == normalised(PROMPT_COMPLETION)
 
 
+def test_a_template_that_writes_without_end_is_stopped() -> None:
+    """A template looping over large ranges is stopped at MAX_RENDER_CHARS instead of filling the worker's memory."""
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}"
+    with pytest.raises(ct.ChatTemplateError, match="more than 4194304 characters"):
+        ct.render(template(loops), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
+
+
 def test_tokenizer_merging_across_the_prompt_and_answer_boundary_is_refused() -> None:
     """A trainer finding the answer as what follows the prompt's tokens needs prompt+answer to tokenize as both."""
 
