@@ -3,7 +3,7 @@ broker, PostgreSQL as the metadata database, and two Celery workers that share n
 scratch, Airflow home and spec cache; only the DAG folder, the database, the broker and GCS in common;
 task logs in GCS). While lora_sft's step program runs on one worker, that worker is lost: every process
 of it is SIGKILLed. The run still completes: the scheduler notices the task's missing heartbeat, fails
-that try, and the spec's retry runs it on the other worker. Takes ~5 minutes on 2 cores."""
+that try, and the spec's retry runs it on the other worker. Takes ~6 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def pool_has_preloaded(worker_pid: int, timeout: float = 180) -> bool:
     (Celery's ``imports``: ``CELERY_PRELOAD``); waits for the pool to exist."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pool = _tree(worker_pid)[1:]
-        if pool:
+        # Celery names its pool processes; the worker has other children (Airflow's own helpers).
+        pool = [p for p in _tree(worker_pid)[1:] if "ForkPoolWorker" in _cmdline(p)]
+        if len(pool) == WORKERS.concurrency:
             break
         time.sleep(1)
     else:
