@@ -11,6 +11,12 @@ PY311   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11*/bin/python3.11) 
 # The CPU torch wheel for the serving env lies on disk here; elsewhere point TORCH_WHEELS at yours.
 TORCH_WHEELS ?= /opt/wheels
 PIP_CONSTRAINTS ?= $(wildcard /etc/xdg/pip/constraints.txt)
+# The CeleryExecutor's broker (loraflow/dev/local_celery.py: the distributed e2e, `make demo CELERY_WORKERS=2`):
+# Debian's redis-server, installed when missing.
+REDIS_SERVER ?= /usr/bin/redis-server
+# `make demo` / `make ui` with CELERY_WORKERS=N: Airflow distributed over N Celery workers (on PostgreSQL).
+CELERY_WORKERS ?=
+DEMO_ARGS := $(if $(CELERY_WORKERS),--celery-workers $(CELERY_WORKERS))
 export UV_PYTHON_DOWNLOADS := never
 
 CONTROL := $(VENVS)/control/bin/python
@@ -58,11 +64,11 @@ lock: | $(UV)  ## re-resolve the three lock files from envs/*.in
 	cd envs && $(abspath $(UV)) pip compile -q serving.in -o serving.lock --python-version 3.11 --find-links $(TORCH_WHEELS) \
 		$(if $(PIP_CONSTRAINTS),--constraint $(PIP_CONSTRAINTS)) $(NO_TORCH_EXTRAS)
 
-demo: envs  ## run the tiny pipeline end to end on a local Airflow + GCS emulator, print the verdict, stop
-	$(CONTROL) -m loraflow.dev.demo run
+demo: envs $(if $(CELERY_WORKERS),$(REDIS_SERVER))  ## run the tiny pipeline end to end on a local Airflow + GCS emulator, print the verdict, stop
+	$(CONTROL) -m loraflow.dev.demo run $(DEMO_ARGS)
 
-ui: envs  ## start Airflow + the GCS emulator on 127.0.0.1 and keep them up (credentials printed)
-	$(CONTROL) -m loraflow.dev.demo ui
+ui: envs $(if $(CELERY_WORKERS),$(REDIS_SERVER))  ## start Airflow + the GCS emulator on 127.0.0.1 and keep them up (credentials printed)
+	$(CONTROL) -m loraflow.dev.demo ui $(DEMO_ARGS)
 
 lint: envs  ## ruff
 	$(VENVS)/control/bin/ruff check .
@@ -86,9 +92,6 @@ CHROMIUM ?= /usr/lib/chromium/chromium
 $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
-
-# The CeleryExecutor's broker in the distributed e2e (loraflow/dev/local_celery.py): Debian's redis-server.
-REDIS_SERVER ?= /usr/bin/redis-server
 
 $(REDIS_SERVER):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server || \

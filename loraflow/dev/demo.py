@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraflow.dev import local_gcs
+from loraflow.dev import local_gcs, local_postgres
 from loraflow.dev.local_celery import HOSTNAME_ENV, Broker, CeleryWorkers, start_broker
 from loraflow.dev.separate_hosts import host_dirs
 from loraflow.errors import LoraflowError
@@ -594,8 +594,23 @@ def prepare(spec_path: Path = TINY_SPEC, home: Path = DEMO_HOME, data_dir: Path 
     return spec
 
 
+@contextmanager
+def demo_stack(celery_workers: int = 0) -> Iterator[LocalAirflow]:
+    """The demo's stack: the LocalExecutor on SQLite, or ``celery_workers`` Celery workers with a Redis
+    broker on a throwaway PostgreSQL (its database lasts as long as the stack; GCS data stays in .demo/gcs)."""
+    if celery_workers <= 0:
+        with local_stack() as airflow:
+            yield airflow
+        return
+    with (
+        local_postgres.running() as url,
+        local_stack(database_url=url, celery=CeleryWorkers(count=celery_workers)) as airflow,
+    ):
+        yield airflow
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    with local_stack() as airflow:
+    with demo_stack(args.celery_workers) as airflow:
         spec = prepare(args.spec)
         airflow.wait_for_dag(spec.name)
         conf = json.loads(args.conf)
@@ -611,7 +626,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    with local_stack() as airflow:
+    with demo_stack(args.celery_workers) as airflow:
         spec = prepare()
         airflow.wait_for_dag(spec.name)
         say(f"Airflow UI: {airflow.url}  user: admin  password: {airflow.password}")
@@ -638,6 +653,15 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=cmd_run)
     u = sub.add_parser("ui", help="start GCS emulator + Airflow and keep them up for the web UI")
     u.set_defaults(fn=cmd_ui)
+    for command in (r, u):
+        command.add_argument(
+            "--celery-workers",
+            type=int,
+            default=0,
+            metavar="N",
+            help="run Airflow distributed: the CeleryExecutor with N workers that share no disk, a Redis broker "
+            "and a throwaway PostgreSQL (default 0: the LocalExecutor on SQLite)",
+        )
     args = p.parse_args(argv)
     try:
         rc: int = args.fn(args)

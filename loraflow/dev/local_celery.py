@@ -7,8 +7,8 @@ production Celery deployment share: the DAG folder (a synced or baked-in copy th
 database (PostgreSQL), the broker and GCS. Task logs go to GCS (Airflow's remote logging), as on Cloud
 Composer, since no worker can read another's disk.
 
-Redis comes from Debian's ``redis-server`` package (``make envs`` installs it); nothing here imports
-Airflow, so the demo can read these settings without paying for it.
+Redis comes from Debian's ``redis-server`` package (``make test-e2e`` installs it when missing);
+nothing here imports Airflow, so the demo can read these settings without paying for it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def redis_server() -> Path:
     found = shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else "")
     if not found:
         raise LoraflowError(
-            "redis-server is not installed: the CeleryExecutor's broker is Redis; `make envs` installs "
+            "redis-server is not installed: the CeleryExecutor's broker is Redis; `make test-e2e` installs "
             "Debian's redis-server package (or: apt-get install redis-server)"
         )
     return Path(found)
