@@ -21,6 +21,6 @@ def host_dirs(root: Path, name: str) -> tuple[dict[str, str], Path]:
     base = root / name
     env = {var: str(base / sub) for var, sub in HOST_DIRS.items()}
     work = base / "work"
-    for folder in (*env.values(), work):
-        Path(folder).mkdir(parents=True, exist_ok=True)
+    for folder in (*map(Path, env.values()), work):
+        folder.mkdir(parents=True, exist_ok=True)
     return env, work
