@@ -70,7 +70,11 @@ def test_the_task_rolls_back_as_the_triggering_user_and_lists(gcs_bucket: str, t
     result = op.execute(context(params))  # type: ignore[arg-type]
     assert result["champion"] == 1 and result["summary"].startswith("tiny-llama-lora: #1")
     [event] = audit.read_trail(registry_uri, "tiny-llama-lora")
-    assert (event["actor"], event["via"], event["reason"]) == ("alice", f"airflow {DAG_ID} run manual__1", "v2 is worse")
+    assert (event["actor"], event["via"], event["reason"]) == (
+        "alice",
+        f"airflow {DAG_ID} run manual__1",
+        "v2 is worse",
+    )
     listed = op.execute(context({**params, "action": "list"}))  # type: ignore[arg-type]
     assert listed["champion"] == 1 and listed["versions"] == [1, 2]
     assert "1 move(s)" in listed["summary"]
