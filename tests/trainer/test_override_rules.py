@@ -33,5 +33,7 @@ def test_every_allowed_override_is_a_maxtext_setting_of_its_kind() -> None:
 def test_of_maxtexts_settings_only_the_allowed_pass() -> None:
     base = base_config()
     passing = {key for key, value in base.items() if override_rules.problem(key, value) is None}
-    assert passing == set(override_rules.ALLOWED) & set(base) == set(override_rules.ALLOWED)
+    assert set(override_rules.ALLOWED) <= set(base)
+    # Every allowed key passes with its default, but Gemma 3's window: base.yml's 0 (none) is no model's shape.
+    assert passing == set(override_rules.ALLOWED) - {"sliding_window_size"}
     assert len(base) > 700 and len(passing) < 40
