@@ -683,6 +683,34 @@ def sec_qlora(d: dict) -> list[str]:
     return [*out, ""]
 
 
+def sec_families(d: dict) -> list[str]:
+    s, dims = d["summary"], d["dims"]
+    out = [
+        "## 10. Model families: conversion and merge",
+        "",
+        "Each family's real HF architecture (`loraflow.dev.tinymodel`) generated as a bf16 checkpoint at the same "
+        f"dimensions, Qwen3-0.6B's ({dims['num_hidden_layers']} layers, width {dims['hidden_size']}, MLP "
+        f"{dims['intermediate_size']}, {dims['num_attention_heads']}/{dims['num_key_value_heads']} heads of "
+        f"{dims['head_dim']}, vocabulary {dims['vocab_size']:,}): Llama untied (an lm_head of its own), Qwen3 with "
+        "q/k norms and the output projection tied to the embedding. Per repetition, family after family "
+        "(interleaved): the convert stage's function as MaxText's `llama3.1-8b` / `qwen3-0.6b` with the "
+        "checkpoint's dimensions (float32 out, scanned), then loraflow's merge of a rank-16 adapter on every "
+        f"projection; fresh trainer-env process each, median of {d['reps']}. *merge GB/s* = checkpoint bytes / "
+        "merge seconds (`bench/family_bench.py`).",
+        "",
+        "| family | parameters | checkpoint (GiB) | convert (s) | convert peak RSS (MiB) | merge (s) | merge GB/s "
+        "| merge peak RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for family, v in s.items():
+        out.append(
+            f"| {family}{' (tied)' if v.get('tied_embeddings') else ''} | {v['parameters']:,} | "
+            f"{f(v['bytes'] / 2**30, 2)} | {f(v['median_convert_s'], 1)} | {f(v['median_convert_peak_rss_mib'], 0)} | "
+            f"{f(v['median_merge_s'], 1)} | {f(v['median_merge_gb_per_s'], 2)} | {f(v['median_merge_peak_rss_mib'], 0)} |"
+        )
+    return [*out, ""]
+
+
 def _tpu_runs() -> tuple[list[dict], dict | None]:
     """Every case of the TPU check's phases (bench/tpu/check.py), and the chip's matmul result."""
     runs: list[dict] = []
@@ -923,6 +951,7 @@ def main() -> None:
         ("train", sec_train),
         ("qlora", sec_qlora),
         ("tpu-tiny", sec_tpu),
+        ("families", sec_families),
     ):
         d = load(name)
         if d is None:

@@ -16,7 +16,7 @@ from common import BENCH, PY, REPO, WORK, compile_imports, env, machine, save, s
 
 BENCHES = [
     "dag_parse", "merge_bench", "transfer_bench", "eval_bench", "eval_scale_bench", "convert_bench", "train_bench",
-    "orch_bench", "qlora_bench",
+    "orch_bench", "qlora_bench", "family_bench",
 ]  # fmt: skip
 VERSIONS = {
     "control": "import sys, airflow, pydantic, yaml, google.cloud.storage as s; print(sys.version.split()[0], 'airflow', airflow.__version__, 'pydantic', pydantic.__version__, 'pyyaml', yaml.__version__, 'libyaml', yaml.__with_libyaml__, 'google-cloud-storage', s.__version__)",
