@@ -274,6 +274,9 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
     ends: list[float] = []
     _step_clock(ends)
     t = time.perf_counter()
+    said: list[tuple[float, str]] = []  # when the stage said what: where its wall goes, line by line
+    say = ctx.progress
+    ctx.progress = lambda message: (said.append((round(time.perf_counter() - t, 2), message[:100])), say(message))
     if case["mode"] == "loraflow":
         from loraflow.steps import lora_sft
 
@@ -285,6 +288,7 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
         result = {"summary": maxtext_sft_direct(ctx, case.get("init") == "random")}
     done = time.perf_counter()
     result["stage_s"] = done - t
+    result["progress_s"] = said
     if ends:  # where the stage's wall goes: set-up through the first (compiling) step, steps, outputs
         result |= {"to_first_step_s": ends[0] - t, "steps_s": ends[-1] - ends[0], "after_last_step_s": done - ends[-1]}
     gaps = [b - a for a, b in itertools.pairwise(ends)]
