@@ -30,6 +30,7 @@ def gen(family: str, out: Path, dims: dict[str, int]) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
+    dims = {**tinymodel.tiny(family).dims, **dims}  # the family's own keys beyond the shared shape (Gemma 3's window)
     base = tinymodel.create(
         out / "base", [REPO / "pipelines/data/parity/train.jsonl"], 0, dims, dtype="bfloat16", family=family
     )

@@ -1,7 +1,8 @@
 """Model families: conversion peak RSS and merge throughput per family at Qwen3-0.6B's dimensions.
 
 Each family's real HF architecture (loraflow.dev.tinymodel: Llama untied, Qwen3 with q/k norms and
-tied embeddings) generated as a bf16 checkpoint at the same dimensions (DIMS: 28 layers, hidden 1024,
+tied embeddings, Gemma 3 with four norms a layer, q/k norms, tied embeddings and its tiny model's
+16-token window) generated as a bf16 checkpoint at the same dimensions (DIMS: 28 layers, hidden 1024,
 MLP 3072, 16 query / 8 KV heads of 128, vocabulary 151,936), so the families differ only in what
 their architecture holds. Per repetition, family after family (interleaved): the convert stage's
 function (fresh trainer-env process, peak RSS by /usr/bin/time -v), then loraflow's merge of a rank-16
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, QUICK, WORK, machine, median, run, run_timed, save, say
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "gemma3")
 DIMS = {
     "hidden_size": 1024,
     "intermediate_size": 3072,
