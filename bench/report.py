@@ -692,8 +692,9 @@ def sec_families(d: dict) -> list[str]:
         f"dimensions, Qwen3-0.6B's ({dims['num_hidden_layers']} layers, width {dims['hidden_size']}, MLP "
         f"{dims['intermediate_size']}, {dims['num_attention_heads']}/{dims['num_key_value_heads']} heads of "
         f"{dims['head_dim']}, vocabulary {dims['vocab_size']:,}): Llama untied (an lm_head of its own), Qwen3 with "
-        "q/k norms and the output projection tied to the embedding. Per repetition, family after family "
-        "(interleaved): the convert stage's function as MaxText's `llama3.1-8b` / `qwen3-0.6b` with the "
+        "q/k norms and the output projection tied to the embedding, Gemma 3 tied too, with q/k norms, four norms "
+        "a layer and a 16-token window. Per repetition, family after family (interleaved): the convert stage's "
+        "function as MaxText's `llama3.1-8b` / `qwen3-0.6b` / `gemma3-4b` with the "
         "checkpoint's dimensions (float32 out, scanned), then loraflow's merge of a rank-16 adapter on every "
         f"projection; fresh trainer-env process each, median of {d['reps']}. *merge GB/s* = checkpoint bytes / "
         "merge seconds (`bench/family_bench.py`).",
