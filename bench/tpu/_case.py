@@ -276,7 +276,12 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
     t = time.perf_counter()
     said: list[tuple[float, str]] = []  # when the stage said what: where its wall goes, line by line
     say = ctx.progress
-    ctx.progress = lambda message: (said.append((round(time.perf_counter() - t, 2), message[:100])), say(message))
+
+    def timed(message: str) -> None:
+        said.append((round(time.perf_counter() - t, 2), message[:100]))
+        say(message)
+
+    ctx.progress = timed
     if case["mode"] == "loraflow":
         from loraflow.steps import lora_sft
 
