@@ -1,0 +1,74 @@
+"""The PEFT export checks its layout against MaxText's own MaxText->HF hooks, and refuses a mismatch.
+
+The check runs on the first and the last layer of each module's stack (``loraflow/models/peft_layout.py``
+says why not on every layer); a layout that is wrong there must stop the export, not reach the merge.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loraflow.dev import tinymodel
+from loraflow.errors import LoraflowError
+from loraflow.models import llama, peft_layout
+
+LAYERS, RANK = 4, 2
+
+
+def _mt_config():
+    from maxtext.configs import pyconfig
+
+    from loraflow.steps._maxtext import overrides_args
+
+    overrides = {**tinymodel.MAXTEXT_OVERRIDES, "base_num_decoder_layers": LAYERS}
+    argv = [
+        "x",
+        *overrides_args(tinymodel.MAXTEXT_MODEL, overrides),
+        "hardware=cpu",
+        "skip_jax_distributed_system=true",
+    ]
+    return pyconfig.initialize([*argv, "scan_layers=true", "attention=dot_product"])
+
+
+def _adapter():
+    """A scanned query adapter of LAYERS layers (the layer axis is MaxText's param_scan_axis, 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    emb, heads, head_dim = (tinymodel.DIMS[k] for k in ("hidden_size", "num_attention_heads", "head_dim"))
+    path = ("decoder", "layers", "self_attention", "query")
+    return {
+        (*path, "kernel_lora_a", "value"): rng.standard_normal((emb, LAYERS, RANK)).astype("float32"),
+        (*path, "kernel_lora_b", "value"): rng.standard_normal((RANK, LAYERS, heads * head_dim)).astype("float32"),
+    }
+
+
+def _hf_config():
+    import transformers
+
+    return transformers.LlamaConfig(**{**tinymodel.hf_config(), "num_hidden_layers": LAYERS})
+
+
+def test_a_correct_export_passes_its_check() -> None:
+    modules, err = llama.FAMILY.peft_modules(_adapter(), _mt_config(), _hf_config(), 2.0)
+    assert sorted(modules) == sorted(f"model.layers.{n}.self_attn.q_proj" for n in range(LAYERS))
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("bad_layer", [0, LAYERS - 1])
+def test_a_layout_that_disagrees_with_maxtexts_hooks_is_refused(monkeypatch, bad_layer: int) -> None:
+    """lora_B with its output rows out of order (as a wrong head reshape would leave it) on the stack's
+    first or last layer: the export fails naming the HF module, before anything is written."""
+    import numpy as np
+
+    right = peft_layout._peft_factors
+    calls = []
+
+    def scrambled(a, b, out_shape, hooks):
+        lora_a, lora_b = right(a, b, out_shape, hooks)
+        calls.append(None)
+        return (lora_a, np.roll(lora_b, 1, axis=0)) if len(calls) - 1 == bad_layer else (lora_a, lora_b)
+
+    monkeypatch.setattr(peft_layout, "_peft_factors", scrambled)
+    with pytest.raises(LoraflowError, match=rf"PEFT export check failed for model\.layers\.{bad_layer}\.self_attn"):
+        llama.FAMILY.peft_modules(_adapter(), _mt_config(), _hf_config(), 2.0)
