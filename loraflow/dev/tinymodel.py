@@ -9,8 +9,10 @@ template. Deterministic for a given seed.
     python -m loraflow.dev.tinymodel --out DIR [--family llama] [--corpus FILE ...] [--seed 0]
 
 A family's tiny model is one :class:`Tiny` entry of :data:`FAMILIES`: the MaxText model it is
-converted with, its dimensions, its config.json keys and any per-layer tensor beyond the shared
-decoder's (attention q/k/v/o, MLP gate/up/down, two norms). Adding a family adds an entry.
+converted with, its dimensions, its config.json keys, any per-layer tensor beyond the shared
+decoder's (attention q/k/v/o, MLP gate/up/down, two norms) and its tokenizer's special tokens and
+chat template (:class:`ChatFormat`: loraflow's own, or the family's, e.g. Gemma 3's turn tokens).
+Adding a family adds an entry.
 
 Needs numpy, safetensors and tokenizers (present in the trainer and serving environments).
 """
@@ -31,6 +33,105 @@ Shapes = dict[str, tuple[Init, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
+class ChatFormat:
+    """A tiny tokenizer's special tokens and chat template. The first three special tokens are its pad,
+    BOS and EOS (ids 0, 1, 2, as config.json says); every special token encodes as one token."""
+
+    special_tokens: tuple[str, ...]
+    template: str
+    # The token a chat answer ends with when it is not the EOS: generation stops at it too
+    # (generation_config.json's eos_token_id lists both, as an instruct model ships them).
+    end_of_turn: str | None = None
+    # Words the template writes (role names) that the tokenizer learns as whole pieces, as a real one has them.
+    words: tuple[str, ...] = ()
+
+    @property
+    def pad(self) -> str:
+        return self.special_tokens[0]
+
+    @property
+    def bos(self) -> str:
+        return self.special_tokens[1]
+
+    @property
+    def eos(self) -> str:
+        return self.special_tokens[2]
+
+    @property
+    def stop_ids(self) -> int | list[int]:
+        """generation_config.json's eos_token_id: the EOS, and the end-of-turn token when there is one."""
+        return 2 if self.end_of_turn is None else [2, self.special_tokens.index(self.end_of_turn)]
+
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+# Each turn renders as ROLE-TOKEN content; an assistant turn ends with <|end|> (the EOS token).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# loraflow's own tiny chat format (the tiny Llama's and Qwen3's): a special token per role.
+CHAT = ChatFormat(tuple(SPECIAL_TOKENS), CHAT_TEMPLATE)
+
+# Gemma 3's instruct template as its tokenizer ships it, text only (its image branch dropped: the tiny
+# tokenizer has no image tokens): roles user and model, a system turn folded into the first user turn,
+# turns alternating, each between <start_of_turn>ROLE and <end_of_turn>.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+# Gemma 3's special tokens by name (<start_of_turn> and <end_of_turn> single tokens, as in Gemma's
+# vocabulary); an answer ends with <end_of_turn>, which its generation_config lists beside <eos>.
+GEMMA3_CHAT = ChatFormat(
+    ("<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"),
+    GEMMA3_TEMPLATE,
+    end_of_turn="<end_of_turn>",
+    words=("user", "model"),
+)
+
+
+@dataclass(frozen=True)
 class Tiny:
     """One family's tiny model (the per-family hook: everything here that differs between families)."""
 
@@ -40,6 +141,7 @@ class Tiny:
     config: Callable[[Mapping[str, int]], dict[str, object]]  # the family's own config.json keys
     layer_tensors: Callable[[Mapping[str, int]], Shapes] = lambda dims: {}  # beyond the shared decoder layer's
     tied_embeddings: bool = False  # no lm_head.weight: the output projection is the embedding
+    chat: ChatFormat = CHAT  # its tokenizer's special tokens and chat template
 
     @property
     def maxtext_overrides(self) -> dict[str, int]:
@@ -141,7 +243,7 @@ FAMILIES: dict[str, Tiny] = {
     "qwen3": Tiny(qwen3.FAMILY, "qwen3-0.6b", TINY_DIMS, _qwen3_config, _qwen3_layer, tied_embeddings=True),
     # Gemma 3's text architecture as MaxText's gemma3-4b has it (tied embeddings, q/k norms, four norms a
     # layer); 7 layers: one scanned block of 6 (its 6th global) and a remainder layer; a 16-token window,
-    # so the local layers' window cuts into the tiny task's 64-token rows.
+    # so the local layers' window cuts into the tiny task's 64-token rows; Gemma 3's turn tokens and template.
     "gemma3": Tiny(
         gemma3.FAMILY,
         "gemma3-4b",
@@ -149,6 +251,7 @@ FAMILIES: dict[str, Tiny] = {
         _gemma3_config,
         _gemma3_layer,
         tied_embeddings=True,
+        chat=GEMMA3_CHAT,
     ),
 }
 
@@ -156,20 +259,6 @@ FAMILIES: dict[str, Tiny] = {
 DIMS = dict(FAMILIES["llama"].dims)
 MAXTEXT_MODEL = FAMILIES["llama"].maxtext_model
 MAXTEXT_OVERRIDES = FAMILIES["llama"].maxtext_overrides
-
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
-
-# Each turn renders as ROLE-TOKEN content; an assistant turn ends with <|end|> (the EOS token).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}\n"
-    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}\n"
-    "{% elif message['role'] == 'assistant' %}<|assistant|>{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def tiny(family: str) -> Tiny:
@@ -277,7 +366,7 @@ def _number_splitter(numbers: str) -> object:
     raise ValueError(f"numbers must be one of {', '.join(NUMBERS)}, not {numbers!r}")
 
 
-def _tokenizer(corpus: list[str], vocab_size: int, numbers: str = "digits") -> object:
+def _tokenizer(corpus: list[str], vocab_size: int, numbers: str = "digits", chat: ChatFormat = CHAT) -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -288,11 +377,13 @@ def _tokenizer(corpus: list[str], vocab_size: int, numbers: str = "digits") -> o
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(chat.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus or ["hello world"], trainer=trainer)
+    lines = corpus or ["hello world"]
+    # The template's words as often as a chat-rendered corpus has them: once a line each.
+    tok.train_from_iterator(lines + [word for _ in lines for word in chat.words], trainer=trainer)
     return tok
 
 
@@ -311,34 +402,36 @@ def create(
     ``dtype`` the weights' (see ``_weights``)."""
     from safetensors.numpy import save_file
 
-    dims = dict(tiny(family).dims if dims is None else dims)
+    entry = tiny(family)
+    dims = dict(entry.dims if dims is None else dims)
+    chat = entry.chat
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(list(_corpus_lines(corpus_files)), dims["vocab_size"], numbers)
+    tok = _tokenizer(list(_corpus_lines(corpus_files)), dims["vocab_size"], numbers, chat)
     tok.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<|bos|>",
-                "eos_token": "<|end|>",
-                "pad_token": "<|pad|>",
+                "bos_token": chat.bos,
+                "eos_token": chat.eos,
+                "pad_token": chat.pad,
                 "unk_token": None,
                 "add_bos_token": False,
                 "add_eos_token": False,
                 "model_max_length": 2048,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat.template,
                 "clean_up_tokenization_spaces": False,
             },
             indent=2,
         )
     )
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}, indent=2)
+        json.dumps({"bos_token": chat.bos, "eos_token": chat.eos, "pad_token": chat.pad}, indent=2)
     )
     (out / "config.json").write_text(json.dumps(hf_config(dims, dtype, family), indent=2))
     (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2)
+        json.dumps({"bos_token_id": 1, "eos_token_id": chat.stop_ids, "pad_token_id": 0, "do_sample": False}, indent=2)
     )
     save_file(_weights(seed, dims, dtype, family), str(out / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
     return out

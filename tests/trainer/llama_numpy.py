@@ -110,11 +110,13 @@ def forward(cfg: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T  # tied: the embedding
 
 
-def greedy(cfg: dict, w: dict[str, np.ndarray], ids: list[int], eos: int, max_new: int = 4) -> list[int]:
+def greedy(cfg: dict, w: dict[str, np.ndarray], ids: list[int], eos: int | list[int], max_new: int = 4) -> list[int]:
+    """Up to ``max_new`` greedy tokens, stopping at ``eos`` (a token id, or several: an end-of-turn token too)."""
+    stop = {eos} if isinstance(eos, int) else set(eos)
     out: list[int] = []
     for _ in range(max_new):
         nxt = int(forward(cfg, w, ids + out)[-1].argmax())
-        if nxt == eos:
+        if nxt in stop:
             break
         out.append(nxt)
     return out
@@ -128,12 +130,15 @@ def parity_accuracy(hf_dir: Path, eval_file: Path, peft_dir: Path | None = None,
     if peft_dir is not None:
         w = merge_peft(w, peft_dir)
     rows = [json.loads(line) for line in Path(eval_file).read_text().splitlines() if line.strip()][:n]
+    # Stop where vLLM and transformers' generate stop: generation_config.json's eos ids (Gemma's <end_of_turn> too).
+    gen = Path(hf_dir) / "generation_config.json"
+    stop = json.loads(gen.read_text()).get("eos_token_id", tok.eos_token_id) if gen.is_file() else tok.eos_token_id
     good = 0
     for row in rows:
         text = tok.apply_chat_template(
             [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
         )
         ids = tok.encode(text, add_special_tokens=False)
-        text = tok.decode(greedy(cfg, w, ids, tok.eos_token_id), skip_special_tokens=True).strip()
+        text = tok.decode(greedy(cfg, w, ids, stop), skip_special_tokens=True).strip()
         good += text == row["completion"]
     return good / len(rows)

@@ -5,7 +5,8 @@ lora_sft's MaxText command line (the real ``_maxtext_argv``) drives MaxText's ow
 masking); each example's batch is compared with the ids the evaluation path renders for the same row
 (``loraflow.evaluation.examples.render_prompts``, as evaluate and the QLoRA answers call it), for
 prompt/completion and chat rows, with and without a system turn, multi-turn, under a template the
-test adds to the tiny tokenizer (ChatML with a default system turn), the tiny model's own and none.
+test adds to the tiny tokenizer (ChatML with a default system turn), the tiny model's own and none,
+and the tiny Gemma 3's own (Gemma's template, its turn markers single special tokens).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ]
     (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
     return hf
+
+
+@pytest.fixture(scope="module")
+def gemma3_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma 3's checkpoint: Gemma's chat template and turn tokens."""
+    return tinymodel.create(tmp_path_factory.mktemp("tiny-gemma3") / "hf", [PARITY / "train.jsonl"], family="gemma3")
 
 
 def _rows() -> list[dict[str, Any]]:
@@ -76,12 +83,15 @@ def _maxtext_batches(tokenizer: Path, dataset: Path, tmp: Path, n: int) -> list[
     return [{k: np.asarray(v)[0] for k, v in next(iterator).items()} for _ in range(n)]
 
 
-@pytest.mark.parametrize("setting", ["tokenizer:chatml", "auto", "none"])
+@pytest.mark.parametrize(
+    ("family", "setting"), [("llama", "tokenizer:chatml"), ("llama", "auto"), ("llama", "none"), ("gemma3", "auto")]
+)
 def test_training_inputs_begin_with_the_eval_prompt_ids_and_only_answers_are_learned(
-    tokenizer: Path, tmp_path: Path, setting: str
+    request: pytest.FixtureRequest, tmp_path: Path, family: str, setting: str
 ) -> None:
     from transformers import AutoTokenizer
 
+    tokenizer = request.getfixturevalue("tokenizer" if family == "llama" else f"{family}_tokenizer")
     template = ct.resolve(setting, tokenizer)
     dataset = tmp_path / "dataset"
     dataset.mkdir()

@@ -4,7 +4,8 @@ The family's convert -> train -> PEFT export -> merge chain runs in test_trainer
 by family); here: the converted values are Gemma 3's definition (RMSNorm scale 1 + w, the embedding
 times sqrt(hidden) as MaxText stores it, the layers in a scanned block of 6 plus a remainder), the
 released multimodal key layout converts to the same checkpoint, and the PEFT export unstacks blocks
-and remainder into HF layers 6 * block + i, named as the checkpoint's transformers model names them.
+and remainder into HF layers 6 * block + i, named as the checkpoint's transformers model names them;
+the tiny tokenizer carries Gemma's turn tokens as single special tokens and Gemma 3's chat template.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from loraflow.dev import tinymodel
 from loraflow.models import gemma3
 
 TINY = tinymodel.tiny("gemma3")
+PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
 
 
 def _restore(ckpt: Path) -> dict:
@@ -183,3 +185,35 @@ def test_a_multimodal_adapter_merges_into_the_released_layout(tmp_path: Path) ->
     assert merged.keys() == base.keys()
     for name, want in expected.items():
         np.testing.assert_allclose(merged[name], want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_tiny_tokenizer_has_gemmas_turn_tokens_and_template(tmp_path: Path) -> None:
+    """As a real Gemma 3 tokenizer: <start_of_turn> and <end_of_turn> are single special tokens, so the
+    evaluation prompt loraflow renders (the chat cases: a system turn folded into the first user turn,
+    multi-turn) holds each marker as one token id, the text is transformers' apply_chat_template's, and
+    generation stops at <end_of_turn> (generation_config's eos ids). That training sees these same ids
+    before each answer: test_chat_template_training.py (its gemma3 case)."""
+    from transformers import AutoTokenizer
+
+    from loraflow.data import chat_template as ct
+    from loraflow.evaluation.examples import Example, render_prompts
+    from tests import chat_cases
+
+    hf = tinymodel.create(tmp_path / "hf", [PARITY / "train.jsonl"], family="gemma3")
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    start, end = (tok.convert_tokens_to_ids(t) for t in ("<start_of_turn>", "<end_of_turn>"))
+    assert tok.encode("<start_of_turn>user\n", add_special_tokens=False)[0] == start
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == [tok.eos_token_id, end]
+    for role in ("user", "model"):  # whole pieces, as in Gemma's vocabulary
+        assert len(tok.encode(role, add_special_tokens=False)) == 1
+
+    template = ct.resolve("auto", hf)
+    rows = chat_cases.eval_rows()
+    texts, ids = render_prompts(tok, [Example(r["id"], r["messages"], r["reference"]) for r in rows], template)
+    for row, text, prompt_ids in zip(rows, texts, ids, strict=True):
+        assert text == tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+        assert prompt_ids == tok.encode(text, add_special_tokens=False)
+        turns = sum(m["role"] != "system" for m in row["messages"])
+        assert prompt_ids.count(start) == turns + 1 and prompt_ids.count(end) == turns  # + the model's turn
+        assert "start_of_turn" not in tok.decode([i for i in prompt_ids if i not in (start, end)])
+    assert "Answer with a number.\n\nWhat is 4+4?" in texts[1]  # the system turn, folded into the user's
