@@ -715,7 +715,7 @@ def sec_families(d: dict) -> list[str]:
 def _tpu_runs() -> tuple[list[dict], dict | None]:
     """Every case of the TPU check's phases (bench/tpu/check.py), and the chip's matmul result."""
     runs: list[dict] = []
-    for phase in ("tiny", "1b", "3b", "8b"):
+    for phase in ("tiny", "1b", "3b", "8b", "8b-qlora"):
         runs += (load(f"tpu-{phase}") or {}).get("results", [])
     mm = next((r for r in runs if r.get("case", {}).get("kind") == "matmul" and "failed" not in r), None)
     return runs, mm

@@ -198,8 +198,19 @@ def prepare(size: str, root: Path, hf: str | None, weights: bool = True) -> dict
     save_dtype = "float32" if size == "tiny" else "bfloat16"
     t = time.perf_counter()
     prepare_sft_inputs(root, hf_dir, tinymodel.MAXTEXT_MODEL, llama.maxtext_overrides(dims), save_dtype)
+    converted = time.perf_counter() - t
+    if not hf and size != "tiny":  # training reads the converted checkpoint: free the machine's disk
+        for weights_file in hf_dir.glob("*.safetensors"):
+            weights_file.unlink()
     (root / "hf_dir").write_text(str(hf_dir))
-    return {"generate_s": generated, "convert_s": time.perf_counter() - t, "parameters": parameters(dims)}
+    return {"generate_s": generated, "convert_s": converted, "parameters": parameters(dims), **_disk(root)}
+
+
+def _disk(root: Path) -> dict[str, Any]:
+    import shutil
+
+    usage = shutil.disk_usage(root)
+    return {"disk_free_gib": usage.free / 2**30, "disk_total_gib": usage.total / 2**30}
 
 
 def _random_init(size: str, root: Path, hf_dir: Path) -> dict[str, Any]:

@@ -35,6 +35,17 @@ def _passes_through(old: Any, new: Any) -> bool:
     ) == getattr(after, "dtype", None)
 
 
+def _abstract(model: Any) -> bool:
+    """Whether the model's arrays are tracers or shapes (``nnx.eval_shape``), not arrays."""
+    import jax
+    from flax import nnx
+
+    return any(
+        isinstance(leaf, (jax.core.Tracer, jax.ShapeDtypeStruct))
+        for leaf in jax.tree_util.tree_leaves(nnx.state(model))
+    )
+
+
 def traced_apply(eager: Callable[..., Any], progress: Progress, model: Any, provider: Any, **inputs: Any) -> Any:
     """``eager(model, provider, **inputs)`` (qwix's apply_lora_to_model signature), traced: see the module doc."""
     import jax
@@ -76,6 +87,8 @@ def applied_under_jit(progress: Progress) -> Iterator[None]:
     eager = qwix.apply_lora_to_model
 
     def apply(model: Any, provider: Any, **inputs: Any) -> Any:
+        if _abstract(model):  # already traced (an abstract build): nothing to copy
+            return eager(model, provider, **inputs)
         return traced_apply(eager, progress, model, provider, **inputs)
 
     qwix.apply_lora_to_model = apply

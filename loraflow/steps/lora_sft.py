@@ -18,6 +18,9 @@ MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflo
   (``_render_training_file``); the adapter's ``loraflow_adapter.json`` and the summary name the template;
 * LoRA applied under ``jax.jit`` (``_lora_apply``): MaxText's eager application copies the frozen
   layer stack once more, which alone stops a 3B model fitting one 16 GiB chip;
+* QLoRA's model built in host memory (``_host_build``, on one chip): the checkpoint restored and the
+  targeted kernels quantized on the host's CPU, so the accelerator never holds the full-precision
+  model (MaxText's set-up does, which alone stops an 8B nf4 model fitting one 16 GiB chip);
 * a training hook that prints ``step N loss L tokens/s T`` lines (flushed: the Airflow log is live)
   and writes ``loss.csv``;
 * checkpoint persistence, ``checkpoint_storage: staged`` (the default): Orbax/Tunix saves every
@@ -61,6 +64,7 @@ coordination service) and the job fails; the retry resumes from the newest commi
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -81,7 +85,7 @@ from loraflow.lora import peft
 from loraflow.pipeline import checkpoint_sync, faults, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
-from loraflow.steps import _lora_apply, _trainer_answers
+from loraflow.steps import _host_build, _lora_apply, _trainer_answers
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
 
@@ -636,10 +640,22 @@ def _setup_trainer(
         tunix_checkpoints.CheckpointManager = _per_host_checkpoint_manager(original_manager)
     try:
         ctx.progress(f"building the MaxText model and data pipeline ({n_rows} rows)")
-        with _lora_apply.applied_under_jit(ctx.progress):  # no second copy of the frozen weights
+        with (
+            _lora_apply.applied_under_jit(ctx.progress),  # no second copy of the frozen weights
+            _host_build.built_on_host(ctx.progress) if _builds_on_host(cfg) else contextlib.nullcontext(),
+        ):
             return train_sft.setup_trainer_state(mt_config)
     finally:
         sft_hooks.SFTTrainingHooks, tunix_checkpoints.CheckpointManager = original_hooks, original_manager
+
+
+def _builds_on_host(cfg: dict[str, Any]) -> bool:
+    """QLoRA on one chip: the full-precision model is built and quantized in host memory
+    (``_host_build``), the chip only ever holds the quantized one. On several chips MaxText's set-up
+    shards the full-precision model across them, each holding its share."""
+    import jax
+
+    return cfg["quantization"] != "none" and jax.process_count() == 1 and jax.local_device_count() == 1
 
 
 def _trained_adapter(trainer: Any, dist: multihost.DistributedConfig | None) -> Any:

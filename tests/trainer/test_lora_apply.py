@@ -156,3 +156,28 @@ def test_lora_sft_builds_its_trainer_with_lora_applied_under_jit(converted, caps
     log = capsys.readouterr()
     assert summary["steps"] == 2 and (ctx.out / "peft" / "adapter_model.safetensors").is_file()
     assert "LoRA applied under jit" in log.out + log.err
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, quantization):
+    """QLoRA's model restored and quantized in host memory, then placed (loraflow.steps._host_build): the
+    same model state, value for value, as MaxText's own from_pretrained + apply_lora_to_model."""
+    import numpy as np
+    from maxtext.trainers.post_train.sft import train_sft
+
+    from loraflow.steps import _host_build, _lora_apply
+
+    ctx = _sft_context(converted, f"host-{quantization}", steps=2, quantization=quantization, tile_size=32)
+    reference = _arrays(_with_lora(*_model_and_config(ctx)))
+
+    _, _, mt_config = _model_and_config(ctx)
+    notes: list[str] = []
+    with _lora_apply.applied_under_jit(notes.append), _host_build.built_on_host(notes.append):
+        model, mesh = train_sft.model_creation_utils.from_pretrained(mt_config)
+        assert train_sft.lora_utils.apply_lora_to_model(model, mesh, mt_config) is model
+    built = _arrays(model)
+
+    assert built.keys() == reference.keys() and any("qvalue" in k for k in built)
+    different = [k for k in built if built[k].dtype != reference[k].dtype or not np.array_equal(built[k], reference[k])]
+    assert different == [], different
+    assert any("restored into host memory" in n for n in notes) and any("model placed on" in n for n in notes)

@@ -1,0 +1,126 @@
+"""QLoRA's model built in host memory: the accelerator receives the quantized model, never the full one.
+
+MaxText's set-up (``model_creation_utils.from_pretrained``) initialises the whole model on the
+accelerator, in the training dtype, then overwrites it with the checkpoint; qwix quantizes the
+targeted kernels only afterwards, when LoRA is applied. With QLoRA that puts the full-precision model
+in device memory for a moment, and that moment decides what fits: an 8B Llama (16 GB in bf16) cannot
+be set up on a 16 GiB chip although its nf4 training state is about 6 GB.
+
+:func:`built_on_host` runs the same two MaxText/qwix calls on the host's CPU instead (the checkpoint
+restored into host memory, LoRA and the quantization applied there, under ``jit``), builds the
+accelerator's model abstractly (the same modules for the accelerator's mesh, LoRA applied under
+``nnx.eval_shape``), and places each array of the host-built state onto the accelerator with the
+sharding MaxText's rules give it. The model state is the one MaxText's own set-up would build, value
+for value (``tests/trainer/test_lora_apply.py``): only where it is built changes. lora_sft uses it
+for QLoRA on one chip; on several, MaxText's set-up shards the full-precision model across them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from loraflow.errors import LoraflowError
+
+Progress = Callable[[str], None]
+GIB = 1 << 30
+
+
+def _bytes(state: Any) -> int:
+    import jax
+
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if hasattr(x, "nbytes"))
+
+
+def _host_devices() -> list[Any]:
+    import jax
+
+    try:
+        return jax.local_devices(backend="cpu")[:1]
+    except RuntimeError as exc:
+        raise LoraflowError(
+            f"QLoRA builds the base model on the host's CPU, and JAX has no CPU backend here ({exc}): "
+            "let JAX_PLATFORMS include cpu (e.g. JAX_PLATFORMS=tpu,cpu) or leave it unset"
+        ) from exc
+
+
+def _place(host_model: Any, abstract_model: Any, mesh: Any) -> Any:
+    """The abstract (accelerator) model with every array taken from the host-built one, sharded as
+    MaxText's logical rules say; refuses a host state that does not match the abstract one leaf for leaf."""
+    import jax
+    from flax import nnx
+    from maxtext.utils import sharding
+
+    graphdef, abstract = nnx.split(abstract_model)
+    _, host = nnx.split(host_model)
+    host_flat = dict(nnx.to_flat_state(host))
+    shardings = dict(nnx.to_flat_state(sharding.nnx_construct_named_sharding(abstract, mesh)))
+    placed = []
+    for path, var in nnx.to_flat_state(abstract):
+        built = host_flat.pop(path, None)
+        shape = getattr(var.get_value(), "shape", None)
+        if built is None or getattr(built.get_value(), "shape", None) != shape:
+            raise LoraflowError(f"QLoRA host build: {'/'.join(map(str, path))} differs from the accelerator's model")
+        target = shardings[path].get_value()
+        value = built.get_value()
+        placed.append((path, built.replace(value=jax.device_put(value, target))))
+        built.set_value(None)  # the host copy goes as soon as it is on the accelerator
+    if host_flat:
+        raise LoraflowError(f"QLoRA host build: {len(host_flat)} arrays the accelerator's model does not have")
+    return nnx.merge(graphdef, nnx.from_flat_state(placed))
+
+
+def _build(config: Any, from_pretrained: Callable[..., Any], apply_lora: Callable[..., Any], progress: Progress):
+    import jax
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.utils import model_creation_utils
+
+    started = time.monotonic()
+    host_model, host_mesh = from_pretrained(config, devices=_host_devices())
+    progress(
+        f"QLoRA: base model restored into host memory ({_bytes(nnx.state(host_model)) / GIB:.2f} GiB) "
+        f"in {time.monotonic() - started:.0f}s; quantizing there"
+    )
+    with jax.set_mesh(host_mesh), logical_axis_rules(config.logical_axis_rules):
+        host_model = apply_lora(host_model, host_mesh, config)
+
+    create, abstract = model_creation_utils.create_nnx_abstract_model(config)
+    mesh = abstract.mesh
+    with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+        # mesh=None: traced arrays have no sharding to move; _place gives each its sharding
+        abstract_lora = nnx.eval_shape(lambda: apply_lora(create(), None, config))
+        model = _place(host_model, abstract_lora, mesh)
+    progress(
+        f"QLoRA: model placed on {mesh.devices.size} {jax.devices()[0].platform} device(s): "
+        f"{_bytes(nnx.state(model)) / GIB:.2f} GiB, built in {time.monotonic() - started:.0f}s"
+    )
+    return model, mesh
+
+
+@contextlib.contextmanager
+def built_on_host(progress: Progress) -> Iterator[None]:
+    """While open, MaxText's SFT set-up builds its LoRA model through :func:`_build` (``from_pretrained``
+    returns the finished LoRA model; the ``apply_lora_to_model`` that follows it passes it through)."""
+    from maxtext.trainers.post_train.sft import train_sft
+
+    creation, lora = train_sft.model_creation_utils, train_sft.lora_utils
+    from_pretrained, apply_lora = creation.from_pretrained, lora.apply_lora_to_model
+
+    def build(config: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            raise LoraflowError(
+                "QLoRA host build: MaxText's from_pretrained was called with arguments it does not expect"
+            )
+        return _build(config, from_pretrained, apply_lora, progress)
+
+    def applied(model: Any, mesh: Any, config: Any) -> Any:
+        return model
+
+    creation.from_pretrained, lora.apply_lora_to_model = build, applied
+    try:
+        yield
+    finally:
+        creation.from_pretrained, lora.apply_lora_to_model = from_pretrained, apply_lora
