@@ -73,28 +73,64 @@ def decide(
     resampling noise. (A stricter rule, lower bound ``>= min_improvement``, needs far more eval
     examples for the same gain; it is a one-line change here if wanted.)
     """
-    _check_settings(confidence, bootstrap_samples)
-    ids = _paired_ids(base, tuned)
-    b, t = _outcomes(base, ids), _outcomes(tuned, ids)
-    gain = (t - b) if higher_is_better else (b - t)  # per example: +1 better, -1 worse, 0 the same
-    ci = _interval(gain, confidence, bootstrap_samples, seed)
+    p = paired(base, tuned, confidence=confidence, bootstrap_samples=bootstrap_samples, seed=seed,
+               higher_is_better=higher_is_better)  # fmt: skip
     scores = Decision(
         promote=False,
         metric=metric,
-        n=len(ids),
-        base=float(b.mean()),
-        tuned=float(t.mean()),
-        delta=float(gain.mean()),
-        ci=ci,
+        n=p.n,
+        base=p.base,
+        tuned=p.tuned,
+        delta=p.delta,
+        ci=p.ci,
         confidence=confidence,
         min_improvement=min_improvement,
-        fixed=int((gain > 0).sum()),
-        broken=int((gain < 0).sum()),
+        fixed=p.fixed,
+        broken=p.broken,
         bootstrap_samples=bootstrap_samples,
         seed=seed,
         reason="",
     )
     return _verdict(scores, "rose" if higher_is_better else "fell")
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two models' outcomes on the same examples: the scores, the mean gain, its interval, the counts."""
+
+    n: int
+    base: float
+    tuned: float
+    delta: float  # the mean per-example gain (tuned - base; base - tuned where lower is better)
+    ci: tuple[float, float]
+    fixed: int  # examples the tuned model does better on
+    broken: int  # ... worse on
+
+
+def paired(
+    base: Mapping[str, bool],
+    tuned: Mapping[str, bool],
+    *,
+    confidence: float,
+    bootstrap_samples: int,
+    seed: int,
+    higher_is_better: bool = True,
+) -> Paired:
+    """The paired comparison both rules decide on (:func:`decide`, :func:`guard_check`): the same ids in
+    both (GateError otherwise), the paired bootstrap's percentile interval of the mean gain."""
+    _check_settings(confidence, bootstrap_samples)
+    ids = _paired_ids(base, tuned)
+    b, t = _outcomes(base, ids), _outcomes(tuned, ids)
+    gain = (t - b) if higher_is_better else (b - t)  # per example: +1 better, -1 worse, 0 the same
+    return Paired(
+        n=len(ids),
+        base=float(b.mean()),
+        tuned=float(t.mean()),
+        delta=float(gain.mean()),
+        ci=_interval(gain, confidence, bootstrap_samples, seed),
+        fixed=int((gain > 0).sum()),
+        broken=int((gain < 0).sum()),
+    )
 
 
 def _check_settings(confidence: float, bootstrap_samples: int) -> None:
@@ -164,3 +200,85 @@ def _verdict(d: Decision, moved: str) -> Decision:
         f"{pct} interval [{lo:+.3f}, {hi:+.3f}] above 0; {d.fixed} examples fixed, {d.broken} broken"
     )
     return replace(d, promote=True, reason=reason)
+
+
+#: A drop this close to max_drop counts as max_drop (a mean of n outcomes is not exact in floating point).
+_TOLERANCE = 1e-9
+GUARD_RULES = ("estimate", "interval")
+
+
+@dataclass(frozen=True)
+class GuardCheck:
+    """The regression guard's verdict with its evidence (``gate.guard``)."""
+
+    passed: bool
+    set: str
+    n: int
+    base: float
+    tuned: float
+    delta: float  # tuned - base accuracy on the guard set
+    ci: tuple[float, float]
+    confidence: float
+    max_drop: float
+    rule: str
+    fixed: int  # guard questions base got wrong and tuned right
+    broken: int  # ... base right and tuned wrong
+    bootstrap_samples: int
+    seed: int
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ci"] = list(self.ci)
+        return out
+
+
+def guard_check(
+    base: Mapping[str, bool],
+    tuned: Mapping[str, bool],
+    *,
+    max_drop: float,
+    rule: str = "estimate",
+    guard_set: str = "guard",
+    confidence: float = 0.95,
+    bootstrap_samples: int = 2000,
+    seed: int = 0,
+) -> GuardCheck:
+    """Did fine-tuning keep what the base model could do? Paired over the guard set's questions.
+
+    Args:
+        base, tuned: question id -> answered correctly, the same ids in both (GateError otherwise).
+        max_drop: the most the accuracy may fall (base - tuned, a share: 0.05 = 5 points).
+        rule: ``estimate``: pass iff the measured change ``tuned - base >= -max_drop``; ``interval``:
+            pass iff that holds **and** the paired bootstrap interval's lower bound ``>= -max_drop`` (the
+            drop is shown, beyond resampling noise, to be at most max_drop: a non-inferiority test, which
+            needs a large guard set).
+        guard_set, confidence, bootstrap_samples, seed: as :func:`decide`; the set's name is recorded.
+    """
+    if rule not in GUARD_RULES:
+        raise GateError(f"unknown guard rule {rule!r}; use one of: {', '.join(GUARD_RULES)}")
+    if not 0.0 <= max_drop <= 1.0:
+        raise GateError(f"max_drop must lie in [0, 1] (got {max_drop})")
+    p = paired(base, tuned, confidence=confidence, bootstrap_samples=bootstrap_samples, seed=seed)
+    (lo, hi), pct = p.ci, f"{confidence:.0%}"
+    scores = f"accuracy {p.base:.3f} -> {p.tuned:.3f} ({p.delta:+.3f}) on {p.n} questions"
+    evidence = f"{pct} interval [{lo:+.3f}, {hi:+.3f}]; {p.broken} questions broken, {p.fixed} fixed"
+    if p.delta < -max_drop - _TOLERANCE:
+        passed = False
+        reason = (
+            f"guard {guard_set}: {scores}, a drop of {-p.delta:.3f}, more than the allowed {max_drop:.3f} "
+            f"(by {-p.delta - max_drop:.3f}); {evidence}"
+        )
+    elif rule == "interval" and lo < -max_drop - _TOLERANCE:
+        passed = False
+        reason = (
+            f"guard {guard_set}: {scores}, but the {pct} interval's lower bound {lo:+.3f} allows a drop of "
+            f"{-lo:.3f}, more than the allowed {max_drop:.3f}: the guard cannot show the drop is small enough "
+            f"(a larger guard set narrows the interval; rule estimate judges the measured drop only); {evidence}"
+        )
+    else:
+        passed = True
+        within = "the interval's lower bound and the measured change are" if rule == "interval" else "within"
+        reason = f"guard {guard_set}: {scores}, {within} the allowed drop of {max_drop:.3f}; {evidence}"
+    return GuardCheck(passed, guard_set, p.n, p.base, p.tuned, p.delta, p.ci, confidence, max_drop, rule,
+                      p.fixed, p.broken, bootstrap_samples, seed, reason)  # fmt: skip

@@ -69,6 +69,15 @@ class Stage:
         return "".join(part.capitalize() for part in self.name.split("_")) + "Operator"
 
 
+def _evaluate_inputs(spec: PipelineSpec, model: Input) -> dict[str, Input]:
+    """An evaluation's inputs: the model, the eval set and, when gate.guard names its own file, the guard set."""
+    inputs: dict[str, Input] = {"model": model, "eval_set": Upstream("validate_data")}
+    guard = spec.gate.guard
+    if guard is not None and guard.set.startswith("gs://"):
+        inputs["guard_set"] = Source(guard.set)
+    return inputs
+
+
 def _report_inputs(spec: PipelineSpec) -> dict[str, Input]:
     # Every input optional: the report also describes a run where a stage failed.
     return {stage: Upstream(stage, fetch=False, optional=True) for stage in REPORTED}
@@ -101,7 +110,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         "evaluate_base",
         "serving",
         "loraflow.steps.evaluate",
-        lambda spec: {"model": Source(spec.base_model.hf_checkpoint), "eval_set": Upstream("validate_data")},
+        lambda spec: _evaluate_inputs(spec, Source(spec.base_model.hf_checkpoint)),
         "EvaluateConfig",
     ),
     Stage(
@@ -127,7 +136,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         "evaluate_tuned",
         "serving",
         "loraflow.steps.evaluate",
-        lambda spec: {"model": Upstream("merge_adapter"), "eval_set": Upstream("validate_data")},
+        lambda spec: _evaluate_inputs(spec, Upstream("merge_adapter")),
         "EvaluateConfig",
     ),
     Stage(

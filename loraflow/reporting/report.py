@@ -330,7 +330,32 @@ def _metrics_section(data: Mapping[str, Any]) -> str:
             f"{_e(decision.get('fixed'))} examples fixed, {_e(decision.get('broken'))} broken.</p>"
         )
         out += interval_svg(float(decision.get("delta", 0)), (lo, hi), float(decision.get("min_improvement", 0)))
-    return out + _merge_cost_table(data.get("merge_cost"))
+    return out + _guard_paragraph(base, tuned, decision.get("guard")) + _merge_cost_table(data.get("merge_cost"))
+
+
+def _guard_paragraph(base: Mapping[str, Any], tuned: Mapping[str, Any], check: Mapping[str, Any] | None) -> str:
+    """The regression guard (gate.guard): the set, both accuracies, the paired evidence and the verdict."""
+    b, t = base.get("guard") or {}, tuned.get("guard") or {}
+    if not (b or t or check):
+        return ""
+    named = b or t
+    out = (
+        f"<h3>Regression guard</h3><p>Set <code>{_e(named.get('set'))}</code> (sha256 "
+        f"<code>{_e(str(named.get('sha256', ''))[:12])}</code>, {_e(named.get('n'))} questions, each option scored by "
+        f"its log-likelihood): accuracy <b>{_num(b.get('accuracy'))}</b> before, <b>{_num(t.get('accuracy'))}</b> "
+        "after.</p>"
+    )
+    if not check:
+        return out + '<p class="muted">the gate did not check it</p>'
+    lo, hi = check.get("ci") or (0.0, 0.0)
+    verdict = "passed" if check.get("passed") else "FAILED"
+    out += (
+        f"<p class='{'ok' if check.get('passed') else 'bad'}'><b>{verdict}</b> (rule {_e(check.get('rule'))}, at most "
+        f"{float(check.get('max_drop', 0)):.3f} lost): change <b>{float(check.get('delta', 0)):+.3f}</b>, "
+        f"{float(check.get('confidence', 0.95)):.0%} interval [{float(lo):+.3f}, {float(hi):+.3f}]; "
+        f"{_e(check.get('broken'))} questions broken, {_e(check.get('fixed'))} fixed.</p>"
+    )
+    return out + interval_svg(float(check.get("delta", 0)), (lo, hi), -float(check.get("max_drop", 0)))
 
 
 def _merge_cost_table(cost: Mapping[str, Any] | None) -> str:
@@ -366,6 +391,7 @@ def _gate_section(data: Mapping[str, Any]) -> str:
         ["metric", _e(decision.get("metric"))],
         ["required improvement", _num(decision.get("min_improvement"))],
         ["identical generations", _e(decision.get("identical_generations"))],
+        *_guard_row(decision),
         *_champion_row(decision),
     ]
     out = _table(["", ""], rows)
@@ -373,6 +399,15 @@ def _gate_section(data: Mapping[str, Any]) -> str:
     if notes:
         out += "<p>Notes:</p><ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"
     return out + _publish_outcome(data.get("publish"), decision)
+
+
+def _guard_row(decision: Mapping[str, Any]) -> list[list[str]]:
+    check = decision.get("guard")
+    if not check:
+        return []
+    return [
+        ["regression guard", ("passed" if check.get("passed") else "FAILED") + f" &mdash; {_e(check.get('reason'))}"]
+    ]
 
 
 def _champion_row(decision: Mapping[str, Any]) -> list[list[str]]:

@@ -20,6 +20,7 @@ from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.data.expectations import RULES as EXPECTATION_RULES
 from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import EXCERPT_CHARS, SpecError, excerpt
+from loraflow.evaluation import guard as guard_sets
 from loraflow.evaluation import metrics as metric_table
 from loraflow.pipeline.stages import STAGES
 from loraflow.spec import override_rules
@@ -291,6 +292,35 @@ class EvaluationSpec(_Model):
         return v
 
 
+class GuardSpec(_Model):
+    """The regression guard: both evaluations also score a general multiple-choice set (docs/architecture.md).
+
+    The gate refuses a tuned model whose accuracy on it fell more than ``max_drop`` below the base's."""
+
+    set: str = Field(
+        description="the guard set: a shipped one ("
+        + "; ".join(f"`{name}`: {what}" for name, what in guard_sets.SHIPPED.items())
+        + ") or a gs:// URI of your own JSONL of {id, question, choices: [2-10 options], answer: index} rows",
+    )
+    max_drop: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="the most the guard accuracy may fall from base to tuned, as a share (0.05 = 5 points)",
+    )
+    rule: Literal["estimate", "interval"] = Field(
+        "estimate",
+        description="estimate: refuse when the measured drop (base - tuned) exceeds max_drop; interval: also "
+        "refuse unless the paired bootstrap interval (gate.confidence) shows the drop is at most max_drop "
+        "(its lower bound of tuned - base >= -max_drop; needs a large guard set)",
+    )
+
+    @field_validator("set")
+    @classmethod
+    def _set(cls, v: str) -> str:
+        return _gs_uri(v) if v.startswith("gs://") else guard_sets.check_setting(v)
+
+
 class GateSpec(_Model):
     metric: Annotated[str, AfterValidator(metric_table.check_name)] = Field(
         "accuracy",
@@ -301,6 +331,11 @@ class GateSpec(_Model):
     min_improvement: float = Field(0.0, ge=-1, le=1, description="tuned - base must reach at least this")
     confidence: float = Field(0.95, gt=0.5, lt=1)
     bootstrap_samples: int = Field(2000, ge=100)
+    guard: GuardSpec | None = Field(
+        None,
+        description="a regression guard: {set, max_drop, rule}; both evaluations score the set and the gate "
+        "refuses a tuned model that fell more than max_drop below the base on it; null = none",
+    )
 
 
 class VertexModelRegistrySpec(_Model):

@@ -195,6 +195,9 @@ class EvaluateConfig(EvaluationSpec, StepConfig):
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # gate.guard.set: the regression guard's set, scored beside the eval set (a shipped name or a gs://
+    # URI, which then comes as the guard_set input); null = no guard.
+    guard_set: str | None = None
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> EvaluateConfig:
@@ -202,7 +205,14 @@ class EvaluateConfig(EvaluationSpec, StepConfig):
         # The gate's metric is scored whatever evaluation.metrics says: the gate reads its column.
         if spec.gate.metric not in evaluation["metrics"]:
             evaluation["metrics"] = [*evaluation["metrics"], spec.gate.metric]
-        return cls(**evaluation, dtype=spec.training.dtype)
+        guard = spec.gate.guard
+        return cls(**evaluation, dtype=spec.training.dtype, guard_set=guard.set if guard else None)
+
+    def wire(self) -> dict[str, Any]:
+        wire = super().wire()
+        if wire["guard_set"] is None:
+            del wire["guard_set"]  # a pipeline without a guard keeps the cache keys it had before guards
+        return wire
 
 
 class GateConfig(GateSpec, StepConfig):

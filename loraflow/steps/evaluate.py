@@ -9,12 +9,15 @@ Inputs
     ``eval_set`` the validate_data artifact: a directory holding ``eval.jsonl`` with rows
                  ``{"id", "messages": [{"role": "user", "content": ...}], "reference"}``
                  (``{"prompt", "completion"}`` rows are accepted too).
+    ``guard_set`` only for a ``guard_set`` that is a gs:// URI: the regression guard's JSONL
+                 (:mod:`loraflow.evaluation.guard`); a shipped set is read from the package.
 
 Config (``loraflow.spec.step_configs.EvaluateConfig``; defaults the spec's ``evaluation`` and
 ``training.dtype``)
     ``max_new_tokens``, ``batch_size``, ``seed``, ``answer_pattern`` (see :mod:`loraflow.evaluation.scoring`),
     ``max_examples`` (first N rows; null = all), ``max_model_len``, ``answer_format``, ``relative_tolerance``,
-    ``metrics`` (the metrics scored; the planner adds ``gate.metric``), ``dtype``; internal (not spec
+    ``metrics`` (the metrics scored; the planner adds ``gate.metric``), ``dtype``, ``guard_set`` (the spec's
+    ``gate.guard.set``; absent: no guard); internal (not spec
     keys): ``temperature`` (0 = greedy) and engine keys for serving hosts: ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (null: "uni" for one device, vLLM's choice otherwise),
     ``enforce_eager`` (null: true on CPU), ``kv_cache_memory_bytes`` (null: on CPU what
@@ -37,7 +40,10 @@ Output
     column (correct, format_ok, ...: loraflow/evaluation/metrics.py).
     ``metrics.json``: every scored metric (accuracy, format_rate, ...), n, the per-example ``ids`` and
     metric columns in eval-set order (for the gate's paired comparison), the chat template that
-    rendered the prompts, timings, settings.
+    rendered the prompts, timings, settings; with a guard set, ``guard`` (its name, sha256, n,
+    accuracy and per-question lists: :mod:`loraflow.steps._guard` scores it in the same engine).
+    ``guard_predictions.jsonl``: with a guard set, one row per question with the options' scores,
+    the choice and whether it is right.
 """
 
 from __future__ import annotations
@@ -55,10 +61,11 @@ from typing import Any
 
 from loraflow.data.chat_template import ChatTemplate
 from loraflow.errors import LoraflowError
+from loraflow.evaluation import guard, scoring
 from loraflow.evaluation import metrics as metric_table
-from loraflow.evaluation import scoring
 from loraflow.evaluation.examples import Example, eval_template, find_eval_file, load_examples, render_prompts
 from loraflow.spec.step_configs import EvaluateConfig, parse
+from loraflow.steps import _guard
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 
 #: The CPU backend's KV cache, when the config does not say, is what ``batch_size`` sequences of
@@ -279,12 +286,13 @@ def evaluate(ctx: StepContext, engine: Engine | None = None, *, process_ends: bo
     ctx.progress(f"{len(examples)} example(s) from {eval_file.name}; model {model_dir.name}")
     template = eval_template(eval_file, model_dir, ctx.progress)
     ctx.progress(f"chat template: {template.origin} (sha256 {template.digest[:12]})")
+    guard_set = _guard.load(cfg, ctx.inputs)  # read and checked before the engine loads
 
     own_engine = engine is None
     if engine is None:
         engine = build_engine(model_dir, cfg, ctx.progress)
     try:
-        return _evaluate(ctx, engine, cfg, examples, template, started)
+        return _evaluate(ctx, engine, cfg, examples, template, guard_set, started)
     finally:
         if own_engine and process_ends:
             engine.leave_to_exit()
@@ -298,6 +306,7 @@ def _evaluate(
     cfg: EvaluateConfig,
     examples: list[Example],
     template: ChatTemplate,
+    guard_set: _guard.GuardSet | None,
     started: float,
 ) -> dict[str, Any]:
     sampling = _sampling_params(cfg)
@@ -316,6 +325,9 @@ def _evaluate(
         ctx.stage, cfg, engine, examples, metrics, settings.chosen, pattern.pattern, _timing(engine, gen, prompt_ids)
     )
     report["chat_template"] = template.summary()
+    if guard_set is not None:
+        report["guard"] = _guard.score(engine, cfg, template, guard_set, ctx.out, ctx.progress)
+        written.append(guard.PREDICTIONS_FILE)
     report["files"] = [*written, METRICS_JSON]
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
     ctx.progress(
@@ -325,6 +337,7 @@ def _evaluate(
     return {
         **rates,
         "n": metrics["n"],
+        **({"guard_accuracy": report["guard"]["accuracy"]} if guard_set is not None else {}),
         "tokens_per_s": round(gen.tokens_per_s, 1),
         "seconds": round(time.monotonic() - started, 2),
     }

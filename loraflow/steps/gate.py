@@ -8,7 +8,7 @@ column of the spec's ``gate.metric``.
 
 Config (``loraflow.spec.step_configs.GateConfig``; every key optional, defaults the spec's ``gate``)::
 
-    metric, min_improvement, confidence, bootstrap_samples   the spec's gate section
+    metric, min_improvement, confidence, bootstrap_samples, guard   the spec's gate section
     registry_uri: gs://.../_registry   with pipeline: where this pipeline's champion is registered
     pipeline: NAME                     (both or neither; publish registers promoted models there)
     artifact_root                      where the champion's model and evaluation must lie (required
@@ -16,7 +16,9 @@ Config (``loraflow.spec.step_configs.GateConfig``; every key optional, defaults 
     seed: 0                            internal: the bootstrap's seed
 
 The rule itself lives in loraflow.evaluation.gate_rule.decide (promote iff the gain >= min_improvement and
-the interval's lower bound > 0). When the registry holds a ``champion`` for this pipeline, the
+the interval's lower bound > 0). With ``guard`` (the spec's ``gate.guard``), both evaluations' guard
+sets (``guard_predictions.jsonl``, the same set by name and sha256) go through
+``gate_rule.guard_check`` too, and a failed guard refuses promotion, its reason saying by how much. When the registry holds a ``champion`` for this pipeline, the
 tuned model must also beat the champion's metric (and not be the champion itself). The champion is
 verified by ``loraflow.registry.store.champion`` (its model a committed merge_adapter of this pipeline,
 its committed evaluate_tuned of that model) and its metric is measured here from that evaluation's
@@ -41,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.evaluation.gate_rule import Decision, GateError, decide
+from loraflow.evaluation import guard as guard_sets
+from loraflow.evaluation.gate_rule import Decision, GateError, GuardCheck, decide, guard_check
 from loraflow.evaluation.metrics import METRICS, Metric
 from loraflow.registry import store as registry
 from loraflow.spec.step_configs import GateConfig, parse
@@ -50,6 +53,7 @@ from loraflow.steps._harness import StepContext, exit_process, run_step
 STAGE = "gate"
 RULE = (
     "promote iff delta >= min_improvement and the lower bound of the paired bootstrap interval > 0, "
+    "the regression guard (gate.guard) passes when there is one, "
     "and, when a champion is registered, the tuned metric beats the champion's"
 )
 
@@ -234,6 +238,8 @@ def run(ctx: StepContext) -> dict[str, Any]:
     tuned, tuned_metrics, tuned_frame = load_eval(ctx.inputs["tuned_eval"], "tuned_eval", metric.name)
     ctx.progress(f"base: {len(base)} predictions, tuned: {len(tuned)} predictions; comparing {metric.name}")
     decision = _decide(cfg, metric, base, tuned)
+    guard = _guard_check(cfg, ctx.inputs, base_metrics, tuned_metrics)
+    decision = with_guard(decision, guard)
     notes = reported_differently(decision, base_metrics, tuned_metrics)
     identical = identical_generations(base_frame, tuned_frame)
     decision, compared, champion_notes = _against_registry(ctx, cfg, decision)
@@ -248,6 +254,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "base_metrics": base_metrics,
         "tuned_metrics": tuned_metrics,
         "identical_generations": identical,
+        "guard": guard.as_dict() if guard else None,
         "champion": compared,
         "tuned_model_fingerprint": _input_fingerprint(ctx, "tuned_eval", "model"),
         "eval_set_fingerprint": _input_fingerprint(ctx, "tuned_eval", "eval_set"),
@@ -256,7 +263,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
     }
     (ctx.out / "decision.json").write_text(json.dumps(evidence, indent=2, sort_keys=True))
     ctx.progress(("PROMOTE: " if decision.promote else "do not promote: ") + decision.reason)
-    return summary(decision, compared)
+    return summary(decision, compared, guard)
 
 
 def _decide(cfg: GateConfig, metric: Metric, base: dict[str, bool], tuned: dict[str, bool]) -> Decision:
@@ -270,6 +277,63 @@ def _decide(cfg: GateConfig, metric: Metric, base: dict[str, bool], tuned: dict[
         seed=cfg.seed,
         higher_is_better=metric.higher_is_better,
     )
+
+
+def load_guard(directory: Path, name: str, evaluation: dict[str, Any]) -> tuple[dict[str, bool], dict[str, Any]]:
+    """(question id -> correct, metrics.json's ``guard``) of one evaluation's guard set, from its per-question
+    file (as the task metric is read from the predictions, not from the summary)."""
+    recorded = evaluation.get("guard")
+    path = directory / guard_sets.PREDICTIONS_FILE
+    if not recorded or not path.exists():
+        raise GateError(
+            f"{name}: the evaluation scored no guard set (no {guard_sets.PREDICTIONS_FILE}), but gate.guard asks "
+            "for one; re-run its evaluate stage with this spec (gate.guard.set is part of its cache key)"
+        )
+    outcomes: dict[str, bool] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if str(row["id"]) in outcomes:
+                raise GateError(f"{name}: {guard_sets.PREDICTIONS_FILE} lists question {row['id']!r} twice")
+            outcomes[str(row["id"])] = bool(row["correct"])
+    return outcomes, recorded
+
+
+def _guard_check(
+    cfg: GateConfig, inputs: dict[str, Path], base_metrics: dict[str, Any], tuned_metrics: dict[str, Any]
+) -> GuardCheck | None:
+    """The regression guard over both evaluations' guard sets (None: the spec has no gate.guard)."""
+    if cfg.guard is None:
+        return None
+    base, base_set = load_guard(inputs["base_eval"], "base_eval", base_metrics)
+    tuned, tuned_set = load_guard(inputs["tuned_eval"], "tuned_eval", tuned_metrics)
+    sets = {(r.get("set"), r.get("sha256")) for r in (base_set, tuned_set)}
+    if len(sets) != 1 or base_set.get("set") != cfg.guard.set:
+        raise GateError(
+            f"the evaluations scored different guard sets (base {base_set.get('set')} sha256 "
+            f"{str(base_set.get('sha256'))[:12]}, tuned {tuned_set.get('set')} sha256 {str(tuned_set.get('sha256'))[:12]}; "
+            f"gate.guard.set is {cfg.guard.set}); re-run both evaluations with this spec"
+        )
+    return guard_check(
+        base,
+        tuned,
+        max_drop=cfg.guard.max_drop,
+        rule=cfg.guard.rule,
+        guard_set=f"{base_set['set']} (sha256 {str(base_set['sha256'])[:12]})",
+        confidence=cfg.confidence,
+        bootstrap_samples=cfg.bootstrap_samples,
+        seed=cfg.seed,
+    )
+
+
+def with_guard(decision: Decision, guard: GuardCheck | None) -> Decision:
+    """The decision once the guard is taken into account: a failed guard refuses promotion, saying by how much."""
+    if guard is None:
+        return decision
+    if guard.passed or not decision.promote:
+        return dataclasses.replace(decision, reason=f"{decision.reason}; {guard.reason}")
+    reason = f"{decision.reason}; but the regression guard failed: {guard.reason}; not promoted"
+    return dataclasses.replace(decision, promote=False, reason=reason)
 
 
 def reported_differently(decision: Decision, base_metrics: dict[str, Any], tuned_metrics: dict[str, Any]) -> list[str]:
@@ -325,8 +389,9 @@ def _against_registry(
     return against_champion(decision, champion, model_fp, eval_fp, measured)
 
 
-def summary(decision: Decision, compared: dict[str, Any] | None) -> dict[str, Any]:
+def summary(decision: Decision, compared: dict[str, Any] | None, guard: GuardCheck | None = None) -> dict[str, Any]:
     """The manifest's summary (and the XCom the publish task reads)."""
+    guarded = {"guard": {"passed": guard.passed, "delta": round(guard.delta, 6)}} if guard else {}
     return {
         "promote": decision.promote,
         "metric": decision.metric,  # what base, tuned and delta measure
@@ -336,6 +401,7 @@ def summary(decision: Decision, compared: dict[str, Any] | None) -> dict[str, An
         "ci": [round(x, 6) for x in decision.ci],
         "reason": decision.reason,
         "champion_version": compared["version"] if compared else None,
+        **guarded,
     }
 
 

@@ -81,7 +81,10 @@ def _read_loss(path: Path) -> list[tuple[float, float, float | None]]:
 
 
 def _small(metrics: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: v for k, v in (metrics or {}).items() if k not in _BULKY_METRICS}
+    small = {k: v for k, v in (metrics or {}).items() if k not in _BULKY_METRICS}
+    if isinstance(small.get("guard"), dict):  # the regression guard's per-question lists stay behind too
+        small["guard"] = {k: v for k, v in small["guard"].items() if k not in ("ids", "correct")}
+    return small
 
 
 def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:

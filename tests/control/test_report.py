@@ -149,6 +149,29 @@ def test_report_of_a_run_the_gate_did_not_promote() -> None:
     assert "NOT PROMOTED" in page and "less than the required" in page and "Not published" in page
 
 
+def test_report_shows_the_regression_guard_beside_the_task_metric() -> None:
+    """Both accuracies on the guard set, its evidence and its verdict; a failed guard says by how much."""
+    check = {"passed": False, "set": "general-mc-v1 (sha256 e230efbd3157)", "n": 100, "base": 0.6, "tuned": 0.45,
+             "delta": -0.15, "ci": [-0.23, -0.08], "confidence": 0.95, "max_drop": 0.05, "rule": "estimate",
+             "fixed": 0, "broken": 15, "reason": "guard general-mc-v1: a drop of 0.150, more than the allowed 0.050 "
+             "(by 0.100)"}  # fmt: skip
+    guard = {"set": "general-mc-v1", "sha256": "e230efbd31570b51", "n": 100}
+    data = constructed() | {
+        "base_metrics": constructed()["base_metrics"] | {"guard": guard | {"accuracy": 0.6}},
+        "tuned_metrics": constructed()["tuned_metrics"] | {"guard": guard | {"accuracy": 0.45}},
+        "decision": DECISION | {"promote": False, "guard": check, "reason": "...; but the regression guard failed"},
+        "publish": None,
+    }
+    page = report.render(data)
+    assert "Regression guard" in page and "<code>general-mc-v1</code> (sha256 <code>e230efbd3157</code>" in page
+    assert "accuracy <b>0.600</b> before, <b>0.450</b> after" in page
+    assert "<b>FAILED</b> (rule estimate, at most 0.050 lost): change <b>-0.150</b>" in page
+    assert "[-0.230, -0.080]; 15 questions broken, 0 fixed" in page
+    assert "more than the allowed 0.050 (by 0.100)" in page and page.count("<svg") == 3  # + the guard's interval
+    assert "8 examples fixed, 1 broken" in page  # the task metric's evidence stays
+    assert "Regression guard" not in report.render(constructed())  # no guard, no section
+
+
 def test_report_renders_with_nothing_but_the_run() -> None:
     page = report.render({"pipeline": "tiny", "run_id": "r"})
     assert set(SECTIONS) <= set(parse(page).ids)

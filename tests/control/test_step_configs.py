@@ -77,8 +77,14 @@ def test_the_drifted_defaults_are_the_specs_now() -> None:
 def test_every_knob_is_a_spec_key_or_documented_internal(stage: str) -> None:
     config_cls = STEP_CONFIGS[stage]
     sent = plan.stage_plans(_bare_spec())[stage].config
-    # publish.vertex_model_registry is sent only when the spec has one (the bare spec has not)
-    expected = set(sent) | ({"vertex_model_registry"} if stage == "publish" else set())
+    # publish.vertex_model_registry and the evaluations' guard_set are sent only when the spec has one
+    # (the bare spec has not)
+    only_when_set = {
+        "publish": {"vertex_model_registry"},
+        "evaluate_base": {"guard_set"},
+        "evaluate_tuned": {"guard_set"},
+    }
+    expected = set(sent) | only_when_set.get(stage, set())
     assert set(config_cls.model_fields) - set(config_cls.INTERNAL) == expected
     assert not set(config_cls.INTERNAL) & set(sent), "internal knobs are never sent (nor in a cache key)"
     architecture = (ROOT / "docs" / "architecture.md").read_text()

@@ -228,6 +228,11 @@ def test_qlora_run_learns_the_tagged_arithmetic_and_reports_what_merging_cost(ru
     assert tuned["numeric_accuracy"] - base["numeric_accuracy"] >= 0.5, v
     assert tuned["tagged_format_rate"] - base["tagged_format_rate"] >= 0.5, v
     assert v["decision"]["metric"] == "numeric_accuracy" and v["decision"]["promote"] is True
+    # the regression guard (gate.guard: general-mc-v1): both evaluations scored it, the gate checked it
+    assert 0.0 <= base["guard_accuracy"] <= 1.0 and 0.0 <= tuned["guard_accuracy"] <= 1.0
+    assert v["decision"]["guard"]["passed"] is True
+    assert v["decision"]["guard"]["delta"] == pytest.approx(tuned["guard_accuracy"] - base["guard_accuracy"])
+    assert "guard general-mc-v1 (sha256 e230efbd3157)" in v["decision"]["reason"]
     training = runs.airflow.xcom("tiny-llama-qlora", runs.results["qlora"], "lora_sft")["summary"]
     cost = runs.airflow.xcom("tiny-llama-qlora", runs.results["qlora"], "report")["summary"]["merge_cost"]
     print(f"[e2e] tiny-llama-qlora: base {base}; tuned {tuned}; lora_sft {training}; merge cost {cost}")
@@ -240,6 +245,7 @@ def test_qlora_run_learns_the_tagged_arithmetic_and_reports_what_merging_cost(ru
     html = gcs.client().bucket(bucket).blob(path).download_as_bytes().decode()
     assert "What merging cost (QLoRA)" in html and "The first 100 eval examples" in html
     assert "numeric_accuracy" in html and "tagged_format_rate" in html
+    assert "Regression guard" in html and "<code>general-mc-v1</code>" in html and "<b>passed</b>" in html
 
 
 @pytest.mark.parametrize("family", list(OTHER_FAMILIES))

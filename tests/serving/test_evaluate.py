@@ -531,3 +531,83 @@ def test_a_model_shipping_another_template_than_training_used_is_warned_about(
     out = capsys.readouterr().out
     assert "WARNING: the model's tokenizer (model) has another chat template than the one training rendered with" in out
     assert read_predictions(ctx.out)[0]["prompt"] == ct.render_prompt(trained_with, CHAT_ROWS[0]["messages"])
+
+
+# ----------------------------------------------------------------------------- the regression guard
+
+
+def _numpy_guard_choices(model_dir: Path, questions: list[Any]) -> tuple[list[int], list[list[float]]]:
+    """The guard's choices computed without vLLM or loraflow's renderer: transformers' chat template, the
+    tokenizer, and an independent numpy Llama forward (tests/trainer/llama_numpy.py)."""
+    import sys
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "tests" / "trainer"))
+    import llama_numpy
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    cfg, weights = llama_numpy.load_hf(model_dir)
+    chosen, scores = [], []
+    for q in questions:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q.question}], add_generation_prompt=True, tokenize=False
+        )
+        prompt = tok.encode(text, add_special_tokens=False)
+        per_option = []
+        for option in q.choices:
+            ids = prompt + tok.encode(option, add_special_tokens=False)
+            logits = llama_numpy.forward(cfg, weights, ids).astype(np.float64)
+            shifted = logits - logits.max(-1, keepdims=True)
+            logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log-softmax over the vocabulary
+            total = sum(logp[k - 1, ids[k]] for k in range(len(prompt), len(ids)))
+            per_option.append(total / len(option.encode()))
+        scores.append(per_option)
+        chosen.append(int(np.argmax(per_option)))
+    return chosen, scores
+
+
+def test_the_guard_set_is_scored_by_option_likelihood_as_an_independent_forward_scores_it(
+    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    """gate.guard's set through the evaluate step: the same options chosen, and the same per-byte
+    log-likelihoods, as a numpy Llama computes from transformers' rendering of the same questions."""
+    from loraflow.evaluation import guard
+
+    ctx = make_ctx(tmp_path, tiny_model, eval_set, CONFIG | {"max_examples": 4, "guard_set": "general-mc-v1"})
+    summary = evaluate.evaluate(ctx, engine)
+    metrics = json.loads((ctx.out / evaluate.METRICS_JSON).read_text())
+    recorded = metrics["guard"]
+    path = guard.shipped_path("general-mc-v1")
+    questions = guard.load_questions(path)
+    assert recorded["set"] == "general-mc-v1" and recorded["sha256"] == guard.sha256_of(path)
+    assert recorded["n"] == len(questions) == 100 and recorded["options_scored"] == 400
+    assert summary["guard_accuracy"] == recorded["accuracy"] == sum(recorded["correct"]) / 100
+    assert guard.PREDICTIONS_FILE in metrics["files"]
+    rows = [json.loads(line) for line in (ctx.out / guard.PREDICTIONS_FILE).read_text().splitlines()]
+    assert [r["id"] for r in rows] == recorded["ids"] and [r["correct"] for r in rows] == recorded["correct"]
+
+    chosen, scores = _numpy_guard_choices(tiny_model, questions)
+    for row, theirs, their_scores in zip(rows, chosen, scores, strict=True):
+        assert row["scores"] == pytest.approx(their_scores, abs=2e-3), row["id"]
+        top = sorted(their_scores, reverse=True)
+        if top[0] - top[1] > 5e-3:  # a clear winner: both must choose it (closer ones may round either way)
+            assert row["chosen"] == theirs, row["id"]
+    assert sum(r["chosen"] == c for r, c in zip(rows, chosen, strict=True)) >= 90
+
+
+def test_a_guard_question_longer_than_max_model_len_is_refused_before_scoring(
+    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    long_set = tmp_path / "guard" / "long.jsonl"
+    long_set.parent.mkdir()
+    long_set.write_text(json.dumps({"question": "Why? " * 40, "choices": ["a", "b"], "answer": 0}) + "\n")
+    config = CONFIG | {"max_examples": 2, "guard_set": "gs://bucket/guard/long.jsonl"}
+    ctx = make_ctx(tmp_path / "run", tiny_model, eval_set, config)
+    ctx.inputs["guard_set"] = long_set.parent
+    with pytest.raises(LoraflowError, match=r"guard set long\.jsonl has a question and option of \d+ tokens"):
+        evaluate.evaluate(ctx, engine)
+    missing = make_ctx(tmp_path / "run2", tiny_model, eval_set, config)
+    with pytest.raises(LoraflowError, match="must come as --input guard_set"):
+        evaluate.evaluate(missing, engine)

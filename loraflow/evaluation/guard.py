@@ -1,0 +1,241 @@
+"""The regression guard's set and its scoring rule: did fine-tuning break what the base model could do?
+
+Besides the task's eval set, both evaluations score a small general multiple-choice set (``gate.guard``)
+and the gate requires the tuned model not to fall more than ``gate.guard.max_drop`` below the base on it
+(:func:`loraflow.evaluation.gate_rule.guard_check`, the same paired bootstrap as the promotion rule).
+
+A guard set is JSONL, one question a line::
+
+    {"id": "general-mc-000", "question": "Which planet is closest to the Sun?",
+     "choices": ["Venus", "Mars", "Mercury", "Jupiter"], "answer": 2}
+
+``choices``: 2 to 10 different, non-blank options; ``answer``: the index of the right one; ``id``
+optional (the line's number), unique. loraflow ships :data:`SHIPPED` sets (written by
+:mod:`loraflow.evaluation.guard_data`, never downloaded); a spec may name its own file instead.
+
+How a question is scored (log-likelihood, the way lm-evaluation-harness scores multiple choice; no
+generation, so no answer format for a base model to miss):
+
+* the question is the user turn, rendered with the eval set's chat template and its generation
+  prompt exactly as evaluate renders the task's prompts (:func:`loraflow.evaluation.examples.render_prompts`);
+* each option is the assistant's answer: its continuation is what the template writes for an
+  assistant turn with that content, up to the end of the content (the end-of-turn tokens after it are
+  not scored: they would measure how the model stops, not what it knows), tokenised alone, as
+  training tokenises an answer piece, and appended to the prompt's ids: the boundary between
+  question and answer falls where training puts it;
+* the option's score is the sum of the log-probabilities vLLM gives its tokens (``prompt_logprobs``)
+  divided by its length in UTF-8 bytes (lm-evaluation-harness's ``acc_norm``: a sum alone favours
+  short options); the model's choice is the highest score, ties going to the first option listed
+  (the shipped sets put the right answer in each place equally often, so ties favour no answer);
+* the question counts as correct when the choice is the reference ``answer``.
+
+Standard library only: the spec schema imports the shipped names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraflow.errors import LoraflowError
+
+SETS_DIR = Path(__file__).resolve().parent / "guard_sets"
+#: The sets loraflow ships, by name -> what each holds.
+SHIPPED: dict[str, str] = {
+    "general-mc-v1": "100 general questions (common facts, everyday reasoning, word meanings), 4 options each",
+    "arithmetic-mc-v1": "120 one- and two-step arithmetic word problems from templates, 4 numeric options each",
+}
+MIN_CHOICES, MAX_CHOICES = 2, 10
+#: The per-question file the evaluate step writes beside predictions.jsonl.
+PREDICTIONS_FILE = "guard_predictions.jsonl"
+
+
+class GuardSetError(LoraflowError):
+    """A guard set that cannot be read or is not in the guard format."""
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    question: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+def check_setting(value: str) -> str:
+    """A ``gate.guard.set`` value: a shipped name or a gs:// URI (the URI itself is checked by the schema)."""
+    if value in SHIPPED or value.startswith("gs://"):
+        return value
+    raise ValueError(
+        f"{value!r} is neither a shipped guard set ({', '.join(SHIPPED)}) nor a gs:// URI of a JSONL file "
+        "of {id, question, choices, answer} rows; name one of those"
+    )
+
+
+def shipped_path(name: str) -> Path:
+    if name not in SHIPPED:
+        raise GuardSetError(f"no shipped guard set {name!r}; shipped: {', '.join(SHIPPED)}")
+    return SETS_DIR / f"{name}.jsonl"
+
+
+def find_set_file(root: Path) -> Path:
+    """The JSONL of a guard-set input: the input itself when a file, else the one ``*.jsonl`` in it."""
+    if root.is_file():
+        return root
+    found = sorted(root.rglob("*.jsonl"))
+    if len(found) != 1:
+        raise GuardSetError(f"the guard set input {root} must be one JSONL file; found {[str(p) for p in found]}")
+    return found[0]
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_questions(path: Path) -> list[Question]:
+    """Every row of a guard set, checked; GuardSetError naming the line and the fix otherwise."""
+    out: list[Question] = []
+    seen: set[str] = set()
+    problems: list[str] = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{line_no}"
+        try:
+            question = _question(json.loads(line), len(out))
+        except (json.JSONDecodeError, ValueError) as exc:
+            problems.append(f"{where}: {exc}")
+            continue
+        if question.id in seen:
+            problems.append(f"{where}: id {question.id!r} appears twice; give every question its own id")
+        seen.add(question.id)
+        out.append(question)
+    if not out and not problems:
+        problems.append(f"{path.name} holds no questions")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise GuardSetError(
+            f'guard set {path.name}: {shown}. A row is {{"id", "question", "choices": [2-10 options], '
+            '"answer": index of the right option}'
+        )
+    return out
+
+
+def _question(row: Any, index: int) -> Question:
+    if not isinstance(row, dict):
+        raise ValueError("not a JSON object")
+    unknown = sorted(set(row) - {"id", "question", "choices", "answer"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown}")
+    question, choices, answer = row.get("question"), row.get("choices"), row.get("answer")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("'question' must be a non-blank string")
+    if not (isinstance(choices, list) and all(isinstance(c, str) and c.strip() for c in choices)):
+        raise ValueError("'choices' must be a list of non-blank strings")
+    if not MIN_CHOICES <= len(choices) <= MAX_CHOICES:
+        raise ValueError(f"{len(choices)} choices; give {MIN_CHOICES} to {MAX_CHOICES}")
+    if len(set(choices)) != len(choices):
+        raise ValueError("two choices are the same text; the model could not tell them apart")
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+        raise ValueError(f"'answer' must be the index of the right choice, 0 to {len(choices) - 1} (got {answer!r})")
+    return Question(str(row.get("id", index)), question, tuple(choices), answer)
+
+
+def continuation(answer_piece: str, option: str) -> str:
+    """What is scored of an option: the template's answer piece up to the end of the option's text.
+
+    ``answer_piece`` is what the chat template writes for an assistant turn whose content is ``option``
+    (:func:`loraflow.data.chat_template.pieces`); anything after the option (end-of-turn tokens) is left out.
+    """
+    at = answer_piece.find(option)
+    if at < 0:
+        raise GuardSetError(
+            f"the chat template does not write the assistant's answer {option!r} as given (its answer piece is "
+            f"{answer_piece[:60]!r}); a guard set is scored through the template as the eval set is"
+        )
+    return answer_piece[: at + len(option)]
+
+
+def option_score(token_logprobs: Sequence[float], option: str) -> float:
+    """The option's log-likelihood per UTF-8 byte of its text (see the module's scoring)."""
+    return math.fsum(token_logprobs) / max(1, len(option.encode("utf-8")))
+
+
+def choose(scores: Sequence[float]) -> int:
+    """The index of the highest score, the first one on a tie."""
+    best = 0
+    for i, score in enumerate(scores):
+        if score > scores[best]:
+            best = i
+    return best
+
+
+@dataclass(frozen=True)
+class GuardResult:
+    """A guard set scored: the set's identity and, per question in set order, the choice and whether it is right."""
+
+    name: str
+    sha256: str
+    ids: list[str]
+    chosen: list[int]
+    correct: list[bool]
+    scores: list[list[float]]
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct) if self.correct else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """metrics.json's ``guard``: the set, its sha256, n, accuracy and the per-question lists."""
+        return {
+            "set": self.name,
+            "sha256": self.sha256,
+            "n": len(self.ids),
+            "accuracy": self.accuracy,
+            "n_correct": sum(self.correct),
+            "ids": self.ids,
+            "correct": self.correct,
+        }
+
+    def rows(self, questions: Sequence[Question]) -> list[dict[str, Any]]:
+        """The per-question rows of :data:`PREDICTIONS_FILE`."""
+        return [
+            {"id": q.id, "question": q.question, "choices": list(q.choices), "answer": q.answer,
+             "chosen": c, "correct": ok, "scores": s}
+            for q, c, ok, s in zip(questions, self.chosen, self.correct, self.scores, strict=True)
+        ]  # fmt: skip
+
+
+def result(name: str, sha256: str, questions: Sequence[Question], scores: Sequence[Sequence[float]]) -> GuardResult:
+    """The guard result of per-option scores (one list per question, one score per choice)."""
+    chosen = [choose(s) for s in scores]
+    return GuardResult(
+        name,
+        sha256,
+        [q.id for q in questions],
+        chosen,
+        [c == q.answer for q, c in zip(questions, chosen, strict=True)],
+        [[round(float(x), 6) for x in s] for s in scores],
+    )
+
+
+def token_sequences(
+    questions: Sequence[Question],
+    prompt_ids: Sequence[Sequence[int]],
+    continuations: Callable[[Question], Sequence[str]],
+    encode: Callable[[str], Sequence[int]],
+) -> list[tuple[list[int], int]]:
+    """Per question and choice (flattened, question-major): the full token ids and where the option begins."""
+    out = []
+    for q, prompt in zip(questions, prompt_ids, strict=True):
+        for text in continuations(q):
+            option_ids = [int(t) for t in encode(text)]
+            if not option_ids:
+                raise GuardSetError(f"guard question {q.id!r}: an option tokenises to nothing")
+            out.append(([*map(int, prompt), *option_ids], len(prompt)))
+    return out

@@ -1,0 +1,271 @@
+"""The regression guard (gate.guard): its rule, its shipped sets and their format, the spec, the plan, the gate step."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loraflow.errors import SpecError
+from loraflow.evaluation import guard, guard_data
+from loraflow.evaluation.gate_rule import GateError, decide, guard_check
+from loraflow.pipeline import plan
+from loraflow.spec.schema import validate_spec
+from loraflow.steps import gate
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "pipelines" / "tiny-llama-lora.yaml"
+# A shipped set never changes under its name (the gate compares base and tuned on it; the registry keeps it).
+SHIPPED_SHA256 = {
+    "general-mc-v1": "e230efbd31570b5176887f5a9a20d20794af8e50357d93bac29f664a0b21ba88",
+    "arithmetic-mc-v1": "dcafcf20a7de327cdd5ad43a6ac98d1ea7edebf986d67101b93bff7c466ffcdc",
+}
+
+
+def outcomes(pattern: str) -> dict[str, bool]:
+    return {f"q{i:03d}": c == "1" for i, c in enumerate(pattern)}
+
+
+# ------------------------------------------------------------------------------------ the rule
+
+
+def test_a_drop_within_max_drop_passes_and_one_beyond_fails_saying_by_how_much() -> None:
+    base = outcomes("1" * 60 + "0" * 40)  # 0.60
+    small = guard_check(base, outcomes("1" * 57 + "0" * 43), max_drop=0.05, guard_set="general-mc-v1")
+    assert small.passed and small.delta == pytest.approx(-0.03) and small.broken == 3 and small.fixed == 0
+    assert "within the allowed drop of 0.050" in small.reason and "general-mc-v1" in small.reason
+    big = guard_check(base, outcomes("1" * 48 + "0" * 52), max_drop=0.05, guard_set="general-mc-v1")
+    assert not big.passed and big.delta == pytest.approx(-0.12)
+    assert "a drop of 0.120, more than the allowed 0.050 (by 0.070)" in big.reason
+    assert "12 questions broken, 0 fixed" in big.reason
+
+
+def test_a_drop_exactly_at_max_drop_passes() -> None:
+    check = guard_check(outcomes("1" * 30 + "0" * 30), outcomes("1" * 27 + "0" * 33), max_drop=0.05)
+    assert check.delta == pytest.approx(-0.05) and check.passed  # -3/60 is not exactly -0.05 in floating point
+    assert not guard_check(outcomes("1" * 30 + "0" * 30), outcomes("1" * 26 + "0" * 34), max_drop=0.05).passed
+
+
+def test_a_gain_passes_any_max_drop() -> None:
+    check = guard_check(outcomes("0" * 50), outcomes("1" * 10 + "0" * 40), max_drop=0.0)
+    assert check.passed and check.delta == pytest.approx(0.2)
+
+
+def test_the_guard_is_the_gates_paired_bootstrap() -> None:
+    """The same interval as the promotion rule computes for the same outcomes and settings."""
+    base, tuned = outcomes("0011010011" * 8), outcomes("0111011010" * 8)
+    check = guard_check(base, tuned, max_drop=0.1, confidence=0.9, bootstrap_samples=500, seed=3)
+    d = decide(base, tuned, confidence=0.9, bootstrap_samples=500, seed=3)
+    assert check.ci == d.ci and check.delta == d.delta and (check.fixed, check.broken) == (d.fixed, d.broken)
+    assert check.as_dict()["ci"] == list(d.ci)
+
+
+def test_the_interval_rule_refuses_a_drop_not_shown_to_be_small() -> None:
+    """4 broken, 2 fixed of 40: measured -0.05 within 0.1, but the interval's lower bound is below -0.1."""
+    base, tuned = outcomes("1111" + "00" + "0" * 34), outcomes("0000" + "11" + "0" * 34)
+    estimate = guard_check(base, tuned, max_drop=0.1)
+    interval = guard_check(base, tuned, max_drop=0.1, rule="interval")
+    assert estimate.passed and estimate.ci[0] < -0.1
+    assert not interval.passed and "cannot show the drop is small enough" in interval.reason
+    many = guard_check(outcomes(("1111" + "0" * 36) * 20), outcomes(("0000" + "11" + "0" * 34) * 20), max_drop=0.1,
+                       rule="interval")  # fmt: skip
+    assert many.passed, many.reason  # the same rates on 800 questions: the interval is narrow enough
+
+
+def test_the_guard_refuses_unpaired_sets_and_bad_settings() -> None:
+    with pytest.raises(GateError, match="different examples"):
+        guard_check(outcomes("01"), {"x": True, "y": False}, max_drop=0.1)
+    with pytest.raises(GateError, match="unknown guard rule 'strict'"):
+        guard_check(outcomes("01"), outcomes("01"), max_drop=0.1, rule="strict")
+    with pytest.raises(GateError, match=r"max_drop must lie in \[0, 1\]"):
+        guard_check(outcomes("01"), outcomes("01"), max_drop=1.5)
+
+
+# ------------------------------------------------------------------------------------ shipped sets
+
+
+@pytest.mark.parametrize("name", list(guard.SHIPPED))
+def test_the_shipped_sets_are_what_their_generator_writes_and_never_change(name: str) -> None:
+    path = guard.shipped_path(name)
+    assert path.read_text() == guard_data.text_of(name), "regenerate: python -m loraflow.evaluation.guard_data"
+    assert guard.sha256_of(path) == SHIPPED_SHA256[name], "a changed set needs a new name (-v2)"
+    questions = guard.load_questions(path)
+    assert len({q.question for q in questions}) == len(questions) >= 100
+    assert all(len(q.choices) == 4 for q in questions)
+    # the right answer stands in each place equally often: always picking one place scores 25%
+    assert set(Counter(q.answer for q in questions).values()) == {len(questions) // 4}
+
+
+def test_the_arithmetic_answers_are_right() -> None:
+    for q in guard.load_questions(guard.shipped_path("arithmetic-mc-v1")):
+        numbers = [int(w.strip("?,.")) for w in q.question.split() if w.strip("?,.").isdigit()]
+        text = q.question
+        a, b = numbers[0], numbers[1]
+        if "gets" in text and "loses" in text:
+            expected = a + b - numbers[2]
+        elif "gets" in text:
+            expected = a + b
+        elif "gave away" in text:
+            expected = a - b
+        elif "shares" in text:
+            expected = a // b
+        else:  # boxes of a, or b items at a dollars
+            expected = a * b
+        assert q.choices[q.answer] == str(expected), q
+
+
+def test_a_guard_set_with_bad_rows_is_refused_naming_every_line(tmp_path: Path) -> None:
+    rows = [
+        {"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1},
+        {"id": "a", "question": "Q2?", "choices": ["x", "y"], "answer": 0},
+        {"question": "Q3?", "choices": ["x", "x"], "answer": 0},
+        {"question": "Q4?", "choices": ["x", "y"], "answer": 2},
+        {"question": "", "choices": ["x", "y"], "answer": 0},
+        {"question": "Q6?", "choices": ["x"], "answer": 0},
+        {"question": "Q7?", "choices": ["x", "y"], "answer": True},
+        {"question": "Q8?", "options": ["x", "y"], "answer": 0},
+    ]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
+    with pytest.raises(guard.GuardSetError) as err:
+        guard.load_questions(path)
+    message = str(err.value)
+    for says in ("mine.jsonl:2: id 'a' appears twice", "mine.jsonl:3: two choices are the same", "mine.jsonl:4: 'answer'",
+                 "mine.jsonl:5: 'question'", "mine.jsonl:6: 1 choices", "and 3 more"):  # fmt: skip
+        assert says in message, message
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(guard.GuardSetError, match="holds no questions"):
+        guard.load_questions(tmp_path / "empty.jsonl")
+
+
+def test_scores_are_per_byte_and_ties_go_to_the_first_option() -> None:
+    assert guard.option_score([-1.0, -2.0], "abc") == pytest.approx(-1.0)
+    assert guard.option_score([-1.0], "é") == pytest.approx(-0.5)  # two UTF-8 bytes
+    assert guard.choose([-1.0, -0.5, -0.5]) == 1 and guard.choose([-2.0, -3.0]) == 0
+    q = [guard.Question("a", "Q?", ("x", "y"), 1), guard.Question("b", "R?", ("x", "y"), 1)]
+    scored = guard.result("s", "0" * 64, q, [[-1.0, -0.5], [-0.5, -0.5]])
+    assert scored.chosen == [1, 0] and scored.correct == [True, False] and scored.accuracy == 0.5
+    assert scored.summary()["n_correct"] == 1 and scored.rows(q)[1]["chosen"] == 0
+
+
+def test_the_option_is_scored_up_to_its_text_without_the_end_of_turn() -> None:
+    assert guard.continuation("Mercury<|end|>\n", "Mercury") == "Mercury"
+    assert guard.continuation(" Mercury</s>", "Mercury") == " Mercury"
+    with pytest.raises(guard.GuardSetError, match="does not write the assistant's answer"):
+        guard.continuation("MERCURY", "Mercury")
+    seqs = guard.token_sequences(
+        [guard.Question("a", "Q?", ("x", "yz"), 0)], [[1, 2]], lambda q: list(q.choices), lambda t: [ord(c) for c in t]
+    )
+    assert seqs == [([1, 2, ord("x")], 2), ([1, 2, ord("y"), ord("z")], 2)]
+
+
+# ------------------------------------------------------------------------------------ spec and plan
+
+
+def _spec(guard_section: object) -> dict:
+    data = yaml.safe_load(TINY.read_text())
+    data["gate"]["guard"] = guard_section
+    return data
+
+
+def test_the_spec_refuses_a_bad_guard_naming_each_problem_and_the_fix() -> None:
+    with pytest.raises(SpecError) as err:
+        validate_spec(_spec({"set": "mmlu", "max_drop": 2, "rule": "strict", "sets": 1}), "s.yaml")
+    message = str(err.value)
+    assert "gate.guard.set" in message and "general-mc-v1, arithmetic-mc-v1" in message and "gs:// URI" in message
+    assert "gate.guard.max_drop" in message and "gate.guard.rule" in message and "gate.guard.sets" in message
+    with pytest.raises(SpecError, match=r"gate\.guard\.set: .*has an empty or '\.' path segment"):
+        validate_spec(_spec({"set": "gs://bucket//x.jsonl"}), "s.yaml")
+    with pytest.raises(SpecError, match=r"gate\.guard\.set: required"):
+        validate_spec(_spec({"max_drop": 0.1}), "s.yaml")
+
+
+def test_without_a_guard_the_evaluations_are_planned_as_before() -> None:
+    data = yaml.safe_load(TINY.read_text())
+    data["gate"].pop("guard", None)
+    plans = plan.stage_plans(validate_spec(data, "s.yaml"))
+    for stage in ("evaluate_base", "evaluate_tuned"):
+        assert "guard_set" not in plans[stage].config  # so their cache keys stay what they were
+        assert set(plans[stage].inputs) == {"model", "eval_set"}
+    assert "guard" not in plans["gate"].config or plans["gate"].config["guard"] is None
+
+
+def test_a_shipped_guard_is_sent_by_name_and_a_users_own_as_an_input() -> None:
+    shipped = plan.stage_plans(validate_spec(_spec({"set": "arithmetic-mc-v1", "max_drop": 0.1}), "s.yaml"))
+    for stage in ("evaluate_base", "evaluate_tuned"):
+        assert shipped[stage].config["guard_set"] == "arithmetic-mc-v1" and "guard_set" not in shipped[stage].inputs
+    assert shipped["gate"].config["guard"] == {"set": "arithmetic-mc-v1", "max_drop": 0.1, "rule": "estimate"}
+    own = plan.stage_plans(validate_spec(_spec({"set": "gs://team/guards/mine.jsonl"}), "s.yaml"))
+    for stage in ("evaluate_base", "evaluate_tuned"):
+        assert own[stage].config["guard_set"] == "gs://team/guards/mine.jsonl"
+        assert own[stage].inputs["guard_set"] == plan.Source("gs://team/guards/mine.jsonl")
+
+
+# ------------------------------------------------------------------------------------ the gate step
+
+
+def write_eval(d: Path, pattern: str, guard_pattern: str | None, guard_set: str = "general-mc-v1") -> Path:
+    """An evaluate-shaped directory: predictions, metrics.json and (with guard_pattern) the guard's file."""
+    import pandas as pd
+
+    d.mkdir(parents=True)
+    ids = [f"eval-{i:04d}" for i in range(len(pattern))]
+    correct = [c == "1" for c in pattern]
+    pd.DataFrame({"id": ids, "correct": correct, "generation": [f"g{c}" for c in correct]}).to_parquet(
+        d / "predictions.parquet"
+    )
+    metrics: dict = {"accuracy": sum(correct) / len(correct), "n": len(pattern)}
+    if guard_pattern is not None:
+        rows = [{"id": f"general-mc-{i:03d}", "correct": c == "1", "chosen": 0} for i, c in enumerate(guard_pattern)]
+        (d / guard.PREDICTIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        metrics["guard"] = {"set": guard_set, "sha256": SHIPPED_SHA256.get(guard_set, "f" * 64), "n": len(rows)}
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    return d
+
+
+GUARDED = {"min_improvement": 0.3, "guard": {"set": "general-mc-v1", "max_drop": 0.05}}
+
+
+def test_a_failed_guard_refuses_a_model_the_task_metric_would_promote(tmp_path: Path, make_ctx: Callable) -> None:
+    inputs = {
+        "base_eval": write_eval(tmp_path / "b", "0" * 80 + "1" * 20, "1" * 60 + "0" * 40),
+        "tuned_eval": write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 45 + "0" * 55),
+    }
+    ctx = make_ctx("gate", inputs, GUARDED)
+    summary = gate.run(ctx)
+    assert summary["promote"] is False and summary["guard"] == {"passed": False, "delta": pytest.approx(-0.15)}
+    decision = json.loads((ctx.out / "decision.json").read_text())
+    assert decision["delta"] == pytest.approx(0.75)  # the task metric's evidence stays
+    assert decision["guard"]["passed"] is False and decision["guard"]["n"] == 100
+    assert decision["guard"]["base"] == pytest.approx(0.6) and decision["guard"]["tuned"] == pytest.approx(0.45)
+    assert "but the regression guard failed: guard general-mc-v1" in decision["reason"]
+    assert "more than the allowed 0.050 (by 0.100)" in decision["reason"]
+
+
+def test_a_passed_guard_lets_the_model_through_and_both_checks_are_shown(tmp_path: Path, make_ctx: Callable) -> None:
+    inputs = {
+        "base_eval": write_eval(tmp_path / "b", "0" * 80 + "1" * 20, "1" * 60 + "0" * 40),
+        "tuned_eval": write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 58 + "0" * 42),
+    }
+    ctx = make_ctx("gate", inputs, GUARDED)
+    assert gate.run(ctx)["promote"] is True
+    decision = json.loads((ctx.out / "decision.json").read_text())
+    assert decision["guard"]["passed"] is True and "accuracy rose by +0.750" in decision["reason"]
+    assert "guard general-mc-v1 (sha256 e230efbd3157): accuracy 0.600 -> 0.580" in decision["reason"]
+
+
+def test_the_gate_refuses_evaluations_without_the_guard_or_of_another_set(tmp_path: Path, make_ctx: Callable) -> None:
+    base = write_eval(tmp_path / "b", "01" * 50, "1" * 10)
+    with pytest.raises(GateError, match="tuned_eval: the evaluation scored no guard set"):
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": write_eval(tmp_path / "t", "11" * 50, None)},
+                          GUARDED))  # fmt: skip
+    other = write_eval(tmp_path / "o", "11" * 50, "1" * 10, guard_set="arithmetic-mc-v1")
+    with pytest.raises(GateError, match="the evaluations scored different guard sets"):
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": other}, GUARDED))
+    # without gate.guard the guard files are not read
+    unguarded = make_ctx("gate", {"base_eval": base, "tuned_eval": write_eval(tmp_path / "u", "11" * 50, None)}, {})
+    assert "guard" not in gate.run(unguarded)
