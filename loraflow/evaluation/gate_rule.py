@@ -6,7 +6,7 @@ Pure and deterministic (numpy only): the gate step reads the two evaluations and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from loraflow.errors import LoraflowError
@@ -17,26 +17,38 @@ class GateError(LoraflowError):
 
 
 @dataclass(frozen=True)
-class Decision:
-    promote: bool
-    metric: str
+class Paired:
+    """Two models' outcomes on the same examples: the paired comparison both rules decide on, with its settings."""
+
     n: int
     base: float
     tuned: float
-    delta: float
+    delta: float  # the mean per-example gain (tuned - base; base - tuned where lower is better)
     ci: tuple[float, float]
     confidence: float
-    min_improvement: float
-    fixed: int  # base wrong, tuned right
-    broken: int  # base right, tuned wrong
+    fixed: int  # examples the tuned model does better on (base wrong, tuned right)
+    broken: int  # ... worse on (base right, tuned wrong)
     bootstrap_samples: int
     seed: int
-    reason: str
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["ci"] = list(self.ci)
         return out
+
+    def evidence(self) -> dict[str, Any]:
+        """The fields as keyword arguments, for a verdict built on them."""
+        return {f.name: getattr(self, f.name) for f in fields(Paired)}
+
+
+@dataclass(frozen=True)
+class Decision(Paired):
+    """The promotion rule's verdict (:func:`decide`) with its evidence."""
+
+    promote: bool
+    metric: str
+    min_improvement: float
+    reason: str
 
 
 def decide(
@@ -75,36 +87,8 @@ def decide(
     """
     p = paired(base, tuned, confidence=confidence, bootstrap_samples=bootstrap_samples, seed=seed,
                higher_is_better=higher_is_better)  # fmt: skip
-    scores = Decision(
-        promote=False,
-        metric=metric,
-        n=p.n,
-        base=p.base,
-        tuned=p.tuned,
-        delta=p.delta,
-        ci=p.ci,
-        confidence=confidence,
-        min_improvement=min_improvement,
-        fixed=p.fixed,
-        broken=p.broken,
-        bootstrap_samples=bootstrap_samples,
-        seed=seed,
-        reason="",
-    )
-    return _verdict(scores, "rose" if higher_is_better else "fell")
-
-
-@dataclass(frozen=True)
-class Paired:
-    """Two models' outcomes on the same examples: the scores, the mean gain, its interval, the counts."""
-
-    n: int
-    base: float
-    tuned: float
-    delta: float  # the mean per-example gain (tuned - base; base - tuned where lower is better)
-    ci: tuple[float, float]
-    fixed: int  # examples the tuned model does better on
-    broken: int  # ... worse on
+    decision = Decision(**p.evidence(), promote=False, metric=metric, min_improvement=min_improvement, reason="")
+    return _verdict(decision, "rose" if higher_is_better else "fell")
 
 
 def paired(
@@ -128,8 +112,11 @@ def paired(
         tuned=float(t.mean()),
         delta=float(gain.mean()),
         ci=_interval(gain, confidence, bootstrap_samples, seed),
+        confidence=confidence,
         fixed=int((gain > 0).sum()),
         broken=int((gain < 0).sum()),
+        bootstrap_samples=bootstrap_samples,
+        seed=seed,
     )
 
 
@@ -208,29 +195,15 @@ GUARD_RULES = ("estimate", "interval")
 
 
 @dataclass(frozen=True)
-class GuardCheck:
-    """The regression guard's verdict with its evidence (``gate.guard``)."""
+class GuardCheck(Paired):
+    """The regression guard's verdict (``gate.guard``, :func:`guard_check`) with its evidence; ``delta`` is
+    tuned - base accuracy on the guard set."""
 
     passed: bool
     set: str
-    n: int
-    base: float
-    tuned: float
-    delta: float  # tuned - base accuracy on the guard set
-    ci: tuple[float, float]
-    confidence: float
     max_drop: float
     rule: str
-    fixed: int  # guard questions base got wrong and tuned right
-    broken: int  # ... base right and tuned wrong
-    bootstrap_samples: int
-    seed: int
     reason: str
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ci"] = list(self.ci)
-        return out
 
 
 def guard_check(
@@ -280,5 +253,4 @@ def guard_check(
         passed = True
         within = "the interval's lower bound and the measured change are" if rule == "interval" else "within"
         reason = f"guard {guard_set}: {scores}, {within} the allowed drop of {max_drop:.3f}; {evidence}"
-    return GuardCheck(passed, guard_set, p.n, p.base, p.tuned, p.delta, p.ci, confidence, max_drop, rule,
-                      p.fixed, p.broken, bootstrap_samples, seed, reason)  # fmt: skip
+    return GuardCheck(**p.evidence(), passed=passed, set=guard_set, max_drop=max_drop, rule=rule, reason=reason)

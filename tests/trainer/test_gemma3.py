@@ -5,7 +5,8 @@ by family); here: the converted values are Gemma 3's definition (RMSNorm scale 1
 times sqrt(hidden) as MaxText stores it, the layers in a scanned block of 6 plus a remainder), the
 released multimodal key layout converts to the same checkpoint, and the PEFT export unstacks blocks
 and remainder into HF layers 6 * block + i, named as the checkpoint's transformers model names them;
-the tiny tokenizer carries Gemma's turn tokens as single special tokens and Gemma 3's chat template.
+the tiny tokenizer carries Gemma's turn tokens as single special tokens and Gemma 3's chat template;
+MaxText's forward applies the local layers' sliding window as the independent numpy Gemma 3 does.
 """
 
 from __future__ import annotations
@@ -217,3 +218,57 @@ def test_the_tiny_tokenizer_has_gemmas_turn_tokens_and_template(tmp_path: Path) 
         assert prompt_ids.count(start) == turns + 1 and prompt_ids.count(end) == turns  # + the model's turn
         assert "start_of_turn" not in tok.decode([i for i in prompt_ids if i not in (start, end)])
     assert "Answer with a number.\n\nWhat is 4+4?" in texts[1]  # the system turn, folded into the user's
+
+
+def test_maxtexts_forward_applies_the_sliding_window_as_the_model_defines_it(tmp_path: Path) -> None:
+    """The converted tiny Gemma 3 in MaxText (as lora_sft trains it: scanned, dot_product attention)
+    scores a prompt four windows long as the independent numpy Gemma 3 with its 16-token window does,
+    not as the same model without it. vLLM's side: tests/serving/test_gemma3_serving.py."""
+    import gemma3_numpy
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.configs import pyconfig
+    from maxtext.utils import maxtext_utils, model_creation_utils
+    from safetensors.numpy import load_file
+
+    from loraflow.steps import convert_checkpoint
+    from loraflow.steps._maxtext import overrides_args
+
+    hf = tinymodel.create(tmp_path / "hf", family="gemma3")
+    convert_checkpoint.convert(hf, tmp_path / "mt", TINY.maxtext_model, TINY.maxtext_overrides)
+    cfg, weights = json.loads((hf / "config.json").read_text()), load_file(str(hf / "model.safetensors"))
+    window = cfg["sliding_window"]
+    ids = [1, *np.random.default_rng(0).integers(5, cfg["vocab_size"], 4 * window - 1).tolist()]
+
+    def logprobs(logits: np.ndarray) -> np.ndarray:  # log p(ids[t] | ids[:t]), t >= 1
+        shifted = logits - logits.max(-1, keepdims=True)
+        logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        return logp[np.arange(len(ids) - 1), ids[1:]]
+
+    windowed = logprobs(gemma3_numpy.forward(cfg, weights, ids))
+    unwindowed = logprobs(gemma3_numpy.forward({**cfg, "sliding_window": len(ids)}, weights, ids))
+    assert np.abs(windowed - unwindowed).max() > 0.5  # the window matters on this prompt
+
+    argv = ["x", *overrides_args(TINY.maxtext_model, TINY.maxtext_overrides), "hardware=cpu"]
+    argv += ["skip_jax_distributed_system=true", "scan_layers=true", "attention=dot_product", "dtype=float32"]
+    argv += [
+        f"max_target_length={len(ids)}",
+        f"load_parameters_path={tmp_path / 'mt' / convert_checkpoint.PARAMS_RELPATH}",
+    ]
+    argv += ["enable_checkpointing=false", f"base_output_directory={tmp_path / 'run'}", "run_name=forward"]
+    config = pyconfig.initialize(argv)
+    mesh = maxtext_utils.get_mesh_from_config(config)
+    model = model_creation_utils.from_pretrained(config, mesh)
+    tokens = jnp.asarray([ids], jnp.int32)
+    with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+        logits = model(
+            decoder_input_tokens=tokens,
+            decoder_positions=jnp.arange(len(ids), dtype=jnp.int32)[None],
+            decoder_segment_ids=jnp.ones_like(tokens),
+            enable_dropout=False,
+        )
+    got = logprobs(np.asarray(logits[0], np.float64))
+    # MaxText's tied output reads a bfloat16 copy of the embedding (the module docstring): ~2e-3 here.
+    np.testing.assert_allclose(got, windowed, rtol=0, atol=1e-2)
