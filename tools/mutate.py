@@ -84,7 +84,11 @@ TARGETS: dict[str, Target] = {
         ],
         deselect=RUNNER_SLOW,
     ),
-    "gate_rule": Target("control", ["loraflow/evaluation/gate_rule.py"], ["tests/control/test_gate.py", "tests/control/test_regression_guard.py"]),
+    "gate_rule": Target(
+        "control",
+        ["loraflow/evaluation/gate_rule.py"],
+        ["tests/control/test_gate.py", "tests/control/test_regression_guard.py"],
+    ),
     # The planning half of the merge; the numerics (merge_lora, the kernel) have their own reference tests.
     "merge": Target(
         "trainer",
