@@ -51,33 +51,41 @@ def load(cfg: EvaluateConfig, inputs: dict[str, Path]) -> GuardSet | None:
     return GuardSet(name, path, guard.load_questions(path))
 
 
-def score(
-    engine: Any, cfg: EvaluateConfig, template: ChatTemplate, guard_set: GuardSet, out: Path, progress: Any
-) -> dict[str, Any]:
-    """Score the guard set with the loaded engine; write its predictions; return metrics.json's ``guard``."""
-    from vllm import SamplingParams
-
-    started = time.monotonic()
-    questions, path = guard_set.questions, guard_set.path
+def sequences(
+    engine: Any, cfg: EvaluateConfig, template: ChatTemplate, guard_set: GuardSet
+) -> list[tuple[list[int], int]]:
+    """Every question's options as token ids (prompt + option) and where each option begins; an error, before
+    anything is generated, when the longest does not fit ``max_model_len``."""
     tokenizer = engine.tokenizer
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    questions = guard_set.questions
     examples = [Example(q.id, [{"role": "user", "content": q.question}], q.choices[q.answer]) for q in questions]
     _, prompt_ids = render_prompts(tokenizer, examples, template)
-    sequences = guard.token_sequences(questions, prompt_ids, lambda q: _continuations(template, q), encode)
-    longest = max(len(ids) for ids, _ in sequences)
+    out = guard.token_sequences(questions, prompt_ids, lambda q: _continuations(template, q), encode)
+    longest = max(len(ids) for ids, _ in out)
     if longest > cfg.max_model_len:
         raise LoraflowError(
-            f"evaluate: the guard set {path.name} has a question and option of {longest} tokens, more than "
+            f"evaluate: the guard set {guard_set.path.name} has a question and option of {longest} tokens, more than "
             f"evaluation.max_model_len={cfg.max_model_len}: raise max_model_len, or name a guard set of shorter questions"
         )
+    return out
+
+
+def score(
+    engine: Any, cfg: EvaluateConfig, guard_set: GuardSet, seqs: list[tuple[list[int], int]], out: Path, progress: Any
+) -> dict[str, Any]:
+    """Score the guard set's option sequences (:func:`sequences`) with the loaded engine; write its
+    predictions; return metrics.json's ``guard``."""
+    from vllm import SamplingParams
+
+    started = time.monotonic()
+    questions = guard_set.questions
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, seed=cfg.seed)
-    outputs = engine.llm.generate([{"prompt_token_ids": ids} for ids, _ in sequences], params, use_tqdm=False)
-    logprobs = [
-        _option_logprobs(o.prompt_logprobs, ids, start) for o, (ids, start) in zip(outputs, sequences, strict=True)
-    ]
+    outputs = engine.llm.generate([{"prompt_token_ids": ids} for ids, _ in seqs], params, use_tqdm=False)
+    logprobs = [_option_logprobs(o.prompt_logprobs, ids, start) for o, (ids, start) in zip(outputs, seqs, strict=True)]
     scores, at = [], 0
     for q in questions:
         options = [
@@ -85,16 +93,16 @@ def score(
         ]
         scores.append(options)
         at += len(q.choices)
-    scored = guard.result(guard_set.name, guard.sha256_of(path), questions, scores)
+    scored = guard.result(guard_set.name, guard.sha256_of(guard_set.path), questions, scores)
     with (out / guard.PREDICTIONS_FILE).open("w") as f:
         for row in scored.rows(questions):
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     seconds = time.monotonic() - started
     progress(
         f"guard {scored.name} (sha256 {scored.sha256[:12]}): accuracy {scored.accuracy:.4f} over n={len(questions)} "
-        f"questions, {len(sequences)} options scored in {seconds:.2f}s"
+        f"questions, {len(seqs)} options scored in {seconds:.2f}s"
     )
-    return {**scored.summary(), "options_scored": len(sequences), "seconds": round(seconds, 3)}
+    return {**scored.summary(), "options_scored": len(seqs), "seconds": round(seconds, 3)}
 
 
 def _continuations(template: ChatTemplate, q: guard.Question) -> list[str]:

@@ -312,6 +312,7 @@ def _evaluate(
     sampling = _sampling_params(cfg)
     texts, prompt_ids = render_prompts(engine.tokenizer, examples, template)
     _check_prompts_fit(prompt_ids, cfg)
+    guard_seqs = _guard.sequences(engine, cfg, template, guard_set) if guard_set is not None else []
     gen = _generate(ctx, engine, sampling, prompt_ids, cfg.batch_size)
 
     pattern = scoring.compile_pattern(cfg.answer_pattern)
@@ -326,7 +327,7 @@ def _evaluate(
     )
     report["chat_template"] = template.summary()
     if guard_set is not None:
-        report["guard"] = _guard.score(engine, cfg, template, guard_set, ctx.out, ctx.progress)
+        report["guard"] = _guard.score(engine, cfg, guard_set, guard_seqs, ctx.out, ctx.progress)
         written.append(guard.PREDICTIONS_FILE)
     report["files"] = [*written, METRICS_JSON]
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")

@@ -597,7 +597,7 @@ def test_the_guard_set_is_scored_by_option_likelihood_as_an_independent_forward_
     assert sum(r["chosen"] == c for r, c in zip(rows, chosen, strict=True)) >= 90
 
 
-def test_a_guard_question_longer_than_max_model_len_is_refused_before_scoring(
+def test_a_guard_question_longer_than_max_model_len_is_refused_before_generating(
     engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
 ) -> None:
     long_set = tmp_path / "guard" / "long.jsonl"
@@ -608,6 +608,7 @@ def test_a_guard_question_longer_than_max_model_len_is_refused_before_scoring(
     ctx.inputs["guard_set"] = long_set.parent
     with pytest.raises(LoraflowError, match=r"guard set long\.jsonl has a question and option of \d+ tokens"):
         evaluate.evaluate(ctx, engine)
+    assert not (ctx.out / evaluate.PREDICTIONS_JSONL).exists()  # refused before the eval set was generated
     missing = make_ctx(tmp_path / "run2", tiny_model, eval_set, config)
     with pytest.raises(LoraflowError, match="must come as --input guard_set"):
         evaluate.evaluate(missing, engine)
