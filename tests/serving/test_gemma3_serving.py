@@ -55,3 +55,16 @@ def test_vllm_applies_gemma3s_sliding_window_as_the_model_defines_it(tmp_path: P
         engine.close()
     got = np.array([step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])
     np.testing.assert_allclose(got, windowed, rtol=0, atol=1e-4)
+
+
+def test_the_multimodal_gemma3_needs_torchvision_which_this_environment_lacks() -> None:
+    """docs/architecture.md says so: vLLM's Gemma3ForConditionalGeneration imports transformers' Gemma 3
+    image processor, which needs torchvision, and the CPU serving lock leaves torchvision out. When this
+    fails, a multimodal Gemma 3 may load here: test it through the evaluation engine and drop the sentence."""
+    import importlib
+    import importlib.util
+
+    pytest.importorskip("vllm")
+    assert importlib.util.find_spec("torchvision") is None
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.gemma3_mm")
