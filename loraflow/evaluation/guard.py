@@ -51,6 +51,9 @@ SHIPPED: dict[str, str] = {
     "arithmetic-mc-v1": "120 one- and two-step arithmetic word problems from templates, 4 numeric options each",
 }
 MIN_CHOICES, MAX_CHOICES = 2, 10
+#: The largest guard set file read (the shipped ones are 14-20 KB): a set is small by design, and a
+#: bucket writer's huge file must not exhaust the evaluation's memory.
+MAX_SET_BYTES = 16 << 20
 #: The per-question file the evaluate step writes beside predictions.jsonl.
 PREDICTIONS_FILE = "guard_predictions.jsonl"
 
@@ -99,10 +102,16 @@ def sha256_of(path: Path) -> str:
 
 def load_questions(path: Path) -> list[Question]:
     """Every row of a guard set, checked; GuardSetError naming the line and the fix otherwise."""
+    size = path.stat().st_size
+    if size > MAX_SET_BYTES:
+        raise GuardSetError(
+            f"guard set {path.name} is {size} bytes, more than the {MAX_SET_BYTES >> 20} MiB a guard set may be; "
+            "a guard set is a few hundred questions: name a smaller file"
+        )
     out: list[Question] = []
     seen: set[str] = set()
     problems: list[str] = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path.name}:{line_no}"

@@ -140,6 +140,10 @@ def test_a_guard_set_with_bad_rows_is_refused_naming_every_line(tmp_path: Path) 
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(guard.GuardSetError, match="holds no questions"):
         guard.load_questions(tmp_path / "empty.jsonl")
+    with (tmp_path / "huge.jsonl").open("wb") as f:
+        f.truncate(guard.MAX_SET_BYTES + 1)
+    with pytest.raises(guard.GuardSetError, match=r"huge\.jsonl is 16777217 bytes, more than the 16 MiB"):
+        guard.load_questions(tmp_path / "huge.jsonl")
 
 
 def test_scores_are_per_byte_and_ties_go_to_the_first_option() -> None:
