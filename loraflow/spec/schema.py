@@ -305,8 +305,7 @@ class GuardSpec(_Model):
     max_drop: float = Field(
         0.05,
         ge=0,
-        le=1,
-        description="the most the guard accuracy may fall from base to tuned, as a share (0.05 = 5 points)",
+        description="the most the guard accuracy may fall from base to tuned, as a share from 0 to 1 (0.05 = 5 points)",
     )
     rule: Literal["estimate", "interval"] = Field(
         "estimate",
@@ -319,6 +318,13 @@ class GuardSpec(_Model):
     @classmethod
     def _set(cls, v: str) -> str:
         return _gs_uri(v) if v.startswith("gs://") else guard_sets.check_setting(v)
+
+    @field_validator("max_drop")
+    @classmethod
+    def _share(cls, v: float) -> float:
+        if v > 1:
+            raise ValueError(f"is a share of the questions, 0 to 1, not points: write {v / 100:g} for {v:g} points")
+        return v
 
 
 class GateSpec(_Model):

@@ -181,7 +181,8 @@ def test_the_spec_refuses_a_bad_guard_naming_each_problem_and_the_fix() -> None:
         validate_spec(_spec({"set": "mmlu", "max_drop": 2, "rule": "strict", "sets": 1}), "s.yaml")
     message = str(err.value)
     assert "gate.guard.set" in message and "general-mc-v1, arithmetic-mc-v1" in message and "gs:// URI" in message
-    assert "gate.guard.max_drop" in message and "gate.guard.rule" in message and "gate.guard.sets" in message
+    assert "gate.guard.max_drop: is a share of the questions, 0 to 1, not points: write 0.02 for 2 points" in message
+    assert "gate.guard.rule" in message and "gate.guard.sets" in message
     with pytest.raises(SpecError, match=r"gate\.guard\.set: .*has an empty or '\.' path segment"):
         validate_spec(_spec({"set": "gs://bucket//x.jsonl"}), "s.yaml")
     with pytest.raises(SpecError, match=r"gate\.guard\.set: required"):
