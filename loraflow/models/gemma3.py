@@ -22,6 +22,11 @@ is handled:
 * the query pre-attention scalar: MaxText scales queries by ``head_dim ** -0.5`` for gemma3-4b and
   -12b and by ``(emb_dim / heads) ** -0.5`` for gemma3-27b, whatever HF's ``query_pre_attn_scalar``
   says; the check refuses a checkpoint whose scalar differs from the MaxText model's;
+* the released multimodal checkpoints' embedding has 262,208 rows (``text_config.vocab_size``): the
+  262,144 text tokens, then the image token (``image_token_index`` 262,144) and padding; MaxText's
+  gemma3 models have 262,144 and its conversion hook cuts the table to them (``pad_and_scale_embedding``).
+  The check lets a multimodal checkpoint through when the rows MaxText drops begin at its image token
+  (:func:`drops_image_rows_only`); the merge leaves the base's full table as it is;
 * two config shapes and three key layouts: MaxText's mapping reads the multimodal config (its
   ``text_config``) and names ``model.language_model.layers...``; a text-only checkpoint has a flat
   config and ``model.layers...``, Google's released multimodal ones ``language_model.model.layers...``
@@ -36,6 +41,7 @@ scanned blocks and the remainder layers alike (configs/post_train/lora_module_pa
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -102,14 +108,31 @@ def rope_settings(text_cfg: Any) -> dict[tuple[str, str], float]:
     return out
 
 
+def drops_image_rows_only(hf_cfg: Any, maxtext_cfg: Any) -> bool:
+    """Whether the checkpoint's embedding is larger than MaxText's vocabulary by rows its text never uses: a
+    multimodal config whose image token is the first row past MaxText's ``vocab_size`` (the rows after it
+    are padding), which MaxText's conversion drops."""
+    hv = getattr(text_config(hf_cfg), "vocab_size", None)
+    mv = getattr(maxtext_cfg, "vocab_size", None)
+    image = getattr(hf_cfg, "image_token_index", None) if getattr(hf_cfg, "text_config", None) is not None else None
+    if hv is None or mv is None or image is None:
+        return False
+    return int(hv) > int(mv) == int(image)
+
+
 class Gemma3Family(ModelFamily):
     """The tables, plus Gemma 3's config shapes, key layouts, query scaling and RoPE check."""
 
     def dim_problems(self, hf_cfg: Any, maxtext_cfg: Any) -> list[str]:
-        """The shared checks on the language model's config, and: the query pre-attention scalar MaxText
-        derives from the model name, and the local and global RoPE."""
+        """The shared checks on the language model's config (its vocabulary may exceed MaxText's by the
+        image rows of a multimodal checkpoint, :func:`drops_image_rows_only`), and: the query
+        pre-attention scalar MaxText derives from the model name, and the local and global RoPE."""
         text = text_config(hf_cfg)
-        bad = super().dim_problems(text, maxtext_cfg)
+        checked = text
+        if drops_image_rows_only(hf_cfg, maxtext_cfg):  # the released multimodal table: image rows MaxText drops
+            checked = copy.copy(text)
+            checked.vocab_size = maxtext_cfg.vocab_size
+        bad = super().dim_problems(checked, maxtext_cfg)
         model = getattr(maxtext_cfg, "model_name", None)
         scalar = getattr(text, "query_pre_attn_scalar", None)
         if model in self.maxtext_models and scalar is not None and hasattr(maxtext_cfg, "head_dim"):

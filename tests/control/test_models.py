@@ -198,3 +198,21 @@ def test_the_gemma3_12b_spec_validates_and_a_qlora_tile_must_fit_the_gemma3_size
     data["base_model"]["maxtext_model"] = "gemma3-27b"
     with pytest.raises(SpecError, match=r"but not head_dim 128 \(out\); set lora.tile_size to .* e\.g\. 128"):
         validate_spec(data, "gemma3-12b-lora.yaml")
+
+
+def test_gemma3_lets_a_multimodal_table_through_only_by_its_image_rows() -> None:
+    """Released multimodal Gemma 3: text_config.vocab_size 262,208, image token 262,144, MaxText's vocab
+    262,144 (its conversion drops the rows from the image token on). Rows past MaxText's that begin below
+    the image token, or a text-only checkpoint's, would be text: refused."""
+    maxtext = types.SimpleNamespace(**GEMMA3_MAXTEXT, vocab_size=262144)
+
+    def multimodal(vocab: int, image: int) -> types.SimpleNamespace:
+        text = types.SimpleNamespace(**GEMMA3_TEXT, vocab_size=vocab)
+        return types.SimpleNamespace(text_config=text, image_token_index=image)
+
+    gemma3.FAMILY.check_dims(multimodal(262208, 262144), maxtext)
+    for hf in (multimodal(262208, 262000), types.SimpleNamespace(**GEMMA3_TEXT, vocab_size=262208)):
+        with pytest.raises(Exception, match="vocab_size=262208 vs MaxText vocab_size=262144"):
+            gemma3.FAMILY.check_dims(hf, maxtext)
+    with pytest.raises(Exception, match="vocab_size=262000 vs MaxText vocab_size=262144"):
+        gemma3.FAMILY.check_dims(multimodal(262000, 262144), maxtext)  # fewer rows than MaxText's

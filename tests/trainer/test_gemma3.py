@@ -42,10 +42,12 @@ def _restore(ckpt: Path) -> dict:
     return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v) for path, v in flat}
 
 
-def _released_layout(text_only: Path, dest: Path) -> Path:
+def _released_layout(text_only: Path, dest: Path, image_rows: int = 0) -> Path:
     """The tiny model as Google releases Gemma 3 12B/27B: a multimodal config whose text_config is the
     language model's, and its tensors under language_model.model.* (no vision tower: MaxText's text
-    training never reads it)."""
+    training never reads it); ``image_rows``: the embedding then has that many more rows, the first the
+    image token's, as the released table has 64 past the 262,144 text tokens."""
+    import numpy as np
     from safetensors.numpy import load_file, save_file
 
     dest.mkdir()
@@ -54,8 +56,14 @@ def _released_layout(text_only: Path, dest: Path) -> Path:
             (dest / f.name).write_bytes(f.read_bytes())
     text = json.loads((text_only / "config.json").read_text())
     config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text}
-    (dest / "config.json").write_text(json.dumps(config))
     tensors = load_file(str(text_only / "model.safetensors"))
+    if image_rows:
+        table = tensors["model.embed_tokens.weight"]
+        extra = np.random.default_rng(2).standard_normal((image_rows, table.shape[1])).astype(table.dtype)
+        tensors["model.embed_tokens.weight"] = np.concatenate([table, extra])
+        config |= {"image_token_index": text["vocab_size"], "mm_tokens_per_image": 4}
+        text["vocab_size"] += image_rows
+    (dest / "config.json").write_text(json.dumps(config))
     save_file({"language_model." + k: v for k, v in tensors.items()}, str(dest / "model.safetensors"))
     return dest
 
@@ -272,3 +280,28 @@ def test_maxtexts_forward_applies_the_sliding_window_as_the_model_defines_it(tmp
     got = logprobs(np.asarray(logits[0], np.float64))
     # MaxText's tied output reads a bfloat16 copy of the embedding (the module docstring): ~2e-3 here.
     np.testing.assert_allclose(got, windowed, rtol=0, atol=1e-2)
+
+
+def test_a_released_multimodal_table_with_image_rows_converts_without_them(tmp_path: Path) -> None:
+    """The released multimodal Gemma 3's embedding has 262,208 rows (text_config.vocab_size), MaxText's
+    gemma3 models 262,144: the rows past them begin at the image token, and MaxText's conversion drops
+    them. The tiny model in that shape (64 rows more, the image token first) converts to the tiny text
+    table; a text-only checkpoint with a larger vocabulary is still refused (those rows would be text)."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from loraflow.steps import convert_checkpoint
+
+    hf = tinymodel.create(tmp_path / "hf", family="gemma3")
+    released = _released_layout(hf, tmp_path / "released", image_rows=64)
+    assert json.loads((released / "config.json").read_text())["text_config"]["vocab_size"] == 576
+    convert_checkpoint.convert(released, tmp_path / "mm", TINY.maxtext_model, TINY.maxtext_overrides)
+    table = load_file(str(hf / "model.safetensors"))["model.embed_tokens.weight"]
+    root = float(ml_dtypes.bfloat16(math.sqrt(128)))
+    np.testing.assert_array_equal(_restore(tmp_path / "mm")["token_embedder/embedding"], table * np.float32(root))
+
+    text_only = json.loads((hf / "config.json").read_text()) | {"vocab_size": 576}
+    (hf / "config.json").write_text(json.dumps(text_only))
+    with pytest.raises(Exception, match="vocab_size=576 vs MaxText vocab_size=512"):
+        convert_checkpoint.convert(hf, tmp_path / "text", TINY.maxtext_model, TINY.maxtext_overrides)
