@@ -6,7 +6,8 @@ masking); each example's batch is compared with the ids the evaluation path rend
 (``loraflow.evaluation.examples.render_prompts``, as evaluate and the QLoRA answers call it), for
 prompt/completion and chat rows, with and without a system turn, multi-turn, under a template the
 test adds to the tiny tokenizer (ChatML with a default system turn), the tiny model's own and none,
-and the tiny Gemma 3's own (Gemma's template, its turn markers single special tokens).
+and the tiny Gemma 3's own (Gemma's template, its turn markers single special tokens), also with a
+tokenizer that adds its BOS by default as real Gemma 3 and Llama 3 tokenizers do.
 """
 
 from __future__ import annotations
@@ -47,6 +48,28 @@ def gemma3_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tinymodel.create(tmp_path_factory.mktemp("tiny-gemma3") / "hf", [PARITY / "train.jsonl"], family="gemma3")
 
 
+@pytest.fixture(scope="module")
+def gemma3_bos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma 3's tokenizer adding its BOS to every text it encodes by default, as a real Gemma 3's
+    (and Llama 3's) does: a post-processor writes it, and add_bos_token is on. The template writes the BOS
+    too: training must not see it twice."""
+    hf = tinymodel.create(tmp_path_factory.mktemp("tiny-gemma3-bos") / "hf", [PARITY / "train.jsonl"], family="gemma3")
+    bos = tinymodel.GEMMA3_CHAT.bos
+    first = [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]
+    second = [{"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}]
+    tokenizer = json.loads((hf / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": first,
+        "pair": first + second,
+        "special_tokens": {bos: {"id": bos, "ids": [1], "tokens": [bos]}},
+    }
+    (hf / "tokenizer.json").write_text(json.dumps(tokenizer))
+    cfg = json.loads((hf / "tokenizer_config.json").read_text()) | {"add_bos_token": True}
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return hf
+
+
 def _rows() -> list[dict[str, Any]]:
     return [chat_cases.normalised(r) for r in chat_cases.RECORDS]
 
@@ -84,7 +107,8 @@ def _maxtext_batches(tokenizer: Path, dataset: Path, tmp: Path, n: int) -> list[
 
 
 @pytest.mark.parametrize(
-    ("family", "setting"), [("llama", "tokenizer:chatml"), ("llama", "auto"), ("llama", "none"), ("gemma3", "auto")]
+    ("family", "setting"),
+    [("llama", "tokenizer:chatml"), ("llama", "auto"), ("llama", "none"), ("gemma3", "auto"), ("gemma3_bos", "auto")],
 )
 def test_training_inputs_begin_with_the_eval_prompt_ids_and_only_answers_are_learned(
     request: pytest.FixtureRequest, tmp_path: Path, family: str, setting: str
@@ -92,6 +116,10 @@ def test_training_inputs_begin_with_the_eval_prompt_ids_and_only_answers_are_lea
     from transformers import AutoTokenizer
 
     tokenizer = request.getfixturevalue("tokenizer" if family == "llama" else f"{family}_tokenizer")
+    if family == "gemma3_bos":
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(str(tokenizer))("odd")["input_ids"][0] == 1  # adds its BOS by default
     template = ct.resolve(setting, tokenizer)
     dataset = tmp_path / "dataset"
     dataset.mkdir()
