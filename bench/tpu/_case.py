@@ -285,12 +285,13 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
     ends: list[float] = []
     _step_clock(ends)
     t = time.perf_counter()
-    said: list[tuple[float, str]] = []  # when the stage said what: where its wall goes, line by line
+    said: list[tuple[float, str, int | None]] = []  # when the stage said what (and the chip's peak then)
     say = ctx.progress
 
-    def timed(message: str) -> None:
-        said.append((round(time.perf_counter() - t, 2), message[:100]))
-        say(message)
+    def timed(message: str) -> None:  # with the chip's peak so far: a call cut short still shows it
+        peak = peak_memory()["peak_bytes_in_use"]
+        said.append((round(time.perf_counter() - t, 2), message[:100], peak))
+        say(f"{message} [peak {peak / 2**30:.2f} GiB]" if peak else message)
 
     ctx.progress = timed
     if case["mode"] == "loraflow":

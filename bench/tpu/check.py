@@ -66,7 +66,7 @@ def phases() -> dict[str, list[dict[str, Any]]]:
         frontier += [{**_train(size, "maxtext", "bfloat16", q, 5), "init": "random"} for q in ("nf4", "none")]
     # The moonshot: QLoRA of an 8B Llama-3.1-shaped model from a converted checkpoint, through lora_sft,
     # which builds and quantizes the model in host memory on one chip (its prepare takes most of a call).
-    moonshot = [{"kind": "prepare", "size": "8b"}, _train("8b", "loraflow", "bfloat16", "nf4", 12)]
+    moonshot = [{"kind": "prepare", "size": "8b"}, _train("8b", "loraflow", "bfloat16", "nf4", 8)]
     return {"tiny": tiny, **large, "8b": frontier, "8b-qlora": moonshot}
 
 

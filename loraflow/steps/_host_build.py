@@ -72,14 +72,48 @@ def _place(host_model: Any, abstract_model: Any, mesh: Any) -> Any:
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
 
 
-def _build(config: Any, from_pretrained: Callable[..., Any], apply_lora: Callable[..., Any], progress: Progress):
+def _restored_on_host(config: Any) -> Any:
+    """The model on the host's CPU with its weights read from loraflow's converted checkpoint (MaxText's
+    linen layout, ``{"params": {"params": tree}}``) straight into place: not MaxText's ``from_pretrained``,
+    which first initialises every weight at random and keeps a copy of them as the restore target, four
+    times the model in host memory where this needs one and a bit. Its other state (the RNG streams) is
+    made as MaxText makes it, by a compiled model build that computes nothing else."""
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.utils import model_creation_utils
+
+    host = _host_devices()
+    with logical_axis_rules(config.logical_axis_rules):
+        create, abstract = model_creation_utils.create_nnx_abstract_model(config, devices=host)
+        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+        with jax.default_device(host[0]):
+            rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
+    target = {"params": {"params": nnx.to_pure_dict(params)}}
+    checkpointer = ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(
+            use_ocdbt=config.checkpoint_storage_use_ocdbt, use_zarr3=config.checkpoint_storage_use_zarr3
+        )
+    )
+    restored = checkpointer.restore(
+        str(config.load_parameters_path),
+        item=target,
+        transforms={},
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+    )
+    nnx.replace_by_pure_dict(params, restored["params"]["params"])
+    return nnx.merge(graphdef, params, rest), abstract.mesh
+
+
+def _build(config: Any, apply_lora: Callable[..., Any], progress: Progress) -> tuple[Any, Any]:
     import jax
     from flax import nnx
     from flax.core.spmd import logical_axis_rules
     from maxtext.utils import model_creation_utils
 
     started = time.monotonic()
-    host_model, host_mesh = from_pretrained(config, devices=_host_devices())
+    host_model, host_mesh = _restored_on_host(config)
     progress(
         f"QLoRA: base model restored into host memory ({_bytes(nnx.state(host_model)) / GIB:.2f} GiB) "
         f"in {time.monotonic() - started:.0f}s; quantizing there"
@@ -110,11 +144,9 @@ def built_on_host(progress: Progress) -> Iterator[None]:
     from_pretrained, apply_lora = creation.from_pretrained, lora.apply_lora_to_model
 
     def build(config: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            raise LoraflowError(
-                "QLoRA host build: MaxText's from_pretrained was called with arguments it does not expect"
-            )
-        return _build(config, from_pretrained, apply_lora, progress)
+        if args or kwargs or not config.load_parameters_path:
+            raise LoraflowError("QLoRA host build: MaxText's from_pretrained was called in a way it does not expect")
+        return _build(config, apply_lora, progress)
 
     def applied(model: Any, mesh: Any, config: Any) -> Any:
         return model
