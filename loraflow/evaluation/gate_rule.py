@@ -251,6 +251,6 @@ def guard_check(
         )
     else:
         passed = True
-        within = "the interval's lower bound and the measured change are" if rule == "interval" else "within"
+        within = "the change and the interval's lower bound within" if rule == "interval" else "within"
         reason = f"guard {guard_set}: {scores}, {within} the allowed drop of {max_drop:.3f}; {evidence}"
     return GuardCheck(**p.evidence(), passed=passed, set=guard_set, max_drop=max_drop, rule=rule, reason=reason)

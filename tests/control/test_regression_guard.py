@@ -36,12 +36,19 @@ def outcomes(pattern: str) -> dict[str, bool]:
 def test_a_drop_within_max_drop_passes_and_one_beyond_fails_saying_by_how_much() -> None:
     base = outcomes("1" * 60 + "0" * 40)  # 0.60
     small = guard_check(base, outcomes("1" * 57 + "0" * 43), max_drop=0.05, guard_set="general-mc-v1")
-    assert small.passed and small.delta == pytest.approx(-0.03) and small.broken == 3 and small.fixed == 0
-    assert "within the allowed drop of 0.050" in small.reason and "general-mc-v1" in small.reason
+    assert small.passed is True and small.delta == pytest.approx(-0.03) and small.broken == 3 and small.fixed == 0
+    assert "accuracy 0.600 -> 0.570 (-0.030) on 100 questions, within the allowed drop of 0.050" in small.reason
+    assert small.reason.startswith("guard general-mc-v1: ")
     big = guard_check(base, outcomes("1" * 48 + "0" * 52), max_drop=0.05, guard_set="general-mc-v1")
-    assert not big.passed and big.delta == pytest.approx(-0.12)
+    assert big.passed is False and big.delta == pytest.approx(-0.12)
     assert "a drop of 0.120, more than the allowed 0.050 (by 0.070)" in big.reason
     assert "12 questions broken, 0 fixed" in big.reason
+    record = big.as_dict()  # what decision.json holds under guard
+    assert {k: record[k] for k in ("passed", "set", "max_drop", "rule", "n", "confidence", "bootstrap_samples",
+                                   "seed")} == {"passed": False, "set": "general-mc-v1", "max_drop": 0.05,
+                                                "rule": "estimate", "n": 100, "confidence": 0.95,
+                                                "bootstrap_samples": 2000, "seed": 0}  # fmt: skip
+    assert guard_check(base, base, max_drop=0.0).set == "guard"  # the name when none is given
 
 
 def test_a_drop_exactly_at_max_drop_passes() -> None:
@@ -70,7 +77,14 @@ def test_the_interval_rule_refuses_a_drop_not_shown_to_be_small() -> None:
     estimate = guard_check(base, tuned, max_drop=0.1)
     interval = guard_check(base, tuned, max_drop=0.1, rule="interval")
     assert estimate.passed and estimate.ci[0] < -0.1
-    assert not interval.passed and "cannot show the drop is small enough" in interval.reason
+    assert interval.passed is False and "cannot show the drop is small enough" in interval.reason
+    assert f"the 95% interval's lower bound {interval.ci[0]:+.3f} allows a drop of {-interval.ci[0]:.3f}" in (
+        interval.reason
+    )
+    # a lower bound exactly at -max_drop passes; one a hair below does not
+    at = guard_check(base, tuned, max_drop=-estimate.ci[0], rule="interval")
+    assert at.passed is True and "the change and the interval's lower bound within the allowed drop" in at.reason
+    assert guard_check(base, tuned, max_drop=-estimate.ci[0] - 1e-6, rule="interval").passed is False
     many = guard_check(outcomes(("1111" + "0" * 36) * 20), outcomes(("0000" + "11" + "0" * 34) * 20), max_drop=0.1,
                        rule="interval")  # fmt: skip
     assert many.passed, many.reason  # the same rates on 800 questions: the interval is narrow enough
@@ -79,10 +93,12 @@ def test_the_interval_rule_refuses_a_drop_not_shown_to_be_small() -> None:
 def test_the_guard_refuses_unpaired_sets_and_bad_settings() -> None:
     with pytest.raises(GateError, match="different examples"):
         guard_check(outcomes("01"), {"x": True, "y": False}, max_drop=0.1)
-    with pytest.raises(GateError, match="unknown guard rule 'strict'"):
+    with pytest.raises(GateError, match="unknown guard rule 'strict'; use one of: estimate, interval"):
         guard_check(outcomes("01"), outcomes("01"), max_drop=0.1, rule="strict")
-    with pytest.raises(GateError, match=r"max_drop must lie in \[0, 1\]"):
-        guard_check(outcomes("01"), outcomes("01"), max_drop=1.5)
+    for bad in (1.5, -0.1):
+        with pytest.raises(GateError, match=r"max_drop must lie in \[0, 1\]"):
+            guard_check(outcomes("01"), outcomes("01"), max_drop=bad)
+    assert guard_check(outcomes("10"), outcomes("01"), max_drop=1.0).passed is True  # both ends allowed
 
 
 # ------------------------------------------------------------------------------------ shipped sets
