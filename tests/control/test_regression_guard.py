@@ -12,7 +12,7 @@ import yaml
 
 from loraflow.errors import SpecError
 from loraflow.evaluation import guard, guard_data
-from loraflow.evaluation.gate_rule import GateError, decide, guard_check
+from loraflow.evaluation.gate_rule import GateError, decide, guard_check, paired
 from loraflow.pipeline import plan
 from loraflow.spec.schema import validate_spec
 from loraflow.steps import gate
@@ -69,6 +69,15 @@ def test_the_guard_is_the_gates_paired_bootstrap() -> None:
     d = decide(base, tuned, confidence=0.9, bootstrap_samples=500, seed=3)
     assert check.ci == d.ci and check.delta == d.delta and (check.fixed, check.broken) == (d.fixed, d.broken)
     assert check.as_dict()["ci"] == list(d.ci)
+
+
+def test_the_paired_comparison_follows_the_metrics_direction() -> None:
+    """Where lower is better (an error rate), the gain is base - tuned and a fall is what promotes."""
+    base, tuned = outcomes("1" * 50 + "0" * 50), outcomes("1" * 20 + "0" * 80)
+    p = paired(base, tuned, confidence=0.95, bootstrap_samples=200, seed=0, higher_is_better=False)
+    assert p.delta == pytest.approx(0.3) and (p.fixed, p.broken) == (30, 0) and p.ci[0] > 0
+    d = decide(base, tuned, metric="error_rate", min_improvement=0.2, higher_is_better=False)
+    assert d.promote is True and d.reason.startswith("error_rate fell by +0.300 (0.500 -> 0.200)")
 
 
 def test_the_interval_rule_refuses_a_drop_not_shown_to_be_small() -> None:
