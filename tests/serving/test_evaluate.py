@@ -398,19 +398,26 @@ def _engine_teardowns_at_exit() -> dict[int, bool]:
 # ---------------------------------------------------------------------------- the real command line
 
 
-def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: Path) -> None:
-    """``python -m loraflow.steps.evaluate`` through the harness: gs:// inputs in, a committed manifest out."""
+def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: Path, tmp_path: Path) -> None:
+    """``python -m loraflow.steps.evaluate`` through the harness: gs:// inputs in, a committed manifest out;
+    a user's own guard set (gate.guard.set: gs://...) comes as the guard_set input and is scored."""
     import os
     import subprocess
     import sys
 
+    from loraflow.evaluation import guard
     from loraflow.pipeline import artifacts, gcs
 
     bucket_name, base = gcs.split_uri(gcs_bucket)
     bucket = gcs.client().bucket(bucket_name)
-    for name, local in (("model", tiny_model), ("eval", eval_set)):
+    mine = tmp_path / "guard"
+    mine.mkdir()
+    shipped = guard.shipped_path("general-mc-v1").read_text().splitlines(keepends=True)
+    (mine / "mine.jsonl").write_text("".join(shipped[:6]))
+    for name, local in (("model", tiny_model), ("eval", eval_set), ("guard", mine)):
         for f in sorted(local.iterdir()):
             bucket.blob(f"{base}/sources/{name}/{f.name}").upload_from_filename(str(f))
+    guard_uri = f"{gcs_bucket}/sources/guard/mine.jsonl"
     output = f"{gcs_bucket}/tiny/run1/evaluate_base"
     argv = [
         sys.executable,
@@ -422,8 +429,10 @@ def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: 
         f"model={gcs_bucket}/sources/model",
         "--input",
         f"eval_set={gcs_bucket}/sources/eval",
+        "--input",
+        f"guard_set={guard_uri}",
         "--config-json",
-        json.dumps(CONFIG | {"max_examples": 8}),
+        json.dumps(CONFIG | {"max_examples": 8, "guard_set": guard_uri}),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -432,11 +441,14 @@ def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: 
     result = [ln for ln in proc.stdout.splitlines() if ln.startswith("LORAFLOW_RESULT ")]
     assert len(result) == 1
     summary = json.loads(result[0].removeprefix("LORAFLOW_RESULT "))["summary"]
-    assert set(summary) == SUMMARY_KEYS
+    assert set(summary) == SUMMARY_KEYS | {"guard_accuracy"}
     assert summary["n"] == 8
     manifest = artifacts.read_manifest(output)
     assert manifest.data["stage"] == "evaluate_base"
-    assert {evaluate.PREDICTIONS_JSONL, evaluate.METRICS_JSON} <= set(manifest.files)
+    assert {evaluate.PREDICTIONS_JSONL, evaluate.METRICS_JSON, guard.PREDICTIONS_FILE} <= set(manifest.files)
+    assert manifest.data["inputs"]["guard_set"]["uri"] == guard_uri  # fingerprinted like every input
+    assert f"guard {guard_uri} (sha256 {guard.sha256_of(mine / 'mine.jsonl')[:12]})" in proc.stdout
+    assert "over n=6 questions, 24 options scored" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- chat templates
