@@ -71,7 +71,7 @@ from loraflow.steps._harness import StepContext, exit_process, import_permanentl
 #: The CPU backend's KV cache, when the config does not say, is what ``batch_size`` sequences of
 #: ``max_model_len`` tokens can fill (vLLM's own default takes about half the machine's memory, which it
 #: zero-fills at start-up, and profiles a warm-up pass first: ~30 s on 2 cores), at most this share of
-#: the machine's memory, and at least one whole sequence.
+#: the machine's memory, and at least one whole sequence (plus the one block vLLM keeps for itself).
 CPU_KV_CACHE_MAX_SHARE = 0.25
 #: ... or this, for a checkpoint whose config.json does not give the attention's shape.
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -178,9 +178,10 @@ def cpu_kv_cache_bytes(model_dir: Path, cfg: EvaluateConfig, memory_bytes: int) 
     per_token = kv_bytes_per_token(json.loads((model_dir / "config.json").read_text()), cfg.dtype)
     if per_token is None:
         return CPU_KV_CACHE_BYTES
-    # a sequence holds whole blocks of the cache
-    sequence = -(-cfg.max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token
-    return max(sequence, min(cfg.batch_size * sequence, int(memory_bytes * CPU_KV_CACHE_MAX_SHARE)))
+    # a sequence holds whole blocks of the cache; vLLM keeps one block for itself
+    block = KV_BLOCK_TOKENS * per_token
+    sequence = -(-cfg.max_model_len // KV_BLOCK_TOKENS) * block
+    return block + max(sequence, min(cfg.batch_size * sequence, int(memory_bytes * CPU_KV_CACHE_MAX_SHARE)))
 
 
 def _memory_bytes() -> int:

@@ -128,8 +128,9 @@ def test_engine_kwargs_cpu_and_accelerator(tmp_path: Path) -> None:
     cpu = evaluate.engine_kwargs(tmp_path, cfg, cpu=True)
     assert cpu["distributed_executor_backend"] == "uni"
     assert cpu["enforce_eager"] is True
-    # 8 sequences of the default 1024 tokens, at 128 KiB each: 1 GiB, below a quarter of any test machine
-    assert cpu["kv_cache_memory_bytes"] == 8 * 1024 * (128 << 10)
+    # 8 sequences of the default 1024 tokens and vLLM's own block, at 128 KiB a token: 1 GiB + 16 MiB,
+    # below a quarter of any test machine
+    assert cpu["kv_cache_memory_bytes"] == (128 + 8 * 1024) * (128 << 10)
     gpu = evaluate.engine_kwargs(tmp_path, evaluate.resolve_config({"tensor_parallel_size": 4}), cpu=False)
     assert gpu["tensor_parallel_size"] == 4
     assert "distributed_executor_backend" not in gpu
@@ -141,21 +142,23 @@ def test_engine_kwargs_cpu_and_accelerator(tmp_path: Path) -> None:
 
 def test_cpu_kv_cache_is_sized_from_the_model_and_the_batch(tmp_path: Path) -> None:
     """Enough for every sequence of a batch at full length (none waits for another's blocks), in the
-    served dtype, at most a quarter of the memory, never less than one sequence (vLLM refuses to start)."""
+    served dtype, at most a quarter of the memory, never less than one sequence (vLLM refuses to start),
+    and one block (128 tokens) more, which vLLM keeps for itself."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
     size = evaluate.cpu_kv_cache_bytes
+    token, block = 256 << 10, 128 * (256 << 10)  # float32: twice bf16's bytes
     cfg = evaluate.resolve_config({"dtype": "float32", "batch_size": 4, "max_model_len": 512})
-    assert size(tmp_path, cfg, 64 << 30) == 4 * 512 * (256 << 10)  # float32: twice bf16's bytes
-    assert size(tmp_path, cfg, 1 << 30) == 256 << 20  # capped at a quarter of 1 GiB
-    assert size(tmp_path, cfg, 100 << 20) == 512 * (256 << 10)  # one whole sequence at least
+    assert size(tmp_path, cfg, 64 << 30) == block + 4 * 512 * token
+    assert size(tmp_path, cfg, 1 << 30) == block + (256 << 20)  # capped at a quarter of 1 GiB
+    assert size(tmp_path, cfg, 100 << 20) == block + 512 * token  # one whole sequence at least
     # ... in whole blocks of the cache (128 tokens each)
     odd = evaluate.resolve_config({"dtype": "float32", "batch_size": 4, "max_model_len": 300})
-    assert size(tmp_path, odd, 100 << 20) == 384 * (256 << 10)
+    assert size(tmp_path, odd, 100 << 20) == block + 384 * token
     # head_dim given explicitly wins over hidden_size / heads; no num_key_value_heads: one per head
     (tmp_path / "config.json").write_text(
         json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "head_dim": 32})
     )
-    assert size(tmp_path, cfg, 64 << 30) == 4 * 512 * (2 * 2 * 4 * 32 * 4)
+    assert size(tmp_path, cfg, 64 << 30) == (128 + 4 * 512) * (2 * 2 * 4 * 32 * 4)
     for unknown in ({"model_type": "unknown"}, {"num_hidden_layers": 2, "num_attention_heads": 0, "hidden_size": 64}):
         (tmp_path / "config.json").write_text(json.dumps(unknown))
         assert size(tmp_path, cfg, 64 << 30) == evaluate.CPU_KV_CACHE_BYTES
@@ -320,6 +323,20 @@ def test_progress_per_batch(
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[evaluate_base] batch ")]
     assert len(lines) == 3
     assert "10/10 examples" in lines[-1]
+
+
+def test_one_prompt_at_a_time_on_cpu_starts_and_evaluates(
+    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    """``batch_size: 1`` on the CPU backend: the KV cache sized for one sequence must leave vLLM the block
+    it keeps for itself, or the engine refuses to start ("not enough KV cache for one request")."""
+    cfg = CONFIG | {"batch_size": 1, "max_examples": 3}
+    one = evaluate.build_engine(tiny_model, evaluate.resolve_config(cfg))
+    try:
+        summary = evaluate.evaluate(make_ctx(tmp_path, tiny_model, eval_set, cfg), one)
+    finally:
+        one.close()
+    assert summary["n"] == 3
 
 
 def test_deterministic_same_engine(
