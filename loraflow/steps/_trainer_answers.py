@@ -16,6 +16,7 @@ multi-host job runs the same computation on the same (replicated) prompts.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ def answer_eval_prompts(
         logical_axis_rules,
         prompts,
         max_new_tokens,
-        tokenizer.eos_token_id,
+        stop_ids(tokenizer_dir, tokenizer.eos_token_id),
         tokenizer.pad_token_id or 0,
         batch_size,
     )
@@ -97,11 +98,11 @@ def greedy(
     logical_axis_rules: Any,
     prompts: list[list[int]],
     max_new_tokens: int,
-    eos_id: int,
+    stop: frozenset[int],
     pad_id: int,
     batch_size: int,
 ) -> list[list[int]]:
-    """The greedy continuation (without the prompt, up to and without EOS) of every prompt."""
+    """The greedy continuation (without the prompt, up to and without the first ``stop`` token) of every prompt."""
     import numpy as np
 
     window = max(len(p) for p in prompts) + max_new_tokens
@@ -115,11 +116,22 @@ def greedy(
         for i, p in enumerate(rows):
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in rows], np.int32)
-        answers.extend(_decode(model, step, tokens, lengths, max_new_tokens, eos_id)[: len(chunk)])
+        answers.extend(_decode(model, step, tokens, lengths, max_new_tokens, stop)[: len(chunk)])
     return answers
 
 
-def _decode(model: Any, step: Any, tokens: Any, lengths: Any, max_new_tokens: int, eos_id: int) -> list[list[int]]:
+def stop_ids(tokenizer_dir: Path, eos_id: int | None) -> frozenset[int]:
+    """Where an answer ends, as vLLM ends it: the tokenizer's EOS and every ``eos_token_id`` the checkpoint's
+    ``generation_config.json`` lists (an instruct model's end of turn, Gemma's ``<end_of_turn>``)."""
+    path = tokenizer_dir / "generation_config.json"
+    listed = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    ids = listed if isinstance(listed, list) else [listed]
+    return frozenset(int(i) for i in [eos_id, *ids] if i is not None)
+
+
+def _decode(
+    model: Any, step: Any, tokens: Any, lengths: Any, max_new_tokens: int, stop: frozenset[int]
+) -> list[list[int]]:
     import numpy as np
 
     new: list[list[int]] = [[] for _ in range(len(lengths))]
@@ -127,7 +139,7 @@ def _decode(model: Any, step: Any, tokens: Any, lengths: Any, max_new_tokens: in
     for _ in range(max_new_tokens):
         nxt = np.asarray(step(model, tokens, lengths))
         for i in np.flatnonzero(~done):
-            if nxt[i] == eos_id:
+            if int(nxt[i]) in stop:
                 done[i] = True
                 continue
             tokens[i, lengths[i]] = nxt[i]
