@@ -325,20 +325,6 @@ def test_progress_per_batch(
     assert "10/10 examples" in lines[-1]
 
 
-def test_one_prompt_at_a_time_on_cpu_starts_and_evaluates(
-    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
-) -> None:
-    """``batch_size: 1`` on the CPU backend: the KV cache sized for one sequence must leave vLLM the block
-    it keeps for itself, or the engine refuses to start ("not enough KV cache for one request")."""
-    cfg = CONFIG | {"batch_size": 1, "max_examples": 3}
-    one = evaluate.build_engine(tiny_model, evaluate.resolve_config(cfg))
-    try:
-        summary = evaluate.evaluate(make_ctx(tmp_path, tiny_model, eval_set, cfg), one)
-    finally:
-        one.close()
-    assert summary["n"] == 3
-
-
 def test_deterministic_same_engine(
     baseline: tuple[dict[str, Any], Path], engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path: Path
 ) -> None:
@@ -398,6 +384,22 @@ def test_sharded_checkpoint_through_run(
     after = _engine_teardowns_at_exit()
     assert [on for key, on in after.items() if key not in before] == [False], (before, after)  # run's engine
     assert True in before.values() and all(after.get(key, on) == on for key, on in before.items())  # the fixture's
+
+
+def test_one_prompt_at_a_time_on_cpu_starts_and_evaluates(
+    baseline: tuple[dict[str, Any], Path], tiny_model: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    """``batch_size: 1`` on the CPU backend, through the step (a fresh engine, left to the end of the
+    process as the step leaves it: closing it would also end the module's engine's process group): the KV
+    cache sized for one sequence must leave vLLM the block it keeps for itself, or the engine refuses to
+    start ("not enough KV cache for one request")."""
+    cfg = CONFIG | {"batch_size": 1, "max_examples": 3}
+    summary = evaluate.run(make_ctx(tmp_path, tiny_model, eval_set, cfg))
+    assert summary["n"] == 3
+    _, out1 = baseline
+    assert [p["generation"] for p in read_predictions(tmp_path / "out")] == [
+        p["generation"] for p in read_predictions(out1)
+    ][:3]
 
 
 def _engine_teardowns_at_exit() -> dict[int, bool]:
