@@ -28,10 +28,12 @@ Progress = Callable[[str], None]
 GIB = 1 << 30
 
 
-def _bytes(state: Any) -> int:
+def device_bytes(tree: Any) -> int:
+    """The bytes a tree's arrays take where they live (``on_device_size_in_bytes``: ``nbytes`` misreports
+    packed 4-bit arrays)."""
     import jax
 
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if hasattr(x, "nbytes"))
+    return sum(x.on_device_size_in_bytes() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array))
 
 
 def _host_devices() -> list[Any]:
@@ -115,7 +117,7 @@ def _build(config: Any, apply_lora: Callable[..., Any], progress: Progress) -> t
     started = time.monotonic()
     host_model, host_mesh = _restored_on_host(config)
     progress(
-        f"QLoRA: base model restored into host memory ({_bytes(nnx.state(host_model)) / GIB:.2f} GiB) "
+        f"QLoRA: base model restored into host memory ({device_bytes(nnx.state(host_model)) / GIB:.2f} GiB) "
         f"in {time.monotonic() - started:.0f}s; quantizing there"
     )
     with jax.set_mesh(host_mesh), logical_axis_rules(config.logical_axis_rules):
@@ -129,7 +131,7 @@ def _build(config: Any, apply_lora: Callable[..., Any], progress: Progress) -> t
         model = _place(host_model, abstract_lora, mesh)
     progress(
         f"QLoRA: model placed on {mesh.devices.size} {jax.devices()[0].platform} device(s): "
-        f"{_bytes(nnx.state(model)) / GIB:.2f} GiB, built in {time.monotonic() - started:.0f}s"
+        f"{device_bytes(nnx.state(model)) / GIB:.2f} GiB, built in {time.monotonic() - started:.0f}s"
     )
     return model, mesh
 

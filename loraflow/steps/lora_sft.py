@@ -708,12 +708,9 @@ def _state_bytes(trainer: Any) -> dict[str, int]:
     """Device bytes of the training state: the model (base weights, quantized or not, and the adapter),
     the adapter alone, and the optimizer's state (measured with ``on_device_size_in_bytes``: ``nbytes``
     misreports packed 4-bit arrays)."""
-    import jax
     from flax import nnx
 
-    def size(tree: Any) -> int:
-        return sum(x.on_device_size_in_bytes() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array))
-
+    size = _host_build.device_bytes
     model, adapter, optimizer = (
         nnx.state(trainer.model),
         nnx.state(trainer.model, nnx.LoRAParam),
