@@ -46,8 +46,11 @@ def _abstract(model: Any) -> bool:
     )
 
 
-def traced_apply(eager: Callable[..., Any], progress: Progress, model: Any, provider: Any, **inputs: Any) -> Any:
-    """``eager(model, provider, **inputs)`` (qwix's apply_lora_to_model signature), traced: see the module doc."""
+def compiled(eager: Callable[..., Any], model: Any, provider: Any, **inputs: Any) -> tuple[Any, Any, Any, int]:
+    """The compiled program of ``eager(model, provider, **inputs)`` (qwix's apply_lora_to_model
+    signature) that returns only what the call creates or changes; with the state to run it on,
+    ``finish(output)``, which makes the LoRA model from that program's output, and how many frozen
+    weights pass through untouched. ``model`` may be abstract (``nnx.eval_shape``): nothing runs."""
     import jax
     from flax import nnx
 
@@ -65,16 +68,25 @@ def traced_apply(eager: Callable[..., Any], progress: Progress, model: Any, prov
         built["kept"] = {path for path, var in flat if _passes_through(before.get(path), var)}
         return nnx.from_flat_state([(path, var) for path, var in flat if path not in built["kept"]])
 
+    def finish(output: Any) -> Any:
+        fresh = dict(nnx.to_flat_state(output))
+        whole = nnx.from_flat_state([(p, before[p] if p in built["kept"] else fresh[p]) for p in built["paths"]])
+        return nnx.merge(built["graphdef"], whole)[0]
+
     program = jax.jit(changed).lower(state).compile()
-    fresh = dict(nnx.to_flat_state(program(state)))
-    whole = nnx.from_flat_state([(p, before[p] if p in built["kept"] else fresh[p]) for p in built["paths"]])
-    lora_model, _ = nnx.merge(built["graphdef"], whole)
+    return program, state, finish, len(built["kept"])
+
+
+def traced_apply(eager: Callable[..., Any], progress: Progress, model: Any, provider: Any, **inputs: Any) -> Any:
+    """``eager(model, provider, **inputs)``, traced: see the module doc."""
+    program, state, finish, kept = compiled(eager, model, provider, **inputs)
+    lora_model = finish(program(state))
     memory = program.memory_analysis()
     if memory is not None:
         mib = 1 << 20
         progress(
             f"LoRA applied under jit: {memory.output_size_in_bytes / mib:.1f} MiB of new parameters, "
-            f"{memory.temp_size_in_bytes / mib:.1f} MiB scratch; {len(built['kept'])} frozen weights kept, not copied"
+            f"{memory.temp_size_in_bytes / mib:.1f} MiB scratch; {kept} frozen weights kept, not copied"
         )
     return lora_model
 

@@ -181,3 +181,48 @@ def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, quantiza
     different = [k for k in built if built[k].dtype != reference[k].dtype or not np.array_equal(built[k], reference[k])]
     assert different == [], different
     assert any("restored into host memory" in n for n in notes) and any("model placed on" in n for n in notes)
+
+
+def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(converted):
+    """Quantizing on the host is one compiled program over the whole layer stack; its scratch must stay
+    about one layer's, whatever the depth (an 8B model's stack in f32 is ~30 GiB: more than a TPU host
+    has beside the model). Compiled from shapes only, for a 16-layer model: nothing is allocated."""
+    import jax
+    import qwix
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.utils import lora_utils, model_creation_utils
+
+    from loraflow.steps import _host_build, _lora_apply
+
+    ctx = _sft_context(converted, "host-scratch", steps=2, quantization="nf4", tile_size=32)
+    _, _, mt_config = _model_and_config(ctx)
+    layers = 16
+    config = _host_build.host_config(mt_config.model_copy(update={"num_decoder_layers": layers}))
+    eager, scratch = qwix.apply_lora_to_model, []
+
+    class Compiled(Exception):
+        pass
+
+    def compile_only(model: Any, provider: Any, **inputs: Any) -> Any:
+        program, *_ = _lora_apply.compiled(eager, model, provider, **inputs)
+        scratch.append(program.memory_analysis().temp_size_in_bytes)
+        raise Compiled
+
+    host = jax.local_devices(backend="cpu")[:1]
+    with logical_axis_rules(config.logical_axis_rules):
+        _, abstract = model_creation_utils.create_nnx_abstract_model(config, devices=host)
+        qwix.apply_lora_to_model = compile_only
+        try:
+            with jax.set_mesh(abstract.mesh), pytest.raises(Compiled):
+                lora_utils.apply_lora_to_model(abstract, abstract.mesh, config)
+        finally:
+            qwix.apply_lora_to_model = eager
+    kernels = [
+        var.get_value()
+        for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
+        if "layers" in path and path[-1] == "kernel"
+    ]
+    stack = sum(k.size for k in kernels) * 4  # every targeted kernel of every layer, in f32
+    assert kernels and all(k.shape[0] == layers for k in kernels)  # the host's stacks: layer axis first
+    assert scratch and scratch[0] < 3 * stack / layers, (scratch, stack)
