@@ -82,12 +82,13 @@ def _scan_axis(var: Any) -> int | None:
 
 def _moved(value: Any, source: int | None, target: int | None) -> Any:
     """``value`` with its layer axis moved from ``source`` to ``target`` (MaxText's own rule: an array
-    with no more dimensions than the axis is not stacked along it)."""
-    import jax.numpy as jnp
+    with no more dimensions than the axis is not stacked along it). A host-memory view, copied by the
+    ``device_put`` that takes it: no program runs, so no mesh in context can claim it."""
+    import numpy as np
 
     if source is None or target is None or source == target or value.ndim <= max(source, target):
         return value
-    return jnp.moveaxis(value, source, target)
+    return np.moveaxis(np.asarray(value), source, target)
 
 
 def host_config(config: Any) -> Any:
@@ -138,11 +139,10 @@ def _restored_on_host(config: Any) -> Any:
     arrays = dict(nnx.to_flat_state(nnx.State(restored["params"]["params"])))
     del restored, target
     axes = {path: _scan_axis(var) for path, var in nnx.to_flat_state(stored_params)}
-    with jax.default_device(host[0]):
-        for path, var in nnx.to_flat_state(params):
-            value = arrays.pop(path)  # the checkpoint's array goes as soon as its moved copy exists
-            var.set_value(_moved(value, axes[path], _scan_axis(var)))
-            del value
+    for path, var in nnx.to_flat_state(params):
+        value = arrays.pop(path)  # the checkpoint's array goes as soon as its moved copy exists
+        var.set_value(jax.device_put(_moved(value, axes[path], _scan_axis(var)), host[0]))
+        del value
     return nnx.merge(graphdef, params, rest), abstract.mesh
 
 
