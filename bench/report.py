@@ -712,13 +712,22 @@ def sec_families(d: dict) -> list[str]:
     return [*out, ""]
 
 
+TPU_PHASES = ("tiny", "1b", "3b", "8b", "8b-qlora")
+
+
 def _tpu_runs() -> tuple[list[dict], dict | None]:
     """Every case of the TPU check's phases (bench/tpu/check.py), and the chip's matmul result."""
     runs: list[dict] = []
-    for phase in ("tiny", "1b", "3b", "8b", "8b-qlora"):
+    for phase in TPU_PHASES:
         runs += (load(f"tpu-{phase}") or {}).get("results", [])
     mm = next((r for r in runs if r.get("case", {}).get("kind") == "matmul" and "failed" not in r), None)
     return runs, mm
+
+
+def _tpu_when() -> str:
+    """When each TPU phase was measured (its results file's saved_at)."""
+    saved = {phase: (load(f"tpu-{phase}") or {}).get("saved_at") for phase in TPU_PHASES}
+    return "; ".join(f"{phase} {when}" for phase, when in saved.items() if when)
 
 
 def _tpu_row(r: dict, peak_tflops: float | None) -> str:
@@ -759,7 +768,7 @@ def sec_tpu(d: dict) -> list[str]:
     out = [
         "## 9. Training on a TPU v5e chip",
         "",
-        f"*Measured {d.get('saved_at', '?')} on a single-chip machine (13 CPU cores; "
+        f"*Measured {_tpu_when()} on a single-chip machine (13 CPU cores; "
         "one process per case, nothing else on the chip).*",
         "",
         f"loraflow's convert and lora_sft stage functions on one {dev.get('device_kind', '?')} chip "
