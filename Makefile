@@ -101,11 +101,12 @@ $(REDIS_SERVER):
 # tiny pipeline, every stage killed once and finished by Airflow's retries, the data-team hand-off,
 # lora_sft on the Vertex AI stand-in under a deferring Airflow, the browser test, eight concurrent
 # runs on PostgreSQL (installed from Debian packages when missing), and the tiny pipeline on Celery
-# workers with a Redis broker, one worker lost mid-stage.
+# workers with a Redis broker, one worker lost mid-stage. The 15 slowest steps (set-up included) are
+# listed at the end: CI's budget is 90 minutes, and e2e is most of it.
 E2E := $(wildcard tests/e2e/test_*.py)
 
 test-e2e: envs $(CHROMIUM) $(REDIS_SERVER)
-	LORAFLOW_CHROMIUM=$(CHROMIUM) $(CONTROL) -m pytest $(E2E) -q -s $(PYTEST_ARGS)
+	LORAFLOW_CHROMIUM=$(CHROMIUM) $(CONTROL) -m pytest $(E2E) -q -s --durations=15 $(PYTEST_ARGS)
 
 test: lint typecheck test-control test-trainer test-serving test-e2e  ## set up and run every check and test (what CI runs)
 
