@@ -22,7 +22,11 @@ generation, so no answer format for a base model to miss):
   assistant turn with that content, up to the end of the content (the end-of-turn tokens after it are
   not scored: they would measure how the model stops, not what it knows), tokenised alone, as
   training tokenises an answer piece, and appended to the prompt's ids: the boundary between
-  question and answer falls where training puts it;
+  question and answer falls where training puts it. Where the content ends is found from the
+  template's structure, never by searching for the option's text (Qwen3 writes ``<think>\n\n</think>\n\n``
+  before every answer, so the option "thin" occurs inside the template's own text): the same turn is
+  rendered with :data:`ANSWER_MARK` as its content, and what the template writes around the mark is
+  what it writes around every answer (:func:`continuation`);
 * the option's score is the sum of the log-probabilities vLLM gives its tokens (``prompt_logprobs``)
   divided by its length in UTF-8 bytes (lm-evaluation-harness's ``acc_norm``: a sum alone favours
   short options); the model's choice is the highest score, ties going to the first option listed
@@ -155,19 +159,40 @@ def _question(row: Any, index: int) -> Question:
     return Question(str(row.get("id", index)), question, tuple(choices), answer)
 
 
-def continuation(answer_piece: str, option: str) -> str:
+#: The content of the assistant's turn that shows where a chat template writes the answer (see
+#: :func:`continuation`): plain ASCII with no spaces, so no template trims, escapes or splits it.
+ANSWER_MARK = "LORAFLOW-GUARD-ANSWER-7c1f"
+
+
+def continuation(option_piece: str, marked_piece: str, option: str) -> str:
     """What is scored of an option: the template's answer piece up to the end of the option's text.
 
-    ``answer_piece`` is what the chat template writes for an assistant turn whose content is ``option``
-    (:func:`loraflow.data.chat_template.pieces`); anything after the option (end-of-turn tokens) is left out.
+    ``option_piece`` and ``marked_piece`` are what the chat template writes for the same assistant turn
+    with the content ``option`` and :data:`ANSWER_MARK` (:func:`loraflow.data.chat_template.pieces`). The
+    text the template writes before and after the mark (a turn header, an empty think block; the
+    end-of-turn tokens) must stand before and after the option too; the continuation is the option's
+    piece without the text after. GuardSetError when the template writes the mark other than once, or
+    the option other than between that same text.
     """
-    at = answer_piece.find(option)
-    if at < 0:
+    before, mark, after = marked_piece.partition(ANSWER_MARK)
+    if not mark or ANSWER_MARK in after:
         raise GuardSetError(
-            f"the chat template does not write the assistant's answer {option!r} as given (its answer piece is "
-            f"{answer_piece[:60]!r}); a guard set is scored through the template as the eval set is"
+            f"the chat template does not write the assistant's answer once, as given (for the answer {ANSWER_MARK!r} "
+            f"it writes {_shown(marked_piece)}); a guard set is scored through the template as the eval set is: "
+            "use a template that writes the assistant's content as it is given"
         )
-    return answer_piece[: at + len(option)]
+    end = len(option_piece) - len(after)
+    if not (option_piece.startswith(before) and option_piece.endswith(after) and end > len(before)):
+        raise GuardSetError(
+            f"the chat template writes the answer {option!r} as {_shown(option_piece)}, not between "
+            f"{_shown(before)} and {_shown(after)} as it writes other answers, so its text cannot be told from the "
+            "template's: reword the option, or use a template that writes every answer the same way"
+        )
+    return option_piece[:end]
+
+
+def _shown(text: str, n: int = 60) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 def option_score(token_logprobs: Sequence[float], option: str) -> float:

@@ -64,7 +64,7 @@ def sequences(
     questions = guard_set.questions
     examples = [Example(q.id, [{"role": "user", "content": q.question}], q.choices[q.answer]) for q in questions]
     _, prompt_ids = render_prompts(tokenizer, examples, template)
-    out = guard.token_sequences(questions, prompt_ids, lambda q: _continuations(template, q), encode)
+    out = guard.token_sequences(questions, prompt_ids, lambda q: continuations(template, q), encode)
     longest = max(len(ids) for ids, _ in out)
     if longest > cfg.max_model_len:
         raise LoraflowError(
@@ -105,14 +105,16 @@ def score(
     return {**scored.summary(), "options_scored": len(seqs), "seconds": round(seconds, 3)}
 
 
-def _continuations(template: ChatTemplate, q: guard.Question) -> list[str]:
-    """Each option as the template writes it for the assistant's answer, up to the end of its text."""
-    out = []
-    for option in q.choices:
-        messages = [{"role": "user", "content": q.question}, {"role": "assistant", "content": option}]
-        answer_piece = chat_template.pieces(template, messages)[-1][0]
-        out.append(guard.continuation(answer_piece, option))
-    return out
+def continuations(template: ChatTemplate, q: guard.Question) -> list[str]:
+    """Each option as the template writes it for the assistant's answer, up to the end of its text: where
+    that text ends is where the template writes the answer (:func:`guard.continuation`)."""
+
+    def answer_piece(answer: str) -> str:
+        messages = [{"role": "user", "content": q.question}, {"role": "assistant", "content": answer}]
+        return chat_template.pieces(template, messages)[-1][0]
+
+    marked = answer_piece(guard.ANSWER_MARK)
+    return [guard.continuation(answer_piece(option), marked, option) for option in q.choices]
 
 
 def _option_logprobs(prompt_logprobs: Any, ids: list[int], start: int) -> list[float]:

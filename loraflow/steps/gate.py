@@ -284,19 +284,33 @@ def load_guard(directory: Path, name: str, evaluation: dict[str, Any]) -> tuple[
     file (as the task metric is read from the predictions, not from the summary)."""
     recorded = evaluation.get("guard")
     path = directory / guard_sets.PREDICTIONS_FILE
-    if not recorded or not path.exists():
+    if not recorded or not isinstance(recorded, dict) or not path.exists():
         raise GateError(
             f"{name}: the evaluation scored no guard set (no {guard_sets.PREDICTIONS_FILE}), but gate.guard asks "
             "for one; re-run its evaluate stage with this spec (gate.guard.set is part of its cache key)"
         )
     outcomes: dict[str, bool] = {}
-    for line in path.read_text().splitlines():
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
-            if str(row["id"]) in outcomes:
-                raise GateError(f"{name}: {guard_sets.PREDICTIONS_FILE} lists question {row['id']!r} twice")
-            outcomes[str(row["id"])] = bool(row["correct"])
+            question, correct = _guard_row(line, f"{name}: {guard_sets.PREDICTIONS_FILE} line {line_no}")
+            if question in outcomes:
+                raise GateError(f"{name}: {guard_sets.PREDICTIONS_FILE} lists question {question!r} twice")
+            outcomes[question] = correct
     return outcomes, recorded
+
+
+def _guard_row(line: str, where: str) -> tuple[str, bool]:
+    """(id, correct) of one line of an evaluation's guard predictions: a string id and a JSON boolean."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+        row = None
+    if not (isinstance(row, dict) and isinstance(row.get("id"), str) and isinstance(row.get("correct"), bool)):
+        raise GateError(
+            f'{where} is not a guard prediction ({{"id": string, "correct": true or false, ...}}): '
+            f"{line[:80]!r}; re-run its evaluate stage"
+        )
+    return row["id"], row["correct"]
 
 
 def _guard_check(

@@ -10,12 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loraflow.data import chat_template
+from loraflow.data.chat_template import ChatTemplate
+from loraflow.dev import tinymodel
 from loraflow.errors import SpecError
 from loraflow.evaluation import guard, guard_data
 from loraflow.evaluation.gate_rule import GateError, decide, guard_check, paired
+from loraflow.models import FAMILIES
 from loraflow.pipeline import plan
 from loraflow.spec.schema import validate_spec
-from loraflow.steps import gate
+from loraflow.steps import _guard, gate
+from tests.chat_cases import LLAMA31_SPECIALS, LLAMA31_TEMPLATE, QWEN3_SPECIALS, QWEN3_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "pipelines" / "tiny-llama-lora.yaml"
@@ -181,15 +186,76 @@ def test_scores_are_per_byte_and_ties_go_to_the_first_option() -> None:
     assert scored.summary()["n_correct"] == 1 and scored.rows(q)[1]["chosen"] == 0
 
 
-def test_the_option_is_scored_up_to_its_text_without_the_end_of_turn() -> None:
-    assert guard.continuation("Mercury<|end|>\n", "Mercury") == "Mercury"
-    assert guard.continuation(" Mercury</s>", "Mercury") == " Mercury"
-    with pytest.raises(guard.GuardSetError, match="does not write the assistant's answer"):
-        guard.continuation("MERCURY", "Mercury")
+def test_the_option_is_what_the_template_writes_where_it_writes_the_answer() -> None:
+    mark = guard.ANSWER_MARK
+    assert guard.continuation("Mercury<|end|>\n", f"{mark}<|end|>\n", "Mercury") == "Mercury"
+    assert guard.continuation(" Mercury</s>", f" {mark}</s>", "Mercury") == " Mercury"
+    # the option's text inside the template's own (Qwen3's think block, the end-of-turn token) is not the answer
+    think = "<think>\n\n</think>\n\n"
+    assert guard.continuation(f"{think}thin<|im_end|>\n", f"{think}{mark}<|im_end|>\n", "thin") == f"{think}thin"
+    assert guard.continuation("end<|end|>\n", f"{mark}<|end|>\n", "end") == "end"
+    assert guard.continuation("x<|end|><|end|>\n", f"{mark}<|end|>\n", "x<|end|>") == "x<|end|>"
+    assert guard.continuation("Mercury", mark, "Mercury") == "Mercury"  # nothing after the answer
+    assert guard.continuation("mercury.", f"{mark}.", "Mercury") == "mercury"  # as the template writes it
+    with pytest.raises(guard.GuardSetError, match="does not write the assistant's answer once, as given"):
+        guard.continuation("Mercury", "ANSWER", "Mercury")  # a template that drops or rewrites the content
+    with pytest.raises(guard.GuardSetError, match="does not write the assistant's answer once, as given"):
+        guard.continuation("Mercury Mercury", f"{mark} {mark}", "Mercury")
+    for piece in ("<b>Mercury<|end|>", "<a>Mercury</a>", "<a><|end|>", "<a"):  # not between <a> and <|end|>
+        with pytest.raises(guard.GuardSetError, match=r"writes the answer 'Mercury' as .*not between '<a>' and"):
+            guard.continuation(piece, f"<a>{mark}<|end|>", "Mercury")
+    with pytest.raises(guard.GuardSetError, match="reword the option"):
+        guard.continuation("<a>", f"<a>{mark}a>", "Mercury")  # the text around it overlaps: nothing is the option's
     seqs = guard.token_sequences(
         [guard.Question("a", "Q?", ("x", "yz"), 0)], [[1, 2]], lambda q: list(q.choices), lambda t: [ord(c) for c in t]
     )
     assert seqs == [([1, 2, ord("x")], 2), ([1, 2, ord("y"), ord("z")], 2)]
+
+
+def _tiny(chat: tinymodel.ChatFormat, origin: str) -> ChatTemplate:
+    return ChatTemplate(
+        "inline", origin, chat.template, {"bos_token": chat.bos, "eos_token": chat.eos, "pad_token": chat.pad}
+    )
+
+
+# What each family's chat template (the instruct tokenizer's own, tests/chat_cases.py; Gemma 3's and the
+# tiny model's as loraflow/dev/tinymodel.py writes them) writes in the answer before the assistant's content.
+FAMILY_TEMPLATES = {
+    "llama": (ChatTemplate("inline", "Llama 3.1 Instruct", LLAMA31_TEMPLATE, LLAMA31_SPECIALS), ""),
+    "qwen3": (ChatTemplate("inline", "Qwen3", QWEN3_TEMPLATE, QWEN3_SPECIALS), "<think>\n\n</think>\n\n"),
+    "gemma3": (_tiny(tinymodel.GEMMA3_CHAT, "Gemma 3"), ""),
+    "tiny": (_tiny(tinymodel.CHAT, "the tiny model's"), ""),
+    "none": (
+        ChatTemplate("none", "plain text", chat_template.PLAIN_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"}),
+        "",
+    ),
+}
+
+
+def test_every_model_family_has_its_template_here() -> None:
+    assert {f.name for f in FAMILIES} <= set(FAMILY_TEMPLATES)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+@pytest.mark.parametrize("name", list(guard.SHIPPED))
+def test_each_option_of_the_shipped_sets_is_scored_as_exactly_its_text(family: str, name: str) -> None:
+    """Through each family's real template: what follows the prompt is the template's text before an answer,
+    then the option, and nothing else (Qwen3's option "thin" is "thin", not the "<thin" of "<think>")."""
+    template, before = FAMILY_TEMPLATES[family]
+    for q in guard.load_questions(guard.shipped_path(name)):
+        assert _guard.continuations(template, q) == [before + option for option in q.choices], q.id
+
+
+def test_a_template_that_does_not_write_the_answer_as_given_is_refused() -> None:
+    q = guard.Question("q", "Which?", ("Venus", "Mars"), 0)
+    upper = "{% for m in messages %}{{ m['content'] | upper }}\n{% endfor %}"
+    with pytest.raises(guard.GuardSetError, match="does not write the assistant's answer once, as given"):
+        _guard.continuations(ChatTemplate("inline", "upper", upper), q)
+    # Qwen3 writes the reasoning of an answer holding "<think>...</think>" inside its think block: the option's
+    # text no longer stands where the template writes answers
+    qwen3 = FAMILY_TEMPLATES["qwen3"][0]
+    with pytest.raises(guard.GuardSetError, match=r"writes the answer '<think>hm</think>Mars' as '<think>\\nhm\\n"):
+        _guard.continuations(qwen3, guard.Question("q", "Which?", ("Venus", "<think>hm</think>Mars"), 0))
 
 
 # ------------------------------------------------------------------------------------ spec and plan
@@ -299,3 +365,84 @@ def test_the_gate_refuses_evaluations_without_the_guard_or_of_another_set(tmp_pa
     # without gate.guard the guard files are not read
     unguarded = make_ctx("gate", {"base_eval": base, "tuned_eval": write_eval(tmp_path / "u", "11" * 50, None)}, {})
     assert "guard" not in gate.run(unguarded)
+
+
+def test_the_gate_step_applies_the_interval_rule_with_the_gates_settings(tmp_path: Path, make_ctx: Callable) -> None:
+    """gate.guard.rule: interval reaches the step: a drop the estimate allows but the interval cannot show small
+    refuses promotion, and the check is the one gate_rule computes with the spec's confidence, samples and seed."""
+    base_guard, tuned_guard = "1111" + "00" + "0" * 34, "0000" + "11" + "0" * 34  # -0.05, a wide interval
+    inputs = {
+        "base_eval": write_eval(tmp_path / "b", "0" * 80 + "1" * 20, base_guard),
+        "tuned_eval": write_eval(tmp_path / "t", "1" * 95 + "0" * 5, tuned_guard),
+    }
+    settings = {"min_improvement": 0.3, "confidence": 0.9, "bootstrap_samples": 500, "seed": 3}
+    guard_section = {"set": "general-mc-v1", "max_drop": 0.1}
+    estimate = gate.run(make_ctx("gate", inputs, {**settings, "guard": guard_section}))
+    assert estimate["promote"] is True and estimate["guard"]["passed"] is True
+    ctx = make_ctx("gate", inputs, {**settings, "guard": {**guard_section, "rule": "interval"}})
+    summary = gate.run(ctx)
+    assert summary["promote"] is False and summary["guard"] == {"passed": False, "delta": pytest.approx(-0.05)}
+    decision = json.loads((ctx.out / "decision.json").read_text())
+    ids = [f"general-mc-{i:03d}" for i in range(40)]
+    expected = guard_check(
+        {q: c == "1" for q, c in zip(ids, base_guard, strict=True)},
+        {q: c == "1" for q, c in zip(ids, tuned_guard, strict=True)},
+        max_drop=0.1,
+        rule="interval",
+        guard_set=f"general-mc-v1 (sha256 {SHIPPED_SHA256['general-mc-v1'][:12]})",
+        confidence=0.9,
+        bootstrap_samples=500,
+        seed=3,
+    )
+    assert decision["guard"] == json.loads(json.dumps(expected.as_dict()))
+    assert decision["guard"]["rule"] == "interval" and decision["guard"]["confidence"] == 0.9
+    assert "the guard cannot show the drop is small enough" in decision["reason"]
+
+
+def _rewrite_guard(d: Path, rows: list[str] | None = None, **recorded: object) -> Path:
+    """An evaluation's guard predictions replaced by ``rows`` (lines) and its metrics.json ``guard`` updated."""
+    if rows is not None:
+        (d / guard.PREDICTIONS_FILE).write_text("".join(f"{r}\n" for r in rows))
+    metrics = json.loads((d / "metrics.json").read_text())
+    metrics["guard"].update(recorded)
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    return d
+
+
+def test_the_gate_refuses_guard_results_of_one_name_but_different_contents(tmp_path: Path, make_ctx: Callable) -> None:
+    """The same set name with another sha256 (a user's set edited in place between the evaluations) is not the
+    same set: the two accuracies would not be comparable."""
+    base = write_eval(tmp_path / "b", "0" * 80 + "1" * 20, "1" * 10)
+    tuned = _rewrite_guard(write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 10), sha256="0" * 64)
+    with pytest.raises(GateError, match=r"different guard sets \(base general-mc-v1 sha256 e230efbd3157, tuned "
+                       r"general-mc-v1 sha256 000000000000"):  # fmt: skip
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": tuned}, GUARDED))
+    both = _rewrite_guard(write_eval(tmp_path / "b2", "0" * 80 + "1" * 20, "1" * 10), sha256="0" * 64)
+    assert gate.run(make_ctx("gate", {"base_eval": both, "tuned_eval": tuned}, GUARDED))["guard"]["passed"]
+
+
+def test_the_gate_refuses_guard_predictions_listing_a_question_twice(tmp_path: Path, make_ctx: Callable) -> None:
+    base = write_eval(tmp_path / "b", "0" * 80 + "1" * 20, "1" * 10)
+    rows = [json.dumps({"id": f"general-mc-{i:03d}", "correct": True}) for i in (0, 1, 2, 1)]
+    tuned = _rewrite_guard(write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 10), rows)
+    with pytest.raises(GateError, match=r"tuned_eval: guard_predictions\.jsonl lists question 'general-mc-001' twice"):
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": tuned}, GUARDED))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ['{"id": "general-mc-001", "correct": "false"}', '{"id": "general-mc-001"}', '{"id": 1, "correct": true}', "[]",
+     "not json", "[" * 100_000],
+    ids=["string-correct", "no-correct", "number-id", "list", "not-json", "nested-deep"],
+)  # fmt: skip
+def test_the_gate_refuses_a_guard_prediction_row_it_cannot_read(bad: str, tmp_path: Path, make_ctx: Callable) -> None:
+    """One line naming the file and the line, never a traceback or a guess ("false" is not true)."""
+    base = write_eval(tmp_path / "b", "0" * 80 + "1" * 20, "1" * 3)
+    rows = [
+        json.dumps({"id": "general-mc-000", "correct": True}),
+        bad,
+        json.dumps({"id": "general-mc-002", "correct": True}),
+    ]
+    tuned = _rewrite_guard(write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 3), rows)
+    with pytest.raises(GateError, match=r"^tuned_eval: guard_predictions\.jsonl line 2 is not a guard prediction"):
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": tuned}, GUARDED))
