@@ -73,11 +73,13 @@ GUARDS_CHAMPION = [
 
 TARGETS: dict[str, Target] = {
     # artifacts.py is read by the runner (input identities, the cache): its fast tests count here too.
+    # json_objects.py is how it (and every other reader of GCS JSON) parses what a bucket writer wrote.
     "artifacts": Target(
         "control",
-        ["loraflow/pipeline/artifacts.py"],
+        ["loraflow/pipeline/artifacts.py", "loraflow/pipeline/json_objects.py"],
         [
             "tests/control/test_artifacts.py",
+            "tests/control/test_json_objects.py",
             "tests/control/test_launch_and_runner.py",
             # the bucket-writer lane's refusals that live in artifacts.py (hostile manifests, sources, cache entries)
             *[f"tests/control/test_trust_bucket.py::{t}" for t in TRUST_ARTIFACTS],

@@ -39,7 +39,6 @@ Standard library only: the spec schema imports the shipped names.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.pipeline import json_objects
 
 SETS_DIR = Path(__file__).resolve().parent / "guard_sets"
 #: The sets loraflow ships, by name -> what each holds.
@@ -115,13 +115,13 @@ def load_questions(path: Path) -> list[Question]:
     out: list[Question] = []
     seen: set[str] = set()
     problems: list[str] = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    for line_no, line in enumerate(path.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path.name}:{line_no}"
-        try:
-            question = _question(json.loads(line), len(out))
-        except (json.JSONDecodeError, ValueError) as exc:
+        try:  # a row is read as every JSON object from storage is: UTF-8, depth-bounded, an object
+            question = _question(json_objects.parse_object(line), len(out))
+        except ValueError as exc:
             problems.append(f"{where}: {exc}")
             continue
         if question.id in seen:

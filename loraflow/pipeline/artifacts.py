@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import faults, gcs
+from loraflow.pipeline import faults, gcs, json_objects
+from loraflow.pipeline.json_objects import JsonObjectError as JsonObjectError
+from loraflow.pipeline.json_objects import read_json_object as read_json_object
 from loraflow.pipeline.local_paths import check_name, local_paths, name_problem
 
 log = logging.getLogger(__name__)
@@ -203,60 +205,10 @@ def write_json(uri: str, data: Any, *, create_only: bool = False) -> None:
     )
 
 
-def read_json(uri: str) -> Any | None:
-    from google.api_core.exceptions import NotFound
-
-    bucket, path = gcs.split_uri(uri)
-    try:
-        return json.loads(gcs.client().bucket(bucket).blob(path).download_as_bytes())
-    except NotFound:
-        return None
-
-
-#: What ``read_json_object`` reads at most unless told otherwise: markers and pointers are a few hundred bytes.
-SMALL_JSON_MAX_BYTES = 64 << 10
-
-
-class JsonObjectError(ArtifactError):
-    """An object in GCS that should hold a small JSON object does not: too large, not JSON, not an object."""
-
-    def __init__(self, uri: str, problem: str) -> None:
-        self.uri, self.problem = uri, problem
-        super().__init__(f"{uri} {problem}")
-
-
-def read_json_object(uri: str, *, max_bytes: int = SMALL_JSON_MAX_BYTES, blob: Any = None) -> dict[str, Any] | None:
-    """The JSON object stored at ``uri`` (a marker, a pointer, a registry entry), or None when there is none.
-
-    Anyone who can write the bucket wrote it, so at most ``max_bytes`` are downloaded (a ranged read: a
-    200 MB object costs ``max_bytes``, never its size) and anything but one JSON object is refused with
-    ``JsonObjectError`` naming the URI and the problem: larger than the cap, not UTF-8 JSON (nesting too
-    deep to parse included), a list or a number. ``blob``: the object already looked up (publish holds it
-    for its generation); it is read as it is.
-    """
-    from google.api_core.exceptions import NotFound, RequestRangeNotSatisfiable
-
-    if blob is None:
-        bucket, path = gcs.split_uri(uri)
-        blob = gcs.client().bucket(bucket).blob(path)
-    if isinstance(blob.size, int) and blob.size > max_bytes:  # known from a listing: not even the first bytes
-        raise JsonObjectError(uri, f"is larger than {max_bytes} bytes ({blob.size})")
-    try:
-        data = blob.download_as_bytes(start=0, end=max_bytes, checksum=None)  # ``end`` is inclusive
-    except NotFound:
-        return None
-    except RequestRangeNotSatisfiable:  # GCS answers a range on an empty object so
-        data = b""
-    if len(data) > max_bytes:
-        raise JsonObjectError(uri, f"is larger than {max_bytes} bytes")
-    try:
-        value = json.loads(data)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        reason = "nested too deep" if isinstance(exc, RecursionError) else str(exc)[:200]
-        raise JsonObjectError(uri, f"is not JSON ({reason})") from None
-    if not isinstance(value, dict):
-        raise JsonObjectError(uri, f"is not a JSON object (it holds a {type(value).__name__})")
-    return value
+def read_json(uri: str) -> dict[str, Any] | None:
+    """The JSON object at ``uri`` (a manifest, a marker, a report), or None when there is none; read as every
+    JSON object from GCS is (``json_objects``: size-, depth- and type-checked), up to a document's cap."""
+    return read_json_object(uri, max_bytes=json_objects.DOCUMENT_MAX_BYTES)
 
 
 # --------------------------------------------------------------------------------------- reading
@@ -468,13 +420,13 @@ def cache_lookup(artifact_root: str, stage: str, key: str) -> Manifest | None:
     """
     entry_uri = cache_entry_uri(artifact_root, stage, key)
     try:
-        entry = read_json(entry_uri)
-    except ValueError as exc:
-        log.warning("cache entry %s is not JSON (%s); treating it as a miss", entry_uri, exc)
+        entry = read_json_object(entry_uri)
+    except JsonObjectError as exc:
+        log.warning("cache entry %s is refused: it %s; treating it as a miss", entry_uri, exc.problem)
         return None
-    if not entry:
+    if entry is None:
         return None
-    pointer = entry.get("manifest") if isinstance(entry, dict) else None
+    pointer = entry.get("manifest")
     problem = stage_manifest_problem(pointer, artifact_root, stage)
     if problem:
         log.warning(
@@ -484,7 +436,7 @@ def cache_lookup(artifact_root: str, stage: str, key: str) -> Manifest | None:
     try:
         manifest = read_manifest(str(pointer))
     except ArtifactError as exc:
-        log.warning("cache entry for %s/%s is stale: %s", stage, key, exc)
+        log.warning("cache entry %s is stale: %s; treating it as a miss", entry_uri, exc)
         return None
     if manifest.data.get("stage") not in (stage, manifest.prefix.rsplit("/", 1)[-1]):
         log.warning(

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, faults, gcs
+from loraflow.pipeline import artifacts, faults, gcs, json_objects
 from loraflow.pipeline.local_paths import local_paths
 
 MARKER = "_LORAFLOW_COMPLETE.json"  # a step's commit marker (one host or several)
@@ -105,7 +105,7 @@ def download_latest(remote: str, local: Path, host: int | None = None, hosts: in
     step = steps[-1]
     dest = local / str(step)
     marker_uri = gcs.join(remote, str(step), MARKER) if _is_gcs(remote) else str(Path(remote) / str(step) / MARKER)
-    marker = artifacts.read_json(marker_uri) if _is_gcs(remote) else json.loads(Path(marker_uri).read_text())
+    marker = artifacts.read_json(marker_uri) if _is_gcs(remote) else json_objects.read_file_object(Path(marker_uri))
     if marker is None:
         raise ArtifactError(f"checkpoint {step} under {remote} lost its {MARKER} while being restored")
     part, wanted = _restore_part(marker, marker_uri, host, hosts)

@@ -54,8 +54,12 @@ def commit_prefix(prefix: str, key: str) -> str:
     """Where a computation with cache key ``key`` commits: the stage's prefix in the run, unless that
     already holds a commit with another key (the task was cleared and re-run on changed inputs, e.g.
     the report after a failed stage was retried): then beside it, named by the key. A commit is never
-    overwritten, and the same key always lands in the same place, so a retry still finds its own."""
-    existing = artifacts.read_json(artifacts.manifest_uri(prefix))
+    overwritten, and the same key always lands in the same place, so a retry still finds its own. A
+    manifest there that is no JSON object (a bucket writer's) is another commit: the new one goes beside it."""
+    try:
+        existing = artifacts.read_json(artifacts.manifest_uri(prefix))
+    except artifacts.JsonObjectError:
+        existing = {}
     if existing is None or existing.get("cache_key") == key:
         return prefix
     return f"{prefix}-{key[:12]}"

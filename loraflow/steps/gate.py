@@ -46,6 +46,7 @@ from loraflow.errors import LoraflowError
 from loraflow.evaluation import guard as guard_sets
 from loraflow.evaluation.gate_rule import Decision, GateError, GuardCheck, decide, guard_check
 from loraflow.evaluation.metrics import METRICS, Metric
+from loraflow.pipeline import json_objects
 from loraflow.registry import store as registry
 from loraflow.spec.step_configs import GateConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
@@ -193,7 +194,7 @@ def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool],
     metrics_path = directory / "metrics.json"
     if not metrics_path.exists():
         raise GateError(f"{name}: metrics.json is missing from the evaluation artifact; re-run its evaluate stage")
-    metrics = json.loads(metrics_path.read_text())
+    metrics = json_objects.read_file_object(metrics_path, fix=f"{name}: re-run its evaluate stage")
     frame = _predictions(directory, name)
     return _outcomes(frame, name, metric), metrics, frame
 

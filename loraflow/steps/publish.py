@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
-from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline import artifacts, gcs, json_objects
 from loraflow.registry import alias, audit
 from loraflow.registry import store as registry
 from loraflow.registry import vertex as vertex_registry
@@ -244,8 +244,7 @@ def _read_decision(ctx: StepContext) -> dict[str, Any]:
     decision_path = ctx.inputs["decision"] / "decision.json"
     if not decision_path.exists():
         raise LoraflowError(f"{STAGE}: {decision_path.name} is missing from the decision input; re-run the gate")
-    decision: dict[str, Any] = json.loads(decision_path.read_text())
-    return decision
+    return json_objects.read_file_object(decision_path, fix="re-run the gate")
 
 
 def _write_record(out: Path, record: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.evaluation import merge_cost
 from loraflow.evaluation.metrics import METRICS
-from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline import artifacts, gcs, json_objects
 from loraflow.reporting import report
 from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
@@ -56,8 +56,8 @@ WANTED = {
 _BULKY_METRICS = {"ids", "config", *(m.column for m in METRICS.values())}
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.exists() else None
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json_objects.read_file_object(path, fix="re-run the stage that wrote it") if path.exists() else None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
