@@ -31,10 +31,12 @@ an inline Jinja template
     any text holding ``{{`` or ``{%``: an HF-style chat template (``messages``,
     ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``{% generation %}``).
 
-A template is run sandboxed (jinja2's ImmutableSandboxedEnvironment, as Hugging Face runs them): a
-hostile spec or tokenizer cannot reach Python objects or change state through it.
+A template is compiled and run sandboxed (jinja2's ImmutableSandboxedEnvironment, as Hugging Face
+runs them) in a child process capped in memory and time (loraflow/data/template_sandbox.py): a
+hostile spec or tokenizer cannot reach Python objects, change state, or hold the process that asked
+(the DAG processor, a step) through it.
 
-Pure library code: jinja2 and the standard library; the tokenizer's files are read by
+Library code: the standard library here, jinja2 in the child; the tokenizer's files are read by
 :func:`resolve`, nothing else touches the world.
 """
 
@@ -42,21 +44,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from loraflow.data import template_sandbox
 from loraflow.errors import LoraflowError
 
 RECORD_FILE = "chat_template.json"
 AUTO, TOKENIZER, NONE = "auto", "tokenizer", "none"
 NAMED_PREFIX = "tokenizer:"
-# One conversation's rendering may take at most this much text and time (loops in a hostile template).
+# One conversation's rendering may take at most this much text (its time: template_sandbox.TIME_LIMIT_S).
 MAX_RENDER_CHARS = 4 * 2**20
-RENDER_TIME_LIMIT_S = 5.0
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # ``none``: the turns as written, the BOS first, the EOS closing each answer (the tokenizer's own).
 PLAIN_TEMPLATE = (
@@ -74,6 +75,14 @@ SETTINGS_HELP = (
 
 class ChatTemplateError(LoraflowError):
     """A chat template setting, template or rendering that cannot be used; the message says the fix."""
+
+
+class TemplateBoundError(ChatTemplateError):
+    """A template that broke a bound (time, memory, size, nesting): it fails whatever rows it is given."""
+
+
+def _refuse(exc: template_sandbox.SandboxError) -> NoReturn:
+    raise (TemplateBoundError if exc.kind in template_sandbox.BOUNDS else ChatTemplateError)(str(exc)) from None
 
 
 # ------------------------------------------------------------------------------------ settings
@@ -98,9 +107,25 @@ def check_setting(setting: str) -> str:
         raise ValueError(f"chat_template {shown!r} is not a setting; use {SETTINGS_HELP}")
     try:
         _compile(setting)
+        _probe(setting)
     except ChatTemplateError as exc:
         raise ValueError(str(exc)) from None
     return setting
+
+
+# A conversation every chat template must be able to render (an inline one is tried on it when the spec is read).
+_PROBE = ({"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello"})
+
+
+@lru_cache(maxsize=32)
+def _probe(source: str) -> None:
+    """Refuse a template that breaks a bound (time, memory, size, depth) on :data:`_PROBE`; one that refuses
+    the conversation itself (``raise_exception``, a missing system turn ...) is judged on the data instead."""
+    try:
+        template_sandbox.render_many(source, {}, [(_PROBE, False)], MAX_RENDER_CHARS)
+    except template_sandbox.SandboxError as exc:
+        if exc.kind in template_sandbox.BOUNDS:
+            _refuse(exc)
 
 
 # ------------------------------------------------------------------------------------ the template
@@ -265,35 +290,13 @@ def own_template_digest(tokenizer_dir: Path) -> str | None:
 # ----------------------------------------------------------------------------------- rendering
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
-
-
 @lru_cache(maxsize=32)
-def _compile(source: str) -> Any:
-    """The template compiled sandboxed, trimmed as HF compiles chat templates, with ``{% generation %}``."""
-    from jinja2 import TemplateError, nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):  # marks the assistant's answer in HF templates; renders its body as is
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    def raise_exception(message: str) -> None:
-        raise ChatTemplateError(f"the chat template refused the conversation: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = raise_exception
+def _compile(source: str) -> None:
+    """Nothing when ``source`` compiles as a chat template (in the bounded child: template_sandbox)."""
     try:
-        return env.from_string(source)
-    except TemplateError as exc:
-        raise ChatTemplateError(f"the chat template is not valid Jinja ({exc}); fix its syntax") from None
+        template_sandbox.compile_check(source, MAX_RENDER_CHARS)
+    except template_sandbox.SandboxError as exc:
+        _refuse(exc)
 
 
 def _turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
@@ -303,41 +306,19 @@ def _turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
 
 
 def render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-    """The text of ``messages`` under ``template`` (sandboxed); ChatTemplateError names what failed."""
-    from jinja2 import TemplateError
-    from jinja2.exceptions import SecurityError
+    """The text of ``messages`` under ``template``, rendered sandboxed in a child process bounded in time and
+    memory (loraflow/data/template_sandbox.py); ChatTemplateError names what failed."""
+    return render_many(template, [(messages, add_generation_prompt)])[0]
 
-    compiled = _compile(template.source)
+
+def render_many(template: ChatTemplate, conversations: Sequence[tuple[Sequence[Mapping[str, Any]], bool]]) -> list[str]:
+    """:func:`render` of each (messages, add_generation_prompt), in one exchange with the sandbox."""
     try:
-        return _bounded(
-            compiled.generate(
-                messages=_turns(messages), add_generation_prompt=add_generation_prompt, **template.specials
-            )
+        return template_sandbox.render_many(
+            template.source, template.specials, [(_turns(m), prompt) for m, prompt in conversations], MAX_RENDER_CHARS
         )
-    except ChatTemplateError:
-        raise
-    except SecurityError as exc:
-        raise ChatTemplateError(f"the chat template tried an unsafe operation ({exc}); it is refused") from None
-    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
-        raise ChatTemplateError(
-            f"the chat template failed to render ({type(exc).__name__}: {exc}); check it against a row of the dataset"
-        ) from None
-
-
-def _bounded(chunks: Iterator[str]) -> str:
-    """The rendered text, stopped once it passes ``MAX_RENDER_CHARS`` or ``RENDER_TIME_LIMIT_S``: a template
-    looping over large ranges would otherwise hold a worker (and its memory) for as long as it likes."""
-    parts: list[str] = []
-    size, started = 0, time.monotonic()
-    for chunk in chunks:
-        parts.append(chunk)
-        size += len(chunk)
-        if size > MAX_RENDER_CHARS or time.monotonic() - started > RENDER_TIME_LIMIT_S:
-            raise ChatTemplateError(
-                f"the chat template renders one conversation into more than {MAX_RENDER_CHARS} characters or "
-                f"{RENDER_TIME_LIMIT_S:g} s; a chat template writes the turns it is given, not loops of its own"
-            )
-    return "".join(parts)
+    except template_sandbox.SandboxError as exc:
+        _refuse(exc)
 
 
 Piece = tuple[str, bool]  # (text, is_prompt): the prompt side is never trained on
@@ -362,8 +343,9 @@ def pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> lis
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(template, messages[:i], add_generation_prompt=True)
-        full = render(template, messages[: i + 1], add_generation_prompt=False)
+        prompt, full, bare = render_many(
+            template, [(messages[:i], True), (messages[: i + 1], False), (messages[:i], False)]
+        )
         if not prompt.startswith(done):
             raise ChatTemplateError(
                 f"the chat template renders the turns before turn {i} differently once turn {i} follows "
@@ -377,7 +359,7 @@ def pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> lis
                 "from training: fix the template's add_generation_prompt branch"
             )
         answer = full[len(prompt) :]
-        if prompt == render(template, messages[:i], add_generation_prompt=False):
+        if prompt == bare:
             _check_no_header(answer, message, i)
         out += [(prompt[len(done) :], True), (answer, False)]
         done = full

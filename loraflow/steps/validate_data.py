@@ -111,6 +111,10 @@ class TokenCounter:
         for line, row in zip(data.lines, data.rows, strict=True):
             try:
                 texts.append(self.render(row["messages"]))
+            except chat_template.TemplateBoundError as exc:  # it would fail (slowly) on every row: stop here
+                raise DataValidationError(
+                    f"{STAGE}: data.chat_template ({self.template.origin}) at {split} {data.unit} {line}: {exc}"
+                ) from None
             except chat_template.ChatTemplateError as exc:
                 # A row without an answer is the format rule's finding; anything else the template's.
                 if any(m["role"] == "assistant" for m in row["messages"]):

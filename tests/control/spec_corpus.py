@@ -114,6 +114,9 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
         "",
     ),
     ("lora-not-a-mapping", {"lora": "rank 16"}, "lora", "valid dictionary"),
+    # Jinja folds constants while compiling: these held `loraflow validate` and the DAG processor for ever
+    ("template-power-bomb", {"data.chat_template": "{{ 9 ** (9 ** 9) }}"}, "data.chat_template", "4096 bits"),
+    ("template-memory-bomb", {"data.chat_template": "{{ 'x' * 2**34 }}"}, "data.chat_template", "repetition"),
 ]
 
 

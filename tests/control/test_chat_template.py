@@ -9,6 +9,12 @@ and through vLLM in tests/serving/test_evaluate.py.
 from __future__ import annotations
 
 import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +22,7 @@ import pytest
 from pydantic import ValidationError
 
 from loraflow.data import chat_template as ct
+from loraflow.data import template_sandbox
 from loraflow.dev.tinymodel import CHAT_TEMPLATE as TINY_TEMPLATE
 from loraflow.errors import DataValidationError
 from loraflow.spec.schema import DataSpec
@@ -23,6 +30,7 @@ from loraflow.steps import validate_data
 from tests import chat_cases
 from tests.chat_cases import CHAT_WITH_SYSTEM, CHATML, MULTI_TURN, PROMPT_COMPLETION, RECORDS
 
+REPO = Path(__file__).resolve().parents[2]
 SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|end|>"}
 ROWS = RECORDS
 
@@ -142,6 +150,112 @@ def test_a_template_that_writes_without_end_is_stopped() -> None:
         ct.render(template(loops), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
 
 
+# Templates that hold whoever compiles or renders them, each with the words its refusal says.
+BOMBS = {
+    "power": ("{{ 9 ** (9 ** 9) }}", "9 ** 387420489, a number of more than 4096 bits"),
+    "repetition": ("{{ 'x' * 2**34 }}", "a repetition of more than 4194304 items"),
+    "set-doubling": (
+        "{% set ns = namespace(x='xxxxxxxxxx') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}"
+        "{{ ns.x|length }}",
+        "needs more memory than a chat template may use (256 MiB)",
+    ),
+    "filter-fold": ("{{ 'x'|center(999999999) }}", "needs more memory"),
+    "format-fold": ("{{ '%0999999999d' % 1 }}", "needs more memory"),
+    "parentheses": ("{{ " + "(" * 300 + "1" + ")" * 300 + " }}", "nests too deeply"),
+    "recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "nests too deeply"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_a_template_bomb_is_refused_by_the_spec_within_seconds(name: str) -> None:
+    """Jinja folds constants while it compiles; the spec check compiles and tries each inline template in a
+    child capped in memory and time, so a hostile spec is refused instead of holding the DAG processor."""
+    source, words = BOMBS[name]
+    started = time.monotonic()
+    with pytest.raises(ValidationError, match=re.escape(words)):
+        DataSpec(train="gs://bkt/t.jsonl", eval="gs://bkt/e.jsonl", chat_template=source)
+    assert time.monotonic() - started < 4.0  # the 5 s bound never had to act
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ct.TemplateBoundError, match=re.escape(words)):
+        ct.render(template(source), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: the child held it
+
+
+def test_nested_loops_beyond_what_python_compiles_are_refused_in_one_line() -> None:
+    loops = "".join(f"{{% for i{i} in messages %}}" for i in range(200)) + "x" + "{% endfor %}" * 200
+    with pytest.raises(ValidationError, match="the chat template cannot be compiled") as info:
+        DataSpec(train="gs://bkt/t.jsonl", eval="gs://bkt/e.jsonl", chat_template=loops)
+    assert "Traceback" not in str(info.value) and len(str(info.value).splitlines()) < 6
+
+
+def test_a_slow_template_with_little_output_is_stopped_by_the_time_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 1.0)
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+    started = time.monotonic()
+    with pytest.raises(ct.TemplateBoundError, match="took more than 1 s to render one conversation"):
+        ct.render(template(slow), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
+    assert time.monotonic() - started < 3.0
+    # the next conversation gets a fresh child and renders as before
+    assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), add_generation_prompt=True).startswith("<|im_")
+
+
+@pytest.mark.parametrize(
+    ("source", "raised"),
+    [
+        ("{{ 10.0 ** 400 }}", "OverflowError"),
+        ("{{ 'x'.encode('no-such-codec') }}", "LookupError"),
+        ("{{ messages[0]['content'] | int / 0 }}", "ZeroDivisionError"),
+    ],
+)
+def test_whatever_a_template_raises_while_rendering_is_the_templates_failure(source: str, raised: str) -> None:
+    """Not a crash of the step (exit 1, retried): a refusal naming the template's error."""
+    with pytest.raises(ct.ChatTemplateError, match=f"the chat template failed to render \\({raised}"):
+        ct.render(template(source), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
+
+
+def test_the_renderer_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A template busy in a loop never reads the end of its pipe: the child must not outlive its parent."""
+    code = (
+        "import os, threading, time\n"
+        "from loraflow.data import template_sandbox as ts\n"
+        "ts.TIME_LIMIT_S = 600\n"
+        "slow = '{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}'\n"
+        "threading.Thread(target=ts.render_many, args=(slow, {}, [([], False)], 100), daemon=True).start()\n"
+        "while ts._child is None: time.sleep(0.01)\n"
+        "print(ts._child.proc.pid, flush=True)\n"
+        "time.sleep(1)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def test_a_forked_process_starts_its_own_renderer() -> None:
+    """Two processes sharing one child's pipes would read each other's answers."""
+    ct.render(template(CHATML), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
+    parents = template_sandbox._child
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the forked child)
+        ok = ct.render(template(CHATML), normalised(PROMPT_COMPLETION), add_generation_prompt=True).startswith("<|im_")
+        os.write(write, b"1" if ok and template_sandbox._child is not parents else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    assert template_sandbox._child is parents and parents is not None and parents.alive()
+
+
 def test_tokenizer_merging_across_the_prompt_and_answer_boundary_is_refused() -> None:
     """A trainer finding the answer as what follows the prompt's tokens needs prompt+answer to tokenize as both."""
 
@@ -200,6 +314,22 @@ def test_inline_and_none_settings(tmp_path: Path) -> None:
     assert ct.resolve("none", d).source == ct.PLAIN_TEMPLATE
     assert inline.digest != ct.resolve("auto", d).digest
     assert ct.ChatTemplate.from_record(inline.record()) == inline
+
+
+def test_the_digest_covers_the_special_tokens() -> None:
+    """Equal digests must mean equal text: a template given another BOS or EOS renders other text."""
+    base = template(CHATML).digest
+    assert ct.ChatTemplate("inline", "test", CHATML, SPECIALS | {"bos_token": "<s>"}).digest != base
+    assert ct.ChatTemplate("inline", "test", CHATML, SPECIALS | {"eos_token": "</s>"}).digest != base
+    assert ct.ChatTemplate("inline", "other words", CHATML, SPECIALS).digest == base
+
+
+def test_a_record_with_tampered_special_tokens_is_refused(tmp_path: Path) -> None:
+    record = template(CHATML).record()
+    record["specials"] = {**record["specials"], "eos_token": "<|other|>"}
+    (tmp_path / ct.RECORD_FILE).write_text(json.dumps(record))
+    with pytest.raises(ct.ChatTemplateError, match="sha256 does not match"):
+        ct.read_record(tmp_path)
 
 
 def test_a_tampered_record_is_refused(tmp_path: Path) -> None:
@@ -271,6 +401,19 @@ def test_validate_data_names_the_rows_a_template_refuses(run_validate: Callable)
     result, ctx = run_validate(train, _rows(5, "e"), chat_template=picky)
     assert isinstance(result, DataValidationError)
     assert "cannot render 1 row(s)" in str(result) and "train line 4" in str(result) and "bad prompt" in str(result)
+    assert not (ctx.out / ct.RECORD_FILE).exists() and not (ctx.out / "train.jsonl").exists()
+
+
+def test_validate_data_stops_at_the_first_row_a_template_breaks_a_bound_on(run_validate: Callable) -> None:
+    """A template that passed the spec's check but runs away on a row refuses the data there, naming the template
+    and the row (the step does not crash and get retried, nor spend the time bound on every other row)."""
+    bomb = "{% if 'bomb' in messages[0]['content'] %}{{ 9 ** (9 ** 9) }}{% endif %}" + CHATML
+    train = _rows(20, "t")
+    train[3]["prompt"] = "a bomb"
+    result, ctx = run_validate(train, _rows(5, "e"), chat_template=bomb)
+    assert isinstance(result, DataValidationError)
+    assert "data.chat_template (inline in the spec" in str(result) and "train line 4" in str(result)
+    assert "a number of more than 4096 bits" in str(result)
     assert not (ctx.out / ct.RECORD_FILE).exists() and not (ctx.out / "train.jsonl").exists()
 
 
