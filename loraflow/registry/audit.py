@@ -11,23 +11,30 @@ has no event yet: the next move writes that event before its own (``record_pendi
 shows it from the alias meanwhile, so no move is ever missing from the trail.
 
 Anyone who can write the bucket can write here too: events are read with a byte cap and one that is
-not what a move writes is shown as such (``problem``), never trusted to decide a rollback's target.
+not what a move writes (``problem``), or is filed under another sequence, is listed as such, naming its
+object and the repair, never trusted to decide a rollback's target. Every field is printed through
+``store.shown``: a line break or a terminal escape code in a field cannot forge a line of the trail.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 from loraflow.pipeline import artifacts, gcs
+from loraflow.registry.store import shown
 
 FORMAT = "loraflow.registry.audit/1"
 MAX_BYTES = 64 << 10
 ACTIONS = ("publish", "promote", "rollback")
 _NAME = re.compile(r"([0-9]{6,})\.json")  # fullmatch; ASCII digits only
+#: What an operator does about an object of the trail that is not an event.
+REPAIR = (
+    "an event is written once and never rewritten: restore the object from the bucket's object history "
+    "(until then a rollback does not count it)"
+)
 
 
 def now() -> str:
@@ -86,16 +93,30 @@ def record_pending(registry_uri: str, pipeline: str, alias: dict[str, Any] | Non
         record(registry_uri, pipeline, move)
 
 
-def is_event(value: Any) -> bool:
+def is_event(value: Any) -> TypeGuard[dict[str, Any]]:
     """Whether ``value`` is a move as ``event`` makes it (what a rollback may rely on)."""
-    return (
-        isinstance(value, dict)
-        and value.get("format") == FORMAT
-        and value.get("action") in ACTIONS
-        and _number(value.get("sequence"))
-        and _number(value.get("to_version"))
-        and (value.get("from_version") is None or _number(value.get("from_version")))
-    )
+    return problem(value) is None
+
+
+def problem(value: Any) -> str | None:
+    """What makes ``value`` other than a move as ``event`` makes it; None when it is one."""
+    if not isinstance(value, dict):
+        return "it is not a JSON object"
+    if value.get("format") != FORMAT:
+        return _wrong(value, "format", FORMAT)
+    if value.get("action") not in ACTIONS:
+        return _wrong(value, "action", f"one of {', '.join(ACTIONS)}")
+    for key in ("sequence", "from_version", "to_version"):
+        if not (_number(value.get(key)) or (key == "from_version" and value.get(key) is None)):
+            return _wrong(value, key, "a number")
+    for key in ("actor", "reason", "via", "at"):
+        if not isinstance(value.get(key), str):
+            return _wrong(value, key, "text")
+    return None
+
+
+def _wrong(value: dict[str, Any], key: str, what: str) -> str:
+    return f"its {key} is {shown(value[key], quoted=True)}, not {what}" if key in value else f"it has no {key}"
 
 
 def _listing(registry_uri: str, pipeline: str) -> list[tuple[int, str, Any]]:
@@ -120,22 +141,27 @@ def last_sequence(registry_uri: str, pipeline: str) -> int:
 def read_trail(registry_uri: str, pipeline: str, alias: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every event of the trail, oldest first; with ``alias``, its move too when the trail lacks it.
 
-    An object that is not an event is listed as ``{"sequence": N, "problem": "..."}``."""
+    An object that is not an event of this trail is listed as ``{"sequence": N, "uri": ..., "problem":
+    "..."}``, the problem naming the object and the repair."""
     events: dict[int, dict[str, Any]] = {}
     for sequence, uri, blob in _listing(registry_uri, pipeline):
         try:
             data = artifacts.read_json_object(uri, max_bytes=MAX_BYTES, blob=blob)
         except artifacts.JsonObjectError as exc:
-            events[sequence] = {"sequence": sequence, "problem": exc.problem}
+            events[sequence] = _unreadable(sequence, uri, f"it {exc.problem}")
             continue
-        if not is_event(data) or (data or {}).get("sequence") != sequence:
-            events[sequence] = {"sequence": sequence, "problem": "is not an event of this trail"}
-        else:
-            events[sequence] = dict(data or {})
+        wrong = problem(data)
+        if wrong is None and (data or {}).get("sequence") != sequence:
+            wrong = f"it holds the event of sequence {(data or {}).get('sequence')}, filed under {sequence}"
+        events[sequence] = dict(data or {}) if wrong is None else _unreadable(sequence, uri, wrong)
     pending = (alias or {}).get("move")
     if isinstance(pending, dict) and is_event(pending) and pending["sequence"] not in events:
         events[pending["sequence"]] = {**pending, "pending": True}
     return [events[k] for k in sorted(events)]
+
+
+def _unreadable(sequence: int, uri: str, wrong: str) -> dict[str, Any]:
+    return {"sequence": sequence, "uri": uri, "problem": f"{uri} is not an event of this trail: {wrong}; {REPAIR}"}
 
 
 def withdrawn(events: Iterable[dict[str, Any]]) -> set[int]:
@@ -153,15 +179,14 @@ def withdrawn(events: Iterable[dict[str, Any]]) -> set[int]:
 
 
 def describe(move: dict[str, Any]) -> str:
-    """One line of the trail, as a person reads it."""
+    """One line of the trail, as a person reads it: every field from storage through ``shown``."""
     if "problem" in move:
-        return f"#{move['sequence']:<4} (unreadable: {move['problem']})"
+        return f"#{move['sequence']:<4} (unreadable: {move['problem']})"  # its stored values went through shown
     source = f"v{move['from_version']}" if move.get("from_version") is not None else "(none)"
     pending = "  [event not yet written; from the alias]" if move.get("pending") else ""
-    reason = json.dumps(str(move.get("reason") or ""))
     return (
-        f"#{move['sequence']:<4} {move['at']}  {move['action']:<8} {source} -> v{move['to_version']}  "
-        f"by {move['actor']} ({move['via']}): {reason}{pending}"
+        f"#{move['sequence']:<4} {shown(move['at'])}  {move['action']:<8} {source} -> v{move['to_version']}  "
+        f"by {shown(move['actor'])} ({shown(move['via'])}): {shown(move['reason'], quoted=True)}{pending}"
     )
 
 

@@ -81,9 +81,35 @@ def default_actor() -> str:
 # ------------------------------------------------------------------------------------------ list
 
 
+#: What a version records, as the listing shows it: field -> (the types publish writes, what they are).
+#: A field may be missing (versions registered before it was recorded), never of another type.
+LISTED_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "run_id": ((str,), "text"),
+    "created_at": ((str,), "text"),
+    "metrics": ((dict,), "an object of names and figures"),
+    "model_manifest": ((str,), "text"),
+    "model_fingerprint": ((str,), "text"),
+    "gate_manifest": ((str, type(None)), "text or null"),
+    "eval_set_fingerprint": ((str, type(None)), "text or null"),
+}
+#: What an operator does about a version the listing cannot read whole.
+VERSION_REPAIR = (
+    "publish never writes it so: restore the object from the bucket's object history; promote, rollback and "
+    "the gate verify a version from its run's commits, not from these fields"
+)
+
+
 def listing(reg: PipelineRegistry) -> dict[str, Any]:
-    """Every version (oldest first) with its metrics and lineage, the champion, and the audit trail."""
-    state = alias.read(reg.registry_uri, reg.pipeline)
+    """Every version (oldest first) with its metrics and lineage, the champion, and the audit trail.
+
+    What is malformed is named, never fatal: a version without its unreadable fields and a ``problem``
+    naming them, the object and the repair; an audit object that is no event as such (``audit.read_trail``);
+    an alias that is not one as ``alias_problem`` (with no champion)."""
+    alias_problem = None
+    try:
+        state = alias.read(reg.registry_uri, reg.pipeline)
+    except ArtifactError as exc:  # malformed (a 403 or an unreachable GCS still raises)
+        state, alias_problem = alias.AliasState(store.alias_uri(reg.registry_uri, reg.pipeline), 0, None), str(exc)
     trail = audit.read_trail(reg.registry_uri, reg.pipeline, state.data)
     gone = audit.withdrawn(trail)
     versions = []
@@ -93,36 +119,67 @@ def listing(reg: PipelineRegistry) -> dict[str, Any]:
         try:
             entry = artifacts.read_json_object(uri, max_bytes=store.VERSION_MAX_BYTES, blob=blob) or {}
         except artifacts.JsonObjectError as exc:
-            versions.append({**row, "problem": exc.problem})
+            versions.append({**row, "problem": f"{uri} {exc.problem}; {VERSION_REPAIR}"})
             continue
-        keys = ("run_id", "created_at", "metrics", "model_manifest", "model_fingerprint", "gate_manifest")
-        versions.append({**row, **{k: entry.get(k) for k in keys}, "eval_set": entry.get("eval_set_fingerprint")})
+        versions.append({**row, **_listed_fields(entry, uri)})
     return {
         "pipeline": reg.pipeline,
         "registry": reg.registry_uri,
         "alias_uri": state.uri,
         "champion": state.version,
+        **({"alias_problem": alias_problem} if alias_problem else {}),
         "versions": versions,
         "audit": trail,
     }
 
 
+def _listed_fields(entry: dict[str, Any], uri: str) -> dict[str, Any]:
+    """The fields of ``LISTED_FIELDS`` that ``entry`` holds as publish writes them, and a ``problem``
+    naming the others (metrics keep the names and figures that are text and numbers)."""
+    fields: dict[str, Any] = {}
+    wrong = []
+    for key, (types, what) in LISTED_FIELDS.items():
+        if key not in entry:
+            continue
+        if isinstance(entry[key], types):
+            fields[key] = entry[key]
+        else:
+            wrong.append(f"its {key} is {store.shown(entry[key], quoted=True)}, not {what}")
+    metrics = fields.get("metrics", {})
+    fields["metrics"] = {k: x for k, x in metrics.items() if _scalar(x)}
+    if len(fields["metrics"]) < len(metrics):
+        bad = sorted(k for k, x in metrics.items() if not _scalar(x))
+        wrong.append(f"its metrics {', '.join(store.shown(k, quoted=True) for k in bad)} are not figures")
+    fields["eval_set"] = fields.pop("eval_set_fingerprint", None)
+    if wrong:
+        fields["problem"] = f"{uri} is not a version as publish writes it: {'; '.join(wrong)}; {VERSION_REPAIR}"
+    return fields
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (int, float, str)) and not isinstance(value, bool)
+
+
 def render(listed: dict[str, Any]) -> str:
-    """The listing as text: a table of versions, then the audit trail."""
-    lines = [
-        f"registry of {listed['pipeline']} ({listed['registry']}); champion: "
-        + (f"version {listed['champion']}" if listed["champion"] else "none yet")
-    ]
+    """The listing as text: a table of versions, then the audit trail. Every field read from storage is
+    printed through ``store.shown`` (one line each, control characters escaped)."""
+    champion = f"version {listed['champion']}" if listed["champion"] else "none yet"
+    if listed.get("alias_problem"):
+        champion = f"unreadable: {listed['alias_problem']}"
+    lines = [f"registry of {listed['pipeline']} ({listed['registry']}); champion: {champion}"]
     lines.append(f"{'':2}{'version':>7}  {'created':<20}  {'run':<40}  metrics")
     for v in listed["versions"]:
         mark = "*" if v["champion"] else ("x" if v["withdrawn"] else " ")
-        if "problem" in v:
+        if "metrics" not in v:  # not a JSON object: no field of it was read
             lines.append(f"{mark} {v['version']:>7}  (unreadable: {v['problem']})")
             continue
-        metrics = ", ".join(f"{k}={_figure(x)}" for k, x in sorted((v.get("metrics") or {}).items()))
-        lines.append(f"{mark} {v['version']:>7}  {v.get('created_at') or '?':<20}  {v.get('run_id')!s:<40}  {metrics}")
-        lines.append(f"{'':11}model {v.get('model_manifest')}")
-        lines.append(f"{'':11}gate  {v.get('gate_manifest')}")
+        metrics = ", ".join(f"{store.shown(k)}={_figure(x)}" for k, x in sorted(v["metrics"].items()))
+        created, run = store.shown(v.get("created_at", "?")), store.shown(v.get("run_id", "?"))
+        lines.append(f"{mark} {v['version']:>7}  {created:<20}  {run:<40}  {metrics}")
+        lines.append(f"{'':11}model {store.shown(v.get('model_manifest', '?'))}")
+        lines.append(f"{'':11}gate  {store.shown(v.get('gate_manifest', '?'))}")
+        if "problem" in v:
+            lines.append(f"{'':11}problem: {v['problem']}")  # our words; the stored values in it went through shown
     if not listed["versions"]:
         lines.append("  (no versions: no run of this pipeline was promoted yet)")
     lines.append("* champion   x withdrawn by a rollback")
@@ -132,15 +189,16 @@ def render(listed: dict[str, Any]) -> str:
 
 
 def _figure(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else store.shown(value)
 
 
 # ------------------------------------------------------------------------------------------ moves
 
 
 def promote(reg: PipelineRegistry, version: int, *, actor: str, reason: str, via: str) -> dict[str, Any]:
-    """Make ``version`` the champion. Promoting the champion changes nothing in GCS and mirrors it to
-    Vertex again (how a failed mirror is repaired)."""
+    """Make ``version`` the champion. The champion is verified like any other version; when its alias
+    names it as publish writes it, promoting it changes nothing in GCS and mirrors it to Vertex again (how
+    a failed mirror is repaired); an alias naming another model or run is rewritten (a move)."""
     _need_reason(reason, "promote")
     state = alias.read(reg.registry_uri, reg.pipeline)
     numbers = store.versions(reg.registry_uri, reg.pipeline)
@@ -151,7 +209,7 @@ def promote(reg: PipelineRegistry, version: int, *, actor: str, reason: str, via
             f"see `loraflow registry list {reg.pipeline}`"
         )
     entry = _verified(reg, version, "promote")
-    if state.version == version:
+    if state.version == version and _names(state, entry):
         return _result(reg, "promote", None, version, note=f"version {version} is the champion already")
     event = _move(reg, state, version, entry, "promote", actor=actor, reason=reason, via=via)
     return _result(reg, "promote", event, version)
@@ -224,6 +282,12 @@ def _verified(reg: PipelineRegistry, version: int, doing: str) -> dict[str, Any]
     return checked
 
 
+def _names(state: alias.AliasState, entry: dict[str, Any]) -> bool:
+    """Whether the alias names the verified version ``entry`` as a move writes it (its URI, model and run)."""
+    held = state.data or {}
+    return all(held.get(k) == entry[k] for k in ("version_uri", "model_manifest", "model_fingerprint", "run_id"))
+
+
 def _move(
     reg: PipelineRegistry, state: alias.AliasState, version: int, entry: dict[str, Any], action: str, **who: str
 ) -> dict[str, Any]:
@@ -234,8 +298,12 @@ def _move(
         return alias.move(reg.registry_uri, reg.pipeline, state, version, entry, action=action, **who)
     except PreconditionFailed:
         now = alias.read(reg.registry_uri, reg.pipeline)
-        last = (now.data or {}).get("move") or {}
-        by = f", moved by {last.get('actor')} at {last.get('at')} ({last.get('action')})" if last else ""
+        last = (now.data or {}).get("move")
+        by = (
+            f", moved by {store.shown(last['actor'])} at {store.shown(last['at'])} ({last['action']})"
+            if audit.is_event(last)
+            else ""
+        )
         raise ConcurrentMove(
             f"the {alias.NAME} alias of {reg.pipeline} moved while this {action} was decided (it held version "
             f"{state.version}, now {now.version}{by}); nothing was changed by this {action}: see "

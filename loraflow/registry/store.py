@@ -230,6 +230,33 @@ def _mapping(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+#: The most characters ``shown`` prints of one field (a reason is at most 1000; a bucket writer's field
+#: may be 64 kB).
+SHOWN_MAX_CHARS = 1200
+
+
+def shown(value: Any, *, quoted: bool = False) -> str:
+    """A field read from the registry (a version, the alias, an audit event) as a listing or a message
+    prints it, on one line: printable text as it is (``quoted``: in double quotes); other text in double
+    quotes with every character that is not printable escaped as Python writes it (``\\n``, ``\\x1b``,
+    ``\\u202e``; ``\\`` and ``\\"`` too), so a line break, a terminal escape code or a bidi override written
+    into the bucket never reaches the reader's terminal; anything but text as Python's ``repr`` (which
+    escapes the same way). Cut to ``SHOWN_MAX_CHARS``."""
+    if not isinstance(value, str):
+        text = repr(value)
+    elif value.isprintable() and "\\" not in value and not quoted:
+        text = value
+    else:
+        text = '"' + "".join(_escaped(ch) for ch in value) + '"'
+    return text if len(text) <= SHOWN_MAX_CHARS else text[: SHOWN_MAX_CHARS - 3] + "..."
+
+
+def _escaped(ch: str) -> str:
+    if ch in '\\"':
+        return "\\" + ch
+    return ch if ch.isprintable() else repr(ch)[1:-1]
+
+
 def _short(value: Any, limit: int = 120) -> str:
     """``repr(value)``, cut to ``limit`` characters: a bucket writer's value goes into messages only so."""
     text = repr(value)

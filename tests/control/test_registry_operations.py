@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from loraflow.errors import ArtifactError
 from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline.verify import verify_artifact
 from loraflow.registry import alias, audit, operations, store
 from loraflow.registry import vertex as vr
 from loraflow.steps import publish
@@ -23,6 +25,10 @@ PIPELINE = "tiny"
 
 @pytest.fixture
 def reg(gcs_bucket: str, tmp_path: Path) -> operations.PipelineRegistry:
+    return three_versions(gcs_bucket, tmp_path)
+
+
+def three_versions(gcs_bucket: str, tmp_path: Path) -> operations.PipelineRegistry:
     """Three promoted versions (accuracy 0.6, 0.7, 0.8), version 3 the champion, as publish leaves them."""
     root, registry_uri = f"{gcs_bucket}/artifacts", f"{gcs_bucket}/_registry"
     for n, accuracy in ((1, 0.6), (2, 0.7), (3, 0.8)):
@@ -269,3 +275,152 @@ def test_a_version_missing_from_vertex_fails_the_mirror_and_says_how_to_repair_i
     with pytest.raises(Exception, match=r"champion of tiny is version 2, but mirroring it .* no version labelled"):
         operations.rollback(mirrored, actor="alice", reason="bad", via="cli")
     assert champion_version(reg) == 2  # GCS is the source of truth: its move stands
+
+
+# ------------------------------------------------------------------- the trail's continuity and refusals
+
+
+def test_after_the_alias_is_deleted_the_next_move_continues_the_trail(reg: operations.PipelineRegistry) -> None:
+    operations.rollback(reg, actor="a", reason="r1", via="cli")  # #1: 3 -> 2
+    operations.rollback(reg, actor="a", reason="r2", via="cli")  # #2: 2 -> 1
+    bucket, name = gcs.split_uri(store.alias_uri(reg.registry_uri, PIPELINE))
+    gcs.client().bucket(bucket).blob(name).delete()  # what a refused alias's message recommends
+    done = operations.promote(reg, 3, actor="ops", reason="alias repaired", via="cli")
+    assert (done["event"]["sequence"], done["event"]["from_version"]) == (3, None)
+    trail = audit.read_trail(reg.registry_uri, PIPELINE)
+    assert [(e["sequence"], e["actor"], e["to_version"]) for e in trail] == [(1, "a", 2), (2, "a", 1), (3, "ops", 3)]
+    assert champion_version(reg) == 3
+
+
+def test_recording_a_sequence_twice_keeps_the_first_event(reg: operations.PipelineRegistry) -> None:
+    def move(actor: str) -> dict[str, object]:
+        return audit.event(
+            sequence=1, action="promote", from_version=3, to_version=2, actor=actor, reason="r", via="cli"
+        )
+
+    assert audit.record(reg.registry_uri, PIPELINE, move("first")) is True
+    assert audit.record(reg.registry_uri, PIPELINE, move("second")) is False
+    assert [e["actor"] for e in audit.read_trail(reg.registry_uri, PIPELINE)] == ["first"]
+
+
+def test_an_event_filed_under_another_number_is_listed_as_a_problem(reg: operations.PipelineRegistry) -> None:
+    done = operations.rollback(reg, actor="a", reason="r", via="cli")  # #1
+    artifacts.write_json(audit.event_uri(reg.registry_uri, PIPELINE, 5), done["event"])  # a copy under #5
+    first, copy = audit.read_trail(reg.registry_uri, PIPELINE)
+    assert first == done["event"]
+    assert copy["sequence"] == 5 and copy["uri"] == audit.event_uri(reg.registry_uri, PIPELINE, 5)
+    assert "holds the event of sequence 1, filed under 5" in copy["problem"]
+
+
+def test_a_rolled_back_version_promoted_again_is_a_rollback_target_again(reg: operations.PipelineRegistry) -> None:
+    operations.rollback(reg, actor="a", reason="r1", via="cli")  # 3 -> 2
+    operations.rollback(reg, actor="a", reason="r2", via="cli")  # 2 -> 1: 2 and 3 withdrawn
+    operations.promote(reg, 2, actor="b", reason="2 was fine", via="cli")  # 2 is put back
+    operations.promote(reg, 3, actor="b", reason="3 too", via="cli")
+    assert operations.rollback(reg, actor="a", reason="r3", via="cli")["champion"] == 2
+
+
+class Mirror:
+    """A stand-in for the Vertex AI Model Registry mirror: records each champion it is asked to hold."""
+
+    model_name = "projects/p/locations/r/models/loraflow-tiny"
+
+    def __init__(self) -> None:
+        self.moved: list[int] = []
+
+    def move_champion(self, version: int) -> dict[str, object]:
+        self.moved.append(version)
+        return {"model": self.model_name, "version_id": str(version), "version_aliases": ["champion", "default"]}
+
+
+def mirrored(reg: operations.PipelineRegistry) -> tuple[operations.PipelineRegistry, Mirror]:
+    mirror = Mirror()
+    return operations.PipelineRegistry(reg.registry_uri, PIPELINE, reg.artifact_root, mirror), mirror  # type: ignore[arg-type]
+
+
+def test_promoting_the_champion_mirrors_it_again_and_moves_nothing(
+    reg: operations.PipelineRegistry, gcs_bucket: str
+) -> None:
+    with_mirror, mirror = mirrored(reg)
+    before = objects(gcs_bucket)
+    done = operations.promote(with_mirror, 3, actor="a", reason="repair the mirror", via="cli")
+    assert done["event"] is None and done["note"] == "version 3 is the champion already"
+    assert mirror.moved == [3] and done["vertex_model"] == f"{Mirror.model_name}@3"
+    assert objects(gcs_bucket) == before
+
+
+def test_promoting_a_tampered_champion_is_refused_and_never_mirrored(reg: operations.PipelineRegistry) -> None:
+    with_mirror, mirror = mirrored(reg)
+    champion = {v["version"]: v for v in operations.listing(reg)["versions"]}[3]
+    tamper(champion["model_manifest"], "model.safetensors", b"other weights, same name")
+    with pytest.raises(operations.VersionDoesNotVerify, match=r"version 3 .* model.safetensors"):
+        operations.promote(with_mirror, 3, actor="a", reason="repair the mirror", via="cli")
+    assert mirror.moved == []
+
+
+def test_promoting_the_champion_rewrites_an_alias_that_names_another_model(reg: operations.PipelineRegistry) -> None:
+    where = store.alias_uri(reg.registry_uri, PIPELINE)
+    v1 = artifacts.read_json(store.version_uri(reg.registry_uri, PIPELINE, 1))
+    forged = {**artifacts.read_json(where), "model_manifest": v1["model_manifest"]}  # version 3, v1's model
+    artifacts.write_json(where, forged)
+    with pytest.raises(ArtifactError, match=r"the alias names the model"):
+        store.champion(reg.registry_uri, PIPELINE, reg.artifact_root)  # the gate refuses it
+    with_mirror, mirror = mirrored(reg)
+    done = operations.promote(with_mirror, 3, actor="ops", reason="repair the alias", via="cli")
+    assert (done["event"]["from_version"], done["event"]["to_version"]) == (3, 3) and mirror.moved == [3]
+    assert champion_version(reg) == 3  # the gate trusts it again
+
+
+def test_a_model_manifest_rewritten_in_place_is_refused(reg: operations.PipelineRegistry, tmp_path: Path) -> None:
+    """A bucket writer replaces version 2's weights, rewrites its model's manifest to match (same URI) and
+    the version's fingerprint: the files verify, but the run's gate judged the model as it was."""
+    uri = store.version_uri(reg.registry_uri, PIPELINE, 2)
+    entry = artifacts.read_json(uri)
+    manifest = artifacts.read_json(entry["model_manifest"])
+    local = tmp_path / "other-model"
+    local.mkdir()
+    (local / "model.safetensors").write_bytes(b"other weights")
+    files = artifacts.upload_tree(local, manifest["prefix"])  # over the old file, same name
+    artifacts.write_json(entry["model_manifest"], {**manifest, "files": files})
+    new = artifacts.read_manifest(entry["model_manifest"])
+    assert new.fingerprint != entry["model_fingerprint"]
+    assert verify_artifact(new.uri).ok  # its files match the rewritten manifest
+    artifacts.write_json(uri, {**entry, "model_fingerprint": new.fingerprint})
+    with pytest.raises(operations.VersionDoesNotVerify, match=r"version 2 .* judged an evaluation of the model"):
+        operations.promote(reg, 2, actor="a", reason="r", via="cli")
+    assert champion_version(reg) == 3
+
+
+@pytest.fixture
+def forbidden_alias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GCS answers 403 to every read of a champion alias (the credentials lost their role on it)."""
+    from google.api_core.exceptions import Forbidden
+    from google.cloud.storage import Blob, Bucket
+
+    def guarded(real):  # type: ignore[no-untyped-def]
+        def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            name = args[0] if isinstance(self, Bucket) else self.name
+            if name.endswith("/aliases/champion.json"):
+                raise Forbidden(f"GET {name}: caller does not have storage.objects.get access")
+            return real(self, *args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(Bucket, "get_blob", guarded(Bucket.get_blob))
+    monkeypatch.setattr(Blob, "download_as_bytes", guarded(Blob.download_as_bytes))
+
+
+def test_a_403_reading_the_alias_raises_and_never_means_no_champion(
+    reg: operations.PipelineRegistry, forbidden_alias: None
+) -> None:
+    from google.api_core.exceptions import Forbidden
+
+    with pytest.raises(Forbidden):
+        store.champion(reg.registry_uri, PIPELINE, reg.artifact_root)  # the gate: never "compare with the base"
+    with pytest.raises(Forbidden):
+        operations.listing(reg)
+    with pytest.raises(Forbidden):
+        operations.promote(reg, 1, actor="a", reason="r", via="cli")
+    with pytest.raises(Forbidden):
+        publish.Registry(reg.registry_uri, PIPELINE).move_alias(4, {"run_id": "run-4"}, "r")
+    assert audit.read_trail(reg.registry_uri, PIPELINE) == []
