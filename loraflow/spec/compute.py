@@ -7,11 +7,12 @@ its class here and to ``ComputeSpec``; ``loraflow/launchers/registry.py`` maps t
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
-from loraflow.spec import env_rules
+from loraflow.spec import env_rules, machines
 from loraflow.spec import resource_names as rn
 from loraflow.spec.fields import EnvValue, Image, Region, SpecModel, StepEnvName
 
@@ -53,6 +54,13 @@ class _RemoteCompute(_Compute):
     )
     deferrable: bool = Field(
         True, description="wait for the job in Airflow's triggerer, freeing the worker slot (false: a worker polls)"
+    )
+    serving_build: machines.ServingBuild | None = Field(
+        None,
+        description="evaluate_base / evaluate_tuned (or default): which vLLM build the image is, cpu (the default), tpu "
+        "or cuda, as docker/serving.Dockerfile's SERVING_BUILD made it; it must be the machine's (a TPU machine tpu, a "
+        "GPU machine cuda, any other cpu), and an image tag ending in -cpu, -tpu or -cuda must say the same "
+        "(docs/production.md)",
     )
 
     @model_validator(mode="after")
@@ -128,6 +136,55 @@ ComputeSpec = Annotated[
 ]
 RemoteCompute = VertexCompute | GkeCompute
 AnyCompute = LocalCompute | VertexCompute | GkeCompute
+
+
+def tagged_build(image: str) -> machines.ServingBuild | None:
+    """The serving build an image reference's tag names (``serving:0.1.0-tpu`` -> tpu), None when it names none."""
+    tag = image.split("@", 1)[0].rsplit("/", 1)[-1].partition(":")[2]
+    return next((build for build in machines.SERVING_BUILDS if tag.endswith(f"-{build}")), None)
+
+
+def serving_build_problem(key: str, compute: AnyCompute) -> str | None:
+    """Why an evaluate stage's compute entry ``compute.<key>`` cannot serve: its image's vLLM build
+    (``serving_build``, default cpu) is not the one its machine needs, or its tag names another; else None."""
+    if isinstance(compute, LocalCompute):
+        return None  # the worker's own serving environment: the CPU build
+    machine, image = str(compute.machine_type), str(compute.image)  # a remote entry has both
+    build = compute.serving_build or "cpu"
+    tagged = tagged_build(image)
+    if tagged is not None and tagged != build:
+        return (
+            f"compute.{key}: the image {image} is tagged as the {tagged} serving build but serving_build is "
+            f"{build}; set compute.{key}.serving_build: {tagged}, or name the image of the {build} build"
+        )
+    needed = machines.serving_build_for(machine)
+    if build == needed:
+        return None
+    unset = "" if compute.serving_build else " (serving_build unset)"
+    return (
+        f"compute.{key}: {machine} carries {machines.carries(machine)} but the image is the {build} serving "
+        f"build{unset}, whose vLLM runs on {machines.RUNS_ON[build]}; set compute.{key}.serving_build: {needed} "
+        f"and image to one built with --build-arg SERVING_BUILD={needed} (docs/production.md)"
+    )
+
+
+def serving_build_problems(entries: Mapping[str, AnyCompute], serving_stages: Collection[str]) -> list[str]:
+    """Every problem of the spec's ``compute`` section with serving builds: an evaluate stage whose
+    entry (its own, else ``default``) does not pair its machine with its vLLM build, and
+    ``serving_build`` on a stage that runs no serving image."""
+    problems: dict[str, None] = {}
+    for stage in serving_stages:
+        key = stage if stage in entries else "default"
+        problem = serving_build_problem(key, entries[key]) if key in entries else None
+        if problem:
+            problems[problem] = None  # both evaluate stages on default: said once
+    for key, compute in entries.items():
+        if key not in serving_stages and key != "default" and getattr(compute, "serving_build", None):
+            problems[
+                f"compute.{key}.serving_build: {key} runs no serving image (only {' and '.join(serving_stages)} "
+                "do); remove it"
+            ] = None
+    return list(problems)
 
 
 def compute_from(**keys: Any) -> AnyCompute:

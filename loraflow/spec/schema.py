@@ -22,10 +22,10 @@ from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import EXCERPT_CHARS, SpecError, excerpt
 from loraflow.evaluation import guard as guard_sets
 from loraflow.evaluation import metrics as metric_table
-from loraflow.pipeline.stages import STAGES
+from loraflow.pipeline.stages import STAGE_TABLE, STAGES
 from loraflow.spec import override_rules
 from loraflow.spec import resource_names as rn
-from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute
+from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute, serving_build_problems
 from loraflow.spec.fields import Image, ProjectId, Region, SecretName, Tag, Text, check_name, number_problems
 from loraflow.spec.fields import SpecModel as _Model
 from loraflow.spec.reader import load_yaml, read_spec_file
@@ -587,6 +587,15 @@ class PipelineSpec(_Model):
         unknown = sorted(set(v) - set(STAGES) - {"default"})
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; use 'default' or one of {list(STAGES)}")
+        return v
+
+    @field_validator("compute")
+    @classmethod
+    def _serving_builds(cls, v: dict[str, AnyCompute]) -> dict[str, AnyCompute]:
+        """An evaluate stage's image is the vLLM build of its machine (``serving_build``, docs/production.md)."""
+        problems = serving_build_problems(v, [stage.name for stage in STAGE_TABLE if stage.env == "serving"])
+        if problems:
+            raise ValueError("; ".join(problems))
         return v
 
     @model_validator(mode="after")

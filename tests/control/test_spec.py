@@ -261,7 +261,8 @@ def test_a_multi_host_training_stage_takes_either_checkpoint_storage() -> None:
         assert spec.training.checkpoint_storage == storage
     # The same holds when the hosts come from the default compute entry, and for trigger overrides.
     data = tiny_data()
-    data["compute"] = {"default": MULTI_HOST, "validate_data": {"launcher": "local"}}
+    local = {"launcher": "local"}
+    data["compute"] = {"default": MULTI_HOST, "validate_data": local, "evaluate_base": local, "evaluate_tuned": local}
     data["training"]["checkpoint_storage"] = "direct"
     spec = validate_spec(data, "x.yaml")
     assert with_overrides(spec, {"training.checkpoint_storage": "staged"}).training.checkpoint_storage == "staged"
