@@ -25,7 +25,7 @@ MODEL = "llama3.1-8b"  # the MaxText key; the checkpoint's own dimensions are pa
 if __name__ == "__main__":
     mode, hf_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     from loraflow.steps import convert_checkpoint as cc
-    from loraflow.steps._maxtext import overrides_args
+    from loraflow.trainer.argv import overrides_args
 
     OVERRIDES = llama.maxtext_overrides(json.loads((hf_dir / "config.json").read_text()))
     t = time.perf_counter()

@@ -16,7 +16,7 @@ def prepare_sft_inputs(
 ) -> None:
     """``convert=False`` writes the checkpoint's record only (a benchmark whose MaxText initialises at random)."""
     from loraflow.steps import convert_checkpoint as cc
-    from loraflow.steps._maxtext import CHECKPOINT_JSON
+    from loraflow.trainer.converted import CHECKPOINT_JSON
 
     ckpt = root / "ckpt"
     if convert:

@@ -22,7 +22,7 @@ its snags handled:
   the lazy loader uses numpy when torch is absent and reads one tensor at a time (mmap), so we use
   the lazy loader ...
 * ... whose ``LazyTensor`` leaves Orbax v1 refuses to save ("Could not identify a valid handler").
-  ``loraflow.steps._streaming_save`` gives Orbax a handler for them that reads, converts and writes
+  ``loraflow.trainer.streaming_save`` gives Orbax a handler for them that reads, converts and writes
   one tensor at a time, so peak memory is about the largest converted tensor, not the model (the
   eager path holds the HF state dict and the converted copy at once, and Orbax copies that again):
   on a 1.1 B bf16 checkpoint 2.6 GiB against 10.7 GiB, in 0.82x the wall time (docs/benchmarks.md).
@@ -45,7 +45,8 @@ from loraflow import models
 from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import ConvertCheckpointConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
-from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
+from loraflow.trainer.argv import hardware_args, overrides_args
+from loraflow.trainer.converted import CHECKPOINT_JSON
 
 Progress = Callable[[str], None]  # a line for the task log after each tensor is written
 
@@ -109,11 +110,11 @@ def progress_line(name: str, nbytes: int, done: dict[str, int], totals: dict[str
 @contextlib.contextmanager
 def _streaming_save(to_maxtext: Any, captured: dict[str, Any], progress: Progress | None) -> Iterator[None]:
     """While converting, to_maxtext's save counts the tensors into ``captured``, and Orbax writes its lazy
-    leaves one at a time (``loraflow.steps._streaming_save``), with a ``progress`` line after each."""
+    leaves one at a time (``loraflow.trainer.streaming_save``), with a ``progress`` line after each."""
     import jax
     import numpy as np
 
-    from loraflow.steps._streaming_save import streaming_leaves
+    from loraflow.trainer.streaming_save import streaming_leaves
 
     original = to_maxtext.save_weights_to_checkpoint
     started = time.monotonic()
@@ -147,7 +148,7 @@ def _converter_args(
     return [
         "to_maxtext",
         *overrides_args(model_name, overrides),
-        *hardware_args(config),
+        *hardware_args(config.get("hardware")),
         f"scan_layers={str(bool(scan_layers)).lower()}",
         f"base_output_directory={out_dir / CKPT_SUBDIR}",
         "run_name=convert",

@@ -16,9 +16,9 @@ MaxText's own setup (``train_sft.setup_trainer_state``) runs in-process; loraflo
   hands MaxText the pieces with a template that writes them as they are, so MaxText tokenizes
   exactly the text evaluation prompts with and trains on the answer pieces only
   (``_render_training_file``); the adapter's ``loraflow_adapter.json`` and the summary name the template;
-* LoRA applied under ``jax.jit`` (``_lora_apply``): MaxText's eager application copies the frozen
+* LoRA applied under ``jax.jit`` (``loraflow.trainer.lora_apply``): MaxText's eager application copies the frozen
   layer stack once more, which alone stops a 3B model fitting one 16 GiB chip;
-* QLoRA's model built in host memory (``_host_build``, on one chip): the checkpoint restored and the
+* QLoRA's model built in host memory (``loraflow.trainer.host_build``, on one chip): the checkpoint restored and the
   targeted kernels quantized on the host's CPU, so the accelerator never holds the full-precision
   model (MaxText's set-up does, which alone stops an 8B nf4 model fitting one 16 GiB chip);
 * a training hook that prints ``step N loss L tokens/s T`` lines (flushed: the Airflow log is live)
@@ -85,9 +85,10 @@ from loraflow.lora import peft
 from loraflow.pipeline import checkpoint_sync, faults, gcs
 from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig, parse
-from loraflow.steps import _host_build, _lora_apply, _trainer_answers
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
-from loraflow.steps._maxtext import CHECKPOINT_JSON, hardware_args, overrides_args
+from loraflow.trainer import answers, host_build, lora_apply
+from loraflow.trainer.argv import hardware_args, overrides_args
+from loraflow.trainer.converted import CHECKPOINT_JSON
 
 ADAPTER_JSON = "loraflow_adapter.json"
 RUN_NAME = "sft"
@@ -130,7 +131,7 @@ def _maxtext_argv(
         "lora_sft",
         os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
         *overrides_args(cfg["model_name"], cfg["model_overrides"]),
-        *hardware_args(cfg),
+        *hardware_args(cfg["hardware"]),
         f"scan_layers={str(bool(cfg['scan_layers'])).lower()}",
         f"load_parameters_path={cfg['load_parameters_path']}",
         *_data_args(ordered, tokenizer_dir, rendered.passthrough),
@@ -440,7 +441,7 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     template = _training_template(ctx.inputs["dataset"], ctx.inputs["tokenizer"], ctx.progress)
     ctx.progress(f"chat template: {template.origin} (sha256 {template.digest[:12]})")
     if _wants_answers(cfg):
-        _trainer_answers.eval_file(ctx.inputs["dataset"])  # before hours of training, not after
+        answers.eval_file(ctx.inputs["dataset"])  # before hours of training, not after
     store = _checkpoint_storage(ctx, cfg, dist)
     argv = _maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], store.base_output, n_rows)
     mt_config = pyconfig.initialize_pydantic(argv)
@@ -467,9 +468,9 @@ def train(ctx: StepContext, cfg: dict[str, Any], dist: multihost.DistributedConf
     memory |= _compiled_step_bytes(trainer, mesh, mt_config, last_batch.get("batch"))
     if "step_temp_bytes" in memory:
         ctx.progress(_compiled_note(memory))
-    answers = _answer_eval_prompts(ctx, cfg, trainer.model, mesh, mt_config)
+    eval_answers = _answer_eval_prompts(ctx, cfg, trainer.model, mesh, mt_config)
     return {
-        "answers": answers,
+        "answers": eval_answers,
         "mt_config": mt_config,
         "lora_tree": _trained_adapter(trainer, dist),
         "rows": rows,
@@ -489,11 +490,11 @@ def _wants_answers(cfg: dict[str, Any]) -> bool:
 
 def _answer_eval_prompts(
     ctx: StepContext, cfg: dict[str, Any], model: Any, mesh: Any, mt_config: Any
-) -> _trainer_answers.Answers | None:
+) -> answers.Answers | None:
     """QLoRA: the trained model's own answers to the first eval prompts (the report's merge-cost row)."""
     if not _wants_answers(cfg):
         return None
-    return _trainer_answers.answer_eval_prompts(
+    return answers.answer_eval_prompts(
         model,
         mesh,
         mt_config.logical_axis_rules,
@@ -641,8 +642,8 @@ def _setup_trainer(
     try:
         ctx.progress(f"building the MaxText model and data pipeline ({n_rows} rows)")
         with (
-            _lora_apply.applied_under_jit(ctx.progress),  # no second copy of the frozen weights
-            _host_build.built_on_host(ctx.progress) if _builds_on_host(cfg) else contextlib.nullcontext(),
+            lora_apply.applied_under_jit(ctx.progress),  # no second copy of the frozen weights
+            host_build.built_on_host(ctx.progress) if _builds_on_host(cfg) else contextlib.nullcontext(),
         ):
             return train_sft.setup_trainer_state(mt_config)
     finally:
@@ -651,7 +652,7 @@ def _setup_trainer(
 
 def _builds_on_host(cfg: dict[str, Any]) -> bool:
     """QLoRA on one chip: the full-precision model is built and quantized in host memory
-    (``_host_build``), the chip only ever holds the quantized one. On several chips MaxText's set-up
+    (``loraflow.trainer.host_build``), the chip only ever holds the quantized one. On several chips MaxText's set-up
     shards the full-precision model across them, each holding its share."""
     import jax
 
@@ -710,7 +711,7 @@ def _state_bytes(trainer: Any) -> dict[str, int]:
     misreports packed 4-bit arrays)."""
     from flax import nnx
 
-    size = _host_build.device_bytes
+    size = host_build.device_bytes
     model, adapter, optimizer = (
         nnx.state(trainer.model),
         nnx.state(trainer.model, nnx.LoRAParam),
@@ -862,7 +863,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         raise LoraflowError(f"training stopped at step {res['final_step']} of {cfg['steps']} (data ran out?)")
     _write_loss_csv(ctx.out / "loss.csv", res["rows"])
     if res["answers"] is not None:
-        _write_jsonl(ctx.out / _trainer_answers.ANSWERS_JSONL, res["answers"].rows())
+        _write_jsonl(ctx.out / answers.ANSWERS_JSONL, res["answers"].rows())
     _write_adapter(ctx.out / "adapter", cfg, res, dist)
     exported = _export_peft(ctx, cfg, res)
     norm = _lora_b_norm(res["lora_tree"])
@@ -990,7 +991,7 @@ def _summary(
     }
 
 
-def _answers_summary(answers: _trainer_answers.Answers | None) -> dict[str, Any]:
+def _answers_summary(answers: answers.Answers | None) -> dict[str, Any]:
     if answers is None:
         return {}
     return {"quantized_eval_examples": len(answers.ids), "quantized_eval_seconds": round(answers.seconds, 1)}

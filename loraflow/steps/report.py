@@ -44,7 +44,7 @@ from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
 
 STAGE = "report"
-QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA (loraflow/steps/_trainer_answers.py)
+QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA (loraflow/trainer/answers.py)
 WANTED = {
     "validate_data": ["data_report.json"],
     "evaluate_base": ["metrics.json", "predictions.jsonl"],

@@ -1,12 +1,10 @@
-"""What the trainer steps (convert_checkpoint, lora_sft) share: MaxText's command line and the
-converted checkpoint's metadata file. Model-family knowledge is not here: :mod:`loraflow.models`."""
+"""MaxText's command lines: what the trainer steps (convert_checkpoint, lora_sft) share.
+Model-family knowledge is not here: :mod:`loraflow.models`."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
-
-CHECKPOINT_JSON = "loraflow_checkpoint.json"  # convert_checkpoint's output, read by lora_sft
 
 
 def overrides_args(model_name: str, overrides: dict[str, Any]) -> list[str]:
@@ -21,15 +19,15 @@ def overrides_args(model_name: str, overrides: dict[str, Any]) -> list[str]:
     return args
 
 
-def hardware_args(config: dict[str, Any]) -> list[str]:
-    """The hardware MaxText runs on: config ``hardware`` or ``LORAFLOW_HARDWARE``; CPU when JAX has only CPUs.
+def hardware_args(hardware: str | None) -> list[str]:
+    """The hardware MaxText runs on: the config's ``hardware`` or ``LORAFLOW_HARDWARE``; CPU when JAX has only CPUs.
 
     MaxText never starts JAX's distributed system itself: a job of several processes has joined it
     before MaxText runs (``loraflow.launchers.multihost``), and a single process needs none. (Left to
     MaxText, a single TPU host with checkpointing on calls ``jax.distributed.initialize()`` and waits
     for a coordinator that does not exist.)
     """
-    hardware = config.get("hardware") or os.environ.get("LORAFLOW_HARDWARE")
+    hardware = hardware or os.environ.get("LORAFLOW_HARDWARE")
     if not hardware:
         import jax
 

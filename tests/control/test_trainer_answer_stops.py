@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loraflow.steps._trainer_answers import stop_ids
+from loraflow.trainer.answers import stop_ids
 
 
 def test_an_answer_stops_at_every_end_token_the_checkpoint_lists(tmp_path: Path) -> None:

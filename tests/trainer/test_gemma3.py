@@ -118,7 +118,7 @@ def test_the_converted_checkpoint_is_gemma3s_definition_in_either_layout(tmp_pat
 def _mt_config(layers: int):
     from maxtext.configs import pyconfig
 
-    from loraflow.steps._maxtext import overrides_args
+    from loraflow.trainer.argv import overrides_args
 
     overrides = {**TINY.maxtext_overrides, "base_num_decoder_layers": layers}
     argv = ["x", *overrides_args(TINY.maxtext_model, overrides), "hardware=cpu", "skip_jax_distributed_system=true"]
@@ -242,7 +242,7 @@ def test_maxtexts_forward_applies_the_sliding_window_as_the_model_defines_it(tmp
     from safetensors.numpy import load_file
 
     from loraflow.steps import convert_checkpoint
-    from loraflow.steps._maxtext import overrides_args
+    from loraflow.trainer.argv import overrides_args
 
     hf = tinymodel.create(tmp_path / "hf", family="gemma3")
     convert_checkpoint.convert(hf, tmp_path / "mt", TINY.maxtext_model, TINY.maxtext_overrides)

@@ -1,4 +1,4 @@
-"""LoRA applied under jit (loraflow.steps._lora_apply): the model MaxText's eager LoRA set-up builds,
+"""LoRA applied under jit (loraflow.trainer.lora_apply): the model MaxText's eager LoRA set-up builds,
 value for value, without a second copy of the frozen weights; and lora_sft builds its trainer that way."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_lora_under_jit_is_the_eager_model_and_keeps_the_frozen_weights(converte
     import numpy as np
     from flax import nnx
 
-    from loraflow.steps import _lora_apply
+    from loraflow.trainer import lora_apply
 
     extra = {"quantization": quantization, "tile_size": 32} if quantization != "none" else {}
     ctx = _sft_context(converted, f"apply-{quantization}", steps=2, **extra)
@@ -118,7 +118,7 @@ def test_lora_under_jit_is_the_eager_model_and_keeps_the_frozen_weights(converte
     model, mesh, mt_config = _model_and_config(ctx)
     frozen = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     notes: list[str] = []
-    with _lora_apply.applied_under_jit(notes.append):
+    with lora_apply.applied_under_jit(notes.append):
         traced_model = _with_lora(model, mesh, mt_config)
     traced = _arrays(traced_model)
 
@@ -160,19 +160,19 @@ def test_lora_sft_builds_its_trainer_with_lora_applied_under_jit(converted, caps
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
 def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, quantization):
-    """QLoRA's model restored and quantized in host memory, then placed (loraflow.steps._host_build): the
+    """QLoRA's model restored and quantized in host memory, then placed (loraflow.trainer.host_build): the
     same model state, value for value, as MaxText's own from_pretrained + apply_lora_to_model."""
     import numpy as np
     from maxtext.trainers.post_train.sft import train_sft
 
-    from loraflow.steps import _host_build, _lora_apply
+    from loraflow.trainer import host_build, lora_apply
 
     ctx = _sft_context(converted, f"host-{quantization}", steps=2, quantization=quantization, tile_size=32)
     reference = _arrays(_with_lora(*_model_and_config(ctx)))
 
     _, _, mt_config = _model_and_config(ctx)
     notes: list[str] = []
-    with _lora_apply.applied_under_jit(notes.append), _host_build.built_on_host(notes.append):
+    with lora_apply.applied_under_jit(notes.append), host_build.built_on_host(notes.append):
         model, mesh = train_sft.model_creation_utils.from_pretrained(mt_config)
         assert train_sft.lora_utils.apply_lora_to_model(model, mesh, mt_config) is model
     built = _arrays(model)
@@ -193,19 +193,19 @@ def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(convert
     from flax.core.spmd import logical_axis_rules
     from maxtext.utils import lora_utils, model_creation_utils
 
-    from loraflow.steps import _host_build, _lora_apply
+    from loraflow.trainer import host_build, lora_apply
 
     ctx = _sft_context(converted, "host-scratch", steps=2, quantization="nf4", tile_size=32)
     _, _, mt_config = _model_and_config(ctx)
     layers = 16
-    config = _host_build.host_config(mt_config.model_copy(update={"num_decoder_layers": layers}))
+    config = host_build.host_config(mt_config.model_copy(update={"num_decoder_layers": layers}))
     eager, scratch = qwix.apply_lora_to_model, []
 
     class Compiled(Exception):
         pass
 
     def compile_only(model: Any, provider: Any, **inputs: Any) -> Any:
-        program, *_ = _lora_apply.compiled(eager, model, provider, **inputs)
+        program, *_ = lora_apply.compiled(eager, model, provider, **inputs)
         scratch.append(program.memory_analysis().temp_size_in_bytes)
         raise Compiled
 

@@ -18,7 +18,7 @@ LAYERS, RANK = 4, 2
 def _mt_config():
     from maxtext.configs import pyconfig
 
-    from loraflow.steps._maxtext import overrides_args
+    from loraflow.trainer.argv import overrides_args
 
     overrides = {**tinymodel.MAXTEXT_OVERRIDES, "base_num_decoder_layers": LAYERS}
     argv = [

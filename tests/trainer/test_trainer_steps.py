@@ -107,7 +107,8 @@ def test_convert_holds_one_tensor_at_a_time_and_writes_the_hf_values(base, tmp_p
     from maxtext.checkpoint_conversion import to_maxtext
     from safetensors.numpy import load_file
 
-    from loraflow.steps import _streaming_save, convert_checkpoint
+    from loraflow.steps import convert_checkpoint
+    from loraflow.trainer import streaming_save
 
     alive, most = [0], [0]
     original = to_maxtext.LazyTensor.__array__
@@ -120,7 +121,7 @@ def test_convert_holds_one_tensor_at_a_time_and_writes_the_hf_values(base, tmp_p
         return array
 
     monkeypatch.setattr(to_maxtext.LazyTensor, "__array__", counted)
-    monkeypatch.setattr(_streaming_save, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(streaming_save, "CHUNK_BYTES", 16 << 10)
     config = {"model_name": "llama3.1-8b", "model_overrides": OVERRIDES, "scan_layers": True}
     ctx = _ctx(tmp_path, "convert_checkpoint", {"hf_checkpoint": base["hf"]}, config, "gs://b/p/r/convert_checkpoint")
     summary = convert_checkpoint.run(ctx)
@@ -234,7 +235,7 @@ def test_qlora_nf4_trains_exports_and_merges_into_the_full_precision_base(base, 
     # The compiled train step's memory (XLA's analysis): the state it takes, the activations it makes.
     for summary in (s, trained["summary"]):
         assert summary["step_argument_bytes"] >= summary["train_state_bytes"] and summary["step_temp_bytes"] > 0
-    # One process: the full-precision model was built and quantized in host memory (_host_build).
+    # One process: the full-precision model was built and quantized in host memory (loraflow.trainer.host_build).
     assert any(line.startswith("QLoRA: base model restored into host memory") for line in lines), lines
     note = next(line for line in lines if line.startswith("QLoRA: ") and "kernel stacks" in line)
     assert "7 kernel stacks hold their base weights as nf4" in note and "tiles of 64" in note, note
