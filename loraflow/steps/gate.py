@@ -291,7 +291,7 @@ def load_guard(directory: Path, name: str, evaluation: dict[str, Any]) -> tuple[
             "for one; re-run its evaluate stage with this spec (gate.guard.set is part of its cache key)"
         )
     outcomes: dict[str, bool] = {}
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+    for line_no, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
             question, correct = _guard_row(line, f"{name}: {guard_sets.PREDICTIONS_FILE} line {line_no}")
             if question in outcomes:
@@ -300,16 +300,16 @@ def load_guard(directory: Path, name: str, evaluation: dict[str, Any]) -> tuple[
     return outcomes, recorded
 
 
-def _guard_row(line: str, where: str) -> tuple[str, bool]:
+def _guard_row(line: bytes, where: str) -> tuple[str, bool]:
     """(id, correct) of one line of an evaluation's guard predictions: a string id and a JSON boolean."""
     try:
-        row = json.loads(line)
-    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-        row = None
-    if not (isinstance(row, dict) and isinstance(row.get("id"), str) and isinstance(row.get("correct"), bool)):
+        row = json_objects.parse_object(line)
+    except json_objects.NotAnObject as exc:
+        raise GateError(f"{where} {exc}; re-run its evaluate stage") from None
+    if not (isinstance(row.get("id"), str) and isinstance(row.get("correct"), bool)):
         raise GateError(
-            f'{where} is not a guard prediction ({{"id": string, "correct": true or false, ...}}): '
-            f"{line[:80]!r}; re-run its evaluate stage"
+            f'{where} is not a guard prediction: it needs "id" (a string) and "correct" (true or false); '
+            "re-run its evaluate stage"
         )
     return row["id"], row["correct"]
 

@@ -13,12 +13,13 @@ import yaml
 from loraflow.data import chat_template
 from loraflow.data.chat_template import ChatTemplate
 from loraflow.dev import tinymodel
-from loraflow.errors import SpecError
+from loraflow.errors import LoraflowError, SpecError
 from loraflow.evaluation import guard, guard_data
 from loraflow.evaluation.gate_rule import GateError, decide, guard_check, paired
 from loraflow.models import FAMILIES
 from loraflow.pipeline import plan
 from loraflow.spec.schema import validate_spec
+from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps import _guard, gate
 from tests.chat_cases import LLAMA31_SPECIALS, LLAMA31_TEMPLATE, QWEN3_SPECIALS, QWEN3_TEMPLATE
 
@@ -172,13 +173,66 @@ def test_a_guard_set_with_bad_rows_is_refused_naming_every_line(tmp_path: Path) 
         guard.load_questions(tmp_path / "empty.jsonl")
     with (tmp_path / "huge.jsonl").open("wb") as f:
         f.truncate(guard.MAX_SET_BYTES + 1)
-    with pytest.raises(guard.GuardSetError, match=r"huge\.jsonl is 16777217 bytes, more than the 16 MiB"):
+    with pytest.raises(guard.GuardSetError, match=r"huge\.jsonl is 16777217 bytes, more than the 16 MiB a guard set may "
+                       r"be; a guard set is a few hundred questions: name a smaller file$"):  # fmt: skip
         guard.load_questions(tmp_path / "huge.jsonl")
+
+
+def test_a_guard_setting_is_a_shipped_name_or_a_gs_uri() -> None:
+    assert guard.check_setting("general-mc-v1") == "general-mc-v1"
+    assert guard.check_setting("gs://team/guards/mine.jsonl") == "gs://team/guards/mine.jsonl"
+    with pytest.raises(ValueError) as err:
+        guard.check_setting("GS://team/mine.jsonl")
+    assert str(err.value) == (
+        "'GS://team/mine.jsonl' is neither a shipped guard set (general-mc-v1, arithmetic-mc-v1) nor a gs:// URI of "
+        "a JSONL file of {id, question, choices, answer} rows; name one of those"
+    )
+    with pytest.raises(
+        guard.GuardSetError, match=r"^no shipped guard set 'mmlu'; shipped: general-mc-v1, arithmetic-mc-v1$"
+    ):
+        guard.shipped_path("mmlu")
+
+
+def test_a_guard_set_row_is_checked_rule_by_rule(tmp_path: Path) -> None:
+    row = {"question": "Q?", "choices": ["x", "y"], "answer": 0}
+
+    def refusal(bad: dict) -> str:
+        (tmp_path / "one.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(guard.GuardSetError) as err:
+            guard.load_questions(tmp_path / "one.jsonl")
+        return str(err.value).split(". A row is")[0]
+
+    assert refusal({**row, "options": ["x"]}) == "guard set one.jsonl: one.jsonl:1: unknown key(s) ['options']"
+    for choices in ("xy", ["x", " "], ["x", 3]):
+        assert refusal({**row, "choices": choices}).endswith(": 'choices' must be a list of non-blank strings")
+    assert refusal({**row, "choices": [str(i) for i in range(11)]}).endswith(": 11 choices; give 2 to 10")
+    assert refusal({**row, "answer": 2}).endswith(": 'answer' must be the index of the right choice, 0 to 1 (got 2)")
+    ten = {**row, "choices": [str(i) for i in range(10)], "answer": 9}
+    (tmp_path / "ok.jsonl").write_text(json.dumps(ten) + "\n\n" + json.dumps({**row, "id": "b"}) + "\n")
+    assert [(q.id, len(q.choices)) for q in guard.load_questions(tmp_path / "ok.jsonl")] == [("0", 10), ("b", 2)]
+    with (tmp_path / "exact.jsonl").open("wb") as f:  # the largest file allowed is read
+        f.write(b"\n" * guard.MAX_SET_BYTES)
+    with pytest.raises(guard.GuardSetError, match=r"exact\.jsonl holds no questions"):
+        guard.load_questions(tmp_path / "exact.jsonl")
+
+
+@pytest.mark.parametrize(("rows", "more"), [(5, ""), (6, "; and 1 more")])
+def test_a_refusal_shows_the_first_five_problems_and_counts_the_rest(rows: int, more: str, tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text((json.dumps({"question": " ", "choices": ["x", "y"], "answer": 0}) + "\n") * rows)
+    with pytest.raises(guard.GuardSetError) as err:
+        guard.load_questions(path)
+    shown = "; ".join(f"bad.jsonl:{i}: 'question' must be a non-blank string" for i in range(1, 6))
+    assert str(err.value) == (
+        f'guard set bad.jsonl: {shown}{more}. A row is {{"id", "question", "choices": [2-10 options], '
+        '"answer": index of the right option}'
+    )
 
 
 def test_scores_are_per_byte_and_ties_go_to_the_first_option() -> None:
     assert guard.option_score([-1.0, -2.0], "abc") == pytest.approx(-1.0)
     assert guard.option_score([-1.0], "é") == pytest.approx(-0.5)  # two UTF-8 bytes
+    assert guard.option_score([-1.0], "x") == pytest.approx(-1.0)
     assert guard.choose([-1.0, -0.5, -0.5]) == 1 and guard.choose([-2.0, -3.0]) == 0
     q = [guard.Question("a", "Q?", ("x", "y"), 1), guard.Question("b", "R?", ("x", "y"), 1)]
     scored = guard.result("s", "0" * 64, q, [[-1.0, -0.5], [-0.5, -0.5]])
@@ -197,19 +251,49 @@ def test_the_option_is_what_the_template_writes_where_it_writes_the_answer() -> 
     assert guard.continuation("x<|end|><|end|>\n", f"{mark}<|end|>\n", "x<|end|>") == "x<|end|>"
     assert guard.continuation("Mercury", mark, "Mercury") == "Mercury"  # nothing after the answer
     assert guard.continuation("mercury.", f"{mark}.", "Mercury") == "mercury"  # as the template writes it
-    with pytest.raises(guard.GuardSetError, match="does not write the assistant's answer once, as given"):
+    with pytest.raises(guard.GuardSetError, match=r"does not write the assistant's answer once, as given .*: use a "
+                       r"template that writes the assistant's content as it is given$"):  # fmt: skip
         guard.continuation("Mercury", "ANSWER", "Mercury")  # a template that drops or rewrites the content
     with pytest.raises(guard.GuardSetError, match="does not write the assistant's answer once, as given"):
         guard.continuation("Mercury Mercury", f"{mark} {mark}", "Mercury")
     for piece in ("<b>Mercury<|end|>", "<a>Mercury</a>", "<a><|end|>", "<a"):  # not between <a> and <|end|>
         with pytest.raises(guard.GuardSetError, match=r"writes the answer 'Mercury' as .*not between '<a>' and"):
             guard.continuation(piece, f"<a>{mark}<|end|>", "Mercury")
-    with pytest.raises(guard.GuardSetError, match="reword the option"):
+    with pytest.raises(guard.GuardSetError, match=r"so its text cannot be told from the template's: reword the option, "
+                       r"or use a template that writes every answer the same way$"):  # fmt: skip
         guard.continuation("<a>", f"<a>{mark}a>", "Mercury")  # the text around it overlaps: nothing is the option's
-    seqs = guard.token_sequences(
-        [guard.Question("a", "Q?", ("x", "yz"), 0)], [[1, 2]], lambda q: list(q.choices), lambda t: [ord(c) for c in t]
-    )
+    for shown, marked in (("y" * 60, "y" * 60), ("y" * 60 + "...", "y" * 61)):  # a long piece is shown cut
+        with pytest.raises(guard.GuardSetError) as err:
+            guard.continuation("o", marked, "o")
+        assert f"it writes {shown!r});" in str(err.value)
+
+
+def test_each_option_is_tokenised_after_its_questions_prompt() -> None:
+    questions = [guard.Question("a", "Q?", ("x", "yz"), 0)]
+    seqs = guard.token_sequences(questions, [[1, 2]], lambda q: list(q.choices), lambda t: [ord(c) for c in t])
     assert seqs == [([1, 2, ord("x")], 2), ([1, 2, ord("y"), ord("z")], 2)]
+    with pytest.raises(ValueError):  # a prompt for every question
+        guard.token_sequences(questions * 2, [[1, 2]], lambda q: list(q.choices), lambda t: [ord(c) for c in t])
+    with pytest.raises(guard.GuardSetError, match=r"^guard question 'a': an option tokenises to nothing$"):
+        guard.token_sequences(questions, [[1, 2]], lambda q: list(q.choices), lambda t: [])
+
+
+def test_a_guard_result_records_its_set_and_every_question() -> None:
+    """metrics.json's guard (the gate compares its set and sha256) and guard_predictions.jsonl's rows."""
+    q = [guard.Question("a", "Q?", ("x", "y"), 1), guard.Question("b", "R?", ("x", "y"), 0)]
+    scored = guard.result("mine", "ab" * 32, q, [[-1.23456789, -0.5], [-0.5, -0.25]])
+    assert scored.summary() == {"set": "mine", "sha256": "ab" * 32, "n": 2, "accuracy": 0.5, "n_correct": 1,
+                                "ids": ["a", "b"], "correct": [True, False]}  # fmt: skip
+    assert scored.rows(q) == [
+        {"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1, "chosen": 1, "correct": True,
+         "scores": [-1.234568, -0.5]},
+        {"id": "b", "question": "R?", "choices": ["x", "y"], "answer": 0, "chosen": 1, "correct": False,
+         "scores": [-0.5, -0.25]},
+    ]  # fmt: skip
+    with pytest.raises(ValueError):  # rows of other questions than were scored
+        scored.rows(q[:1])
+    with pytest.raises(ValueError):  # a list of scores per question
+        guard.result("mine", "ab" * 32, q, [[-1.0, -0.5]])
 
 
 def _tiny(chat: tinymodel.ChatFormat, origin: str) -> ChatTemplate:
@@ -301,6 +385,40 @@ def test_a_shipped_guard_is_sent_by_name_and_a_users_own_as_an_input() -> None:
         assert own[stage].inputs["guard_set"] == plan.Source("gs://team/guards/mine.jsonl")
 
 
+def _evaluate_config(guard_section: object) -> EvaluateConfig:
+    plans = plan.stage_plans(validate_spec(_spec(guard_section), "s.yaml"))
+    return parse(EvaluateConfig, plans["evaluate_base"].config)
+
+
+def test_the_evaluate_step_reads_the_guard_set_its_config_names(tmp_path: Path) -> None:
+    assert _guard.load(_evaluate_config(None), {}) is None
+    shipped = _guard.load(_evaluate_config({"set": "arithmetic-mc-v1"}), {})
+    assert shipped is not None and shipped.name == "arithmetic-mc-v1"
+    assert shipped.path == guard.shipped_path("arithmetic-mc-v1") and len(shipped.questions) == 120
+    own_config = _evaluate_config({"set": "gs://team/guards/mine.jsonl"})
+    with pytest.raises(LoraflowError, match=r"guard_set 'gs://team/guards/mine\.jsonl' is not a shipped set, so it "
+                       r"must come as --input guard_set=gs://\.\.\.; the planner sends it for a gs:// gate\.guard\.set "
+                       r"\(shipped: general-mc-v1, arithmetic-mc-v1\)$"):  # fmt: skip
+        _guard.load(own_config, {})
+    folder = tmp_path / "guard_set" / "nested"
+    folder.mkdir(parents=True)
+    (folder / "mine.jsonl").write_text(json.dumps({"question": "Q?", "choices": ["a", "b"], "answer": 1}) + "\n")
+    own = _guard.load(own_config, {"guard_set": tmp_path / "guard_set"})
+    assert own is not None and own.name == "gs://team/guards/mine.jsonl" and own.path == folder / "mine.jsonl"
+    assert own.questions == [guard.Question("0", "Q?", ("a", "b"), 1)]
+
+
+def test_a_guard_set_input_is_one_jsonl_file(tmp_path: Path) -> None:
+    (tmp_path / "one.jsonl").write_text("{}")
+    assert guard.find_set_file(tmp_path / "one.jsonl") == tmp_path / "one.jsonl"  # the input itself
+    assert guard.find_set_file(tmp_path) == tmp_path / "one.jsonl"
+    (tmp_path / "two.jsonl").write_text("{}")
+    with pytest.raises(guard.GuardSetError, match=r"must be one JSONL file; found \[.*one\.jsonl.*two\.jsonl"):
+        guard.find_set_file(tmp_path)
+    with pytest.raises(guard.GuardSetError, match=r"must be one JSONL file; found \[\]"):
+        guard.find_set_file(tmp_path / "empty")
+
+
 # ------------------------------------------------------------------------------------ the gate step
 
 
@@ -356,9 +474,18 @@ def test_a_passed_guard_lets_the_model_through_and_both_checks_are_shown(tmp_pat
 
 def test_the_gate_refuses_evaluations_without_the_guard_or_of_another_set(tmp_path: Path, make_ctx: Callable) -> None:
     base = write_eval(tmp_path / "b", "01" * 50, "1" * 10)
-    with pytest.raises(GateError, match="tuned_eval: the evaluation scored no guard set"):
-        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": write_eval(tmp_path / "t", "11" * 50, None)},
-                          GUARDED))  # fmt: skip
+    none = write_eval(tmp_path / "t", "11" * 50, None)
+    with pytest.raises(GateError, match=r"^tuned_eval: the evaluation scored no guard set \(no guard_predictions\.jsonl\), "
+                       r"but gate\.guard asks for one; re-run its evaluate stage with this spec \(gate\.guard\.set is "
+                       r"part of its cache key\)$"):  # fmt: skip
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": none}, GUARDED))
+    with pytest.raises(GateError, match=r"^base_eval: the evaluation scored no guard set"):
+        gate.run(make_ctx("gate", {"base_eval": none, "tuned_eval": base}, GUARDED))
+    listed = _rewrite_guard(write_eval(tmp_path / "l", "11" * 50, "1" * 10))
+    metrics = json.loads((listed / "metrics.json").read_text())
+    (listed / "metrics.json").write_text(json.dumps({**metrics, "guard": ["general-mc-v1"]}))
+    with pytest.raises(GateError, match=r"^tuned_eval: the evaluation scored no guard set"):
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": listed}, GUARDED))
     other = write_eval(tmp_path / "o", "11" * 50, "1" * 10, guard_set="arithmetic-mc-v1")
     with pytest.raises(GateError, match="the evaluations scored different guard sets"):
         gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": other}, GUARDED))
@@ -415,8 +542,13 @@ def test_the_gate_refuses_guard_results_of_one_name_but_different_contents(tmp_p
     base = write_eval(tmp_path / "b", "0" * 80 + "1" * 20, "1" * 10)
     tuned = _rewrite_guard(write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 10), sha256="0" * 64)
     with pytest.raises(GateError, match=r"different guard sets \(base general-mc-v1 sha256 e230efbd3157, tuned "
-                       r"general-mc-v1 sha256 000000000000"):  # fmt: skip
+                       r"general-mc-v1 sha256 000000000000; gate\.guard\.set is general-mc-v1\); re-run both "
+                       r"evaluations with this spec"):  # fmt: skip
         gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": tuned}, GUARDED))
+    # and the other way round: another name on the same contents
+    renamed = _rewrite_guard(write_eval(tmp_path / "r", "1" * 95 + "0" * 5, "1" * 10), set="arithmetic-mc-v1")
+    with pytest.raises(GateError, match=r"tuned arithmetic-mc-v1 sha256 e230efbd3157;"):
+        gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": renamed}, GUARDED))
     both = _rewrite_guard(write_eval(tmp_path / "b2", "0" * 80 + "1" * 20, "1" * 10), sha256="0" * 64)
     assert gate.run(make_ctx("gate", {"base_eval": both, "tuned_eval": tuned}, GUARDED))["guard"]["passed"]
 
@@ -429,20 +561,32 @@ def test_the_gate_refuses_guard_predictions_listing_a_question_twice(tmp_path: P
         gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": tuned}, GUARDED))
 
 
+NOT_A_PREDICTION = 'is not a guard prediction: it needs "id" (a string) and "correct" (true or false)'
+
+
 @pytest.mark.parametrize(
-    "bad",
-    ['{"id": "general-mc-001", "correct": "false"}', '{"id": "general-mc-001"}', '{"id": 1, "correct": true}', "[]",
-     "not json", "[" * 100_000],
-    ids=["string-correct", "no-correct", "number-id", "list", "not-json", "nested-deep"],
-)  # fmt: skip
-def test_the_gate_refuses_a_guard_prediction_row_it_cannot_read(bad: str, tmp_path: Path, make_ctx: Callable) -> None:
-    """One line naming the file and the line, never a traceback or a guess ("false" is not true)."""
+    ("bad", "says"),
+    [
+        (b'{"id": "general-mc-001", "correct": "false"}', NOT_A_PREDICTION),  # "false" used to count as correct
+        (b'{"id": "general-mc-001"}', NOT_A_PREDICTION),
+        (b'{"id": 1, "correct": true}', NOT_A_PREDICTION),
+        (b"[]", "is not a JSON object (it holds a list)"),
+        (b"not json", "is not JSON (Expecting value"),
+        (b"[" * 100_000, "is not JSON loraflow reads (nested deeper than 64 levels)"),
+        (b'{"id": "general-mc-001\xff", "correct": true}', "is not JSON (not UTF-8: byte 0xff"),
+    ],
+    ids=["string-correct", "no-correct", "number-id", "list", "not-json", "nested-deep", "not-utf8"],
+)
+def test_the_gate_refuses_a_guard_prediction_row_it_cannot_read(
+    bad: bytes, says: str, tmp_path: Path, make_ctx: Callable
+) -> None:
+    """One line naming the evaluation, the file and the line, never a traceback or a guess."""
     base = write_eval(tmp_path / "b", "0" * 80 + "1" * 20, "1" * 3)
-    rows = [
-        json.dumps({"id": "general-mc-000", "correct": True}),
-        bad,
-        json.dumps({"id": "general-mc-002", "correct": True}),
-    ]
-    tuned = _rewrite_guard(write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 3), rows)
-    with pytest.raises(GateError, match=r"^tuned_eval: guard_predictions\.jsonl line 2 is not a guard prediction"):
+    tuned = write_eval(tmp_path / "t", "1" * 95 + "0" * 5, "1" * 3)
+    rows = [json.dumps({"id": f"general-mc-{i:03d}", "correct": True}).encode() for i in (0, 2)]
+    (tuned / guard.PREDICTIONS_FILE).write_bytes(b"\n".join([rows[0], bad, rows[1]]) + b"\n")
+    with pytest.raises(GateError) as err:
         gate.run(make_ctx("gate", {"base_eval": base, "tuned_eval": tuned}, GUARDED))
+    message = str(err.value)
+    assert message.startswith(f"tuned_eval: guard_predictions.jsonl line 2 {says}"), message
+    assert message.endswith("; re-run its evaluate stage") and len(message) < 400
