@@ -140,6 +140,33 @@ TARGETS: dict[str, Target] = {
         ["tests/control/test_dags.py::test_trigger_values_reach_the_resolved_spec"],
         ["operators.stages.x_resolve_spec__mutmut_*"],
     ),
+    # Which vLLM build an evaluate stage's image must be (compute.<stage>.serving_build) for what its machine
+    # carries, and the lock its cache key holds; the rest of compute.py (each launcher's keys) is test_spec's.
+    "serving_builds": Target(
+        "control",
+        ["loraflow/spec/machines.py", "loraflow/spec/compute.py", "loraflow/launchers/environments.py"],
+        [
+            "tests/control/test_serving_builds.py",
+            "tests/control/test_vertex.py::test_gpu_machine_types_name_their_accelerator",
+        ],
+        [
+            "loraflow.spec.machines.*",
+            *[
+                f"loraflow.spec.compute.x_{f}__mutmut_*"
+                for f in ("tagged_build", "serving_build_problem", "serving_build_problems")
+            ],
+            "loraflow.launchers.environments.x_environment_for__mutmut_*",
+        ],
+        # they read the Makefile, the Dockerfile and docker/cloudbuild.yaml, which the scratch copy leaves out
+        deselect=[
+            f"tests/control/test_serving_builds.py::{t}"
+            for t in (
+                "test_the_cloud_build_config_builds_every_image_the_specs_name",
+                "test_make_lock_resolves_every_lock_and_the_dockerfile_installs_each_build",
+                "test_the_environments_ci_and_the_demo_install_only_the_cpu_serving_lock",
+            )
+        ],
+    ),
     # Last: the longest list of test files.
     "spec": Target(
         "control",

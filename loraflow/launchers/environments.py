@@ -2,6 +2,7 @@
 
 Each environment is one lock file (``envs/<name>.lock``), one local virtual environment
 (``.venvs/<name>``, made by ``make envs``) and one container image (``docker/<name>.Dockerfile``).
+The serving image has two more builds, for TPU and CUDA machines: their locks, no local venv.
 """
 
 from __future__ import annotations
@@ -9,8 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraflow.errors import LoraflowError
+
+if TYPE_CHECKING:
+    from loraflow.spec.compute import AnyCompute
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,3 +56,18 @@ ENVIRONMENTS = {
     "trainer": Environment("trainer", "3.12", "MaxText + Tunix on JAX (TPU in production)"),
     "serving": Environment("serving", "3.11", "vLLM"),
 }
+# The serving stages' accelerator builds: images only (docker/serving.Dockerfile SERVING_BUILD=tpu|cuda),
+# each from its own lock, so that a stage's cache key follows the vLLM build that ran it.
+ACCELERATOR_SERVING = {
+    "tpu": Environment("serving-tpu", "3.12", "vLLM's TPU build (vllm-tpu), in the serving image"),
+    "cuda": Environment("serving-cuda", "3.12", "vLLM's CUDA build, in the serving image"),
+}
+
+
+def environment_for(name: str, compute: AnyCompute) -> Environment:
+    """Where a stage of environment ``name`` runs on ``compute``: that environment, or for a serving stage
+    whose image is an accelerator build (``compute.<stage>.serving_build``), that build's."""
+    build = getattr(compute, "serving_build", None)
+    if name == "serving" and build in ACCELERATOR_SERVING:
+        return ACCELERATOR_SERVING[build]
+    return ENVIRONMENTS[name]

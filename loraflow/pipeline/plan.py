@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraflow.launchers import registry
-from loraflow.launchers.environments import ENVIRONMENTS, Environment
+from loraflow.launchers.environments import Environment, environment_for
 from loraflow.launchers.identity import JobIdentity
 from loraflow.pipeline import artifacts
 from loraflow.pipeline.stages import REPORTED, STAGE_TABLE, Input, Source, Upstream
@@ -63,7 +63,7 @@ def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
         named = [i.stage for i in inputs.values() if isinstance(i, Upstream)]
         out[stage.name] = StagePlan(
             stage.name,
-            ENVIRONMENTS[stage.env],
+            environment_for(stage.env, spec.compute_for(stage.name)),
             stage.module,
             inputs,
             STEP_CONFIGS[stage.name].from_spec(spec).wire(),

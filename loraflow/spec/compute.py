@@ -140,7 +140,7 @@ AnyCompute = LocalCompute | VertexCompute | GkeCompute
 
 def tagged_build(image: str) -> machines.ServingBuild | None:
     """The serving build an image reference's tag names (``serving:0.1.0-tpu`` -> tpu), None when it names none."""
-    tag = image.split("@", 1)[0].rsplit("/", 1)[-1].partition(":")[2]
+    tag = image.split("@")[0].split("/")[-1].partition(":")[2]
     return next((build for build in machines.SERVING_BUILDS if tag.endswith(f"-{build}")), None)
 
 
@@ -172,19 +172,19 @@ def serving_build_problems(entries: Mapping[str, AnyCompute], serving_stages: Co
     """Every problem of the spec's ``compute`` section with serving builds: an evaluate stage whose
     entry (its own, else ``default``) does not pair its machine with its vLLM build, and
     ``serving_build`` on a stage that runs no serving image."""
-    problems: dict[str, None] = {}
+    problems = []
     for stage in serving_stages:
         key = stage if stage in entries else "default"
         problem = serving_build_problem(key, entries[key]) if key in entries else None
         if problem:
-            problems[problem] = None  # both evaluate stages on default: said once
+            problems.append(problem)
     for key, compute in entries.items():
         if key not in serving_stages and key != "default" and getattr(compute, "serving_build", None):
-            problems[
+            problems.append(
                 f"compute.{key}.serving_build: {key} runs no serving image (only {' and '.join(serving_stages)} "
                 "do); remove it"
-            ] = None
-    return list(problems)
+            )
+    return list(dict.fromkeys(problems))  # both evaluate stages on default: said once
 
 
 def compute_from(**keys: Any) -> AnyCompute:

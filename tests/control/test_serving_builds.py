@@ -12,6 +12,9 @@ import pytest
 import yaml
 
 from loraflow.errors import SpecError
+from loraflow.launchers.environments import ENVIRONMENTS
+from loraflow.pipeline import artifacts
+from loraflow.pipeline.plan import describe, stage_plans
 from loraflow.spec import machines
 from loraflow.spec.cache import discover
 from loraflow.spec.compute import tagged_build
@@ -53,20 +56,22 @@ def test_the_cpu_image_on_an_l4_is_refused_naming_the_key_and_the_fix() -> None:
 
 
 @pytest.mark.parametrize(
-    ("machine", "build", "needed", "runs_on"),
+    ("machine", "carries", "build", "needed", "runs_on"),
     [
-        (L4, "cpu", "cuda", "the host's CPU"),  # said, not left unset
-        (L4, "tpu", "cuda", "TPU chips"),
-        (A100, "tpu", "cuda", "TPU chips"),
-        (TPU_V6E, "cuda", "tpu", "NVIDIA GPUs"),
-        (TPU_V5E, "cpu", "tpu", "the host's CPU"),
-        (CPU, "tpu", "cpu", "TPU chips"),
-        (CPU, "cuda", "cpu", "NVIDIA GPUs"),
+        (L4, "1 NVIDIA_L4 GPU(s)", "cpu", "cuda", "the host's CPU"),  # said, not left unset
+        (L4, "1 NVIDIA_L4 GPU(s)", "tpu", "cuda", "TPU chips"),
+        (A100, "1 NVIDIA_A100_80GB GPU(s)", "tpu", "cuda", "TPU chips"),
+        (TPU_V6E, "TPU chips", "cuda", "tpu", "NVIDIA GPUs"),
+        (TPU_V5E, "TPU chips", "cpu", "tpu", "the host's CPU"),
+        (CPU, "no accelerator", "tpu", "cpu", "TPU chips"),
+        (CPU, "no accelerator", "cuda", "cpu", "NVIDIA GPUs"),
     ],
 )
-def test_a_build_that_is_not_the_machines_is_refused(machine: str, build: str, needed: str, runs_on: str) -> None:
+def test_a_build_that_is_not_the_machines_is_refused(
+    machine: str, carries: str, build: str, needed: str, runs_on: str
+) -> None:
     (found,) = problems(evaluating_on(machine, f"{SERVING}:0.1.0", serving_build=build))
-    assert f"{machine} carries {machines.carries(machine)} but the image is the {build} serving build, " in found[1]
+    assert f"{machine} carries {carries} but the image is the {build} serving build, " in found[1]
     assert f"whose vLLM runs on {runs_on}; set compute.evaluate_base.serving_build: {needed}" in found[1]
     assert f"--build-arg SERVING_BUILD={needed}" in found[1]
 
@@ -94,6 +99,14 @@ def test_the_local_launcher_evaluates_in_the_workers_cpu_environment() -> None:
     data = evaluating_on(L4, SERVING)
     data["compute"] = {"default": {"launcher": "local"}}
     assert validate_spec(data, "x.yaml").compute_for("evaluate_base").launcher == "local"
+    data["compute"] = {"lora_sft": {"launcher": "local"}}  # no entry and no default: local too
+    assert validate_spec(data, "x.yaml").compute_for("evaluate_tuned").launcher == "local"
+
+
+def test_a_default_entry_the_evaluations_fall_to_may_say_its_build() -> None:
+    data = evaluating_on(L4, SERVING, serving_build="cuda")
+    data["compute"] = {"default": data["compute"]["evaluate_base"], "validate_data": {"launcher": "local"}}
+    assert validate_spec(data, "x.yaml").compute_for("evaluate_base").serving_build == "cuda"
 
 
 def test_an_evaluation_that_falls_to_the_default_entry_names_default_once() -> None:
@@ -191,6 +204,29 @@ def test_the_cloud_build_config_builds_every_image_the_specs_name() -> None:
     assert named <= pushed
     built = {arg for step in config["steps"] for arg in step["args"] if arg.startswith("SERVING_BUILD=")}
     assert built == {f"SERVING_BUILD={b}" for b in machines.SERVING_BUILDS}
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "build"), [("llama31-8b-qlora", "tpu"), ("llama31-8b-lora", "cuda"), ("gemma3-12b-lora", "cuda")]
+)
+def test_an_evaluation_is_cached_under_the_lock_of_the_build_that_runs_it(pipeline: str, build: str) -> None:
+    """Its cache key holds envs/serving-<build>.lock's version: a new vllm-tpu re-runs the TPU evaluations
+    (and a new CPU lock does not re-run them)."""
+    spec = load_spec(PIPELINES / f"{pipeline}.yaml")
+    plans = stage_plans(spec)
+    lock = REPO / "envs" / f"serving-{build}.lock"
+    for stage in ("evaluate_base", "evaluate_tuned"):
+        assert plans[stage].env.lock_file == lock
+        assert plans[stage].env.lock_version() == artifacts.lock_version(lock) != ENVIRONMENTS["serving"].lock_version()
+    assert plans["lora_sft"].env == ENVIRONMENTS["trainer"]
+    shown = {entry["stage"]: entry["environment"] for entry in describe(spec)["stages"]}
+    assert shown["evaluate_base"] == f"serving-{build}" and shown["merge_adapter"] == "trainer"
+
+
+def test_a_cpu_evaluation_keeps_the_serving_environment_and_its_lock() -> None:
+    local = stage_plans(load_spec(PIPELINES / "tiny-llama-lora.yaml"))["evaluate_base"]
+    remote = stage_plans(validate_spec(evaluating_on(CPU, SERVING, serving_build="cpu"), "x.yaml"))["evaluate_base"]
+    assert local.env == remote.env == ENVIRONMENTS["serving"]
 
 
 # ------------------------------------------------------------------ locks, Dockerfile, CI
