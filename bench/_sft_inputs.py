@@ -51,12 +51,13 @@ def maxtext_sft_direct(ctx: Any, random_init: bool = False) -> dict[str, Any]:
     from maxtext.trainers.post_train.sft import train_sft
 
     from loraflow.steps import lora_sft
+    from loraflow.trainer.data import training_set
+    from loraflow.trainer.training import maxtext_argv
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    cfg = lora_sft._resolve_config(ctx)
-    train_file, n_rows = lora_sft._training_data(ctx)
-    argv = lora_sft._maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], str(ctx.work / "maxtext"), n_rows)
+    sft = lora_sft.sft_run(ctx)
+    argv = maxtext_argv(sft, training_set(sft.dataset), str(ctx.work / "maxtext"))
     if random_init:
         argv = [a for a in argv if not a.startswith("load_parameters_path=")]
     t = time.perf_counter()

@@ -25,6 +25,7 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.evaluation.examples import EVAL_FILE, eval_template, load_examples, render_prompts
+from loraflow.spec.step_configs import LoraSftConfig
 
 ANSWERS_JSONL = "quantized_answers.jsonl"
 
@@ -39,6 +40,18 @@ class Answers:
 
     def rows(self) -> list[dict[str, str]]:
         return [{"id": i, "output": t} for i, t in zip(self.ids, self.texts, strict=True)]
+
+    def summary(self) -> dict[str, Any]:
+        return {"quantized_eval_examples": len(self.ids), "quantized_eval_seconds": round(self.seconds, 1)}
+
+    def write(self, out_dir: Path) -> None:
+        """``quantized_answers.jsonl``: a ``{"id", "output"}`` line an answer."""
+        (out_dir / ANSWERS_JSONL).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self.rows()))
+
+
+def wanted(cfg: LoraSftConfig) -> bool:
+    """Whether lora_sft answers eval prompts: QLoRA, with ``quantized_eval_examples`` to answer."""
+    return cfg.quantization != "none" and cfg.quantized_eval_examples > 0
 
 
 def eval_file(dataset_dir: Path) -> Path:

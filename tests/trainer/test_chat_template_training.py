@@ -82,22 +82,17 @@ def _maxtext_batches(tokenizer: Path, dataset: Path, tmp: Path, n: int) -> list[
     from maxtext.utils import maxtext_utils
 
     from loraflow.spec.step_configs import LoraSftConfig, parse
-    from loraflow.steps import lora_sft
+    from loraflow.trainer.argv import sft_argv
+    from loraflow.trainer.converted import ConvertedModel
+    from loraflow.trainer.data import TrainingSet, prepare
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    cfg = parse(
-        LoraSftConfig,
-        {"steps": 1, "batch_size": 1, "max_length": 512, "dtype": "float32", "packing": False, "shuffle": False},
-    ).model_dump()
-    cfg |= {
-        "hardware": "cpu",
-        "model_name": tinymodel.MAXTEXT_MODEL,
-        "model_overrides": dict(tinymodel.MAXTEXT_OVERRIDES),
-        "scan_layers": True,
-        "load_parameters_path": "/nowhere",
-    }
-    argv = lora_sft._maxtext_argv(cfg, dataset / "train.jsonl", tokenizer, str(tmp / "maxtext"), n)
+    settings = {"steps": 1, "batch_size": 1, "max_length": 512, "dtype": "float32", "packing": False, "shuffle": False}
+    cfg = parse(LoraSftConfig, {**settings, "hardware": "cpu"})
+    model = ConvertedModel(tinymodel.MAXTEXT_MODEL, dict(tinymodel.MAXTEXT_OVERRIDES), True, "/nowhere")
+    data = prepare(cfg, TrainingSet(dataset / "train.jsonl", n), tokenizer)
+    argv = sft_argv(cfg, model, data, tokenizer, str(tmp / "maxtext"))
     mt_config = pyconfig.initialize_pydantic(argv)
     assert mt_config.sft_train_on_completion_only and mt_config.use_sft
     iterator, _ = input_pipeline_interface.create_data_iterator(

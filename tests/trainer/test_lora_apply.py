@@ -66,14 +66,13 @@ def _model_and_config(ctx: StepContext) -> tuple[Any, Any, Any]:
     from maxtext.utils import model_creation_utils
 
     from loraflow.steps import lora_sft
+    from loraflow.trainer.data import training_set
+    from loraflow.trainer.training import maxtext_argv
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    cfg = lora_sft._resolve_config(ctx)
-    train_file, n_rows = lora_sft._training_data(ctx)
-    mt_config = pyconfig.initialize_pydantic(
-        lora_sft._maxtext_argv(cfg, train_file, ctx.inputs["tokenizer"], str(ctx.work), n_rows)
-    )
+    sft = lora_sft.sft_run(ctx)
+    mt_config = pyconfig.initialize_pydantic(maxtext_argv(sft, training_set(sft.dataset), str(ctx.work)))
     model, mesh = model_creation_utils.from_pretrained(mt_config)
     return model, mesh, mt_config
 

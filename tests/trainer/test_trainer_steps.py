@@ -371,12 +371,14 @@ def test_maxtext_never_starts_the_distributed_system_itself(base, hardware):
     from maxtext.configs import pyconfig
 
     from loraflow.spec.step_configs import LoraSftConfig, parse
-    from loraflow.steps import lora_sft
+    from loraflow.trainer.argv import sft_argv
+    from loraflow.trainer.converted import ConvertedModel
+    from loraflow.trainer.data import TrainingSet, prepare
 
-    cfg = parse(LoraSftConfig, {**SFT, "dtype": "bfloat16", "hardware": hardware}).model_dump()
-    cfg |= {"scan_layers": True, "load_parameters_path": "/nowhere"}
-    train = base["dataset"] / "train.jsonl"
-    argv = lora_sft._maxtext_argv(cfg, train, base["hf"], str(base["root"] / f"argv-{hardware}"), 100)
+    cfg = parse(LoraSftConfig, {**SFT, "dtype": "bfloat16", "hardware": hardware})
+    model = ConvertedModel(SFT["model_name"], dict(OVERRIDES), True, "/nowhere")
+    data = prepare(cfg, TrainingSet(base["dataset"] / "train.jsonl", 100), base["hf"])
+    argv = sft_argv(cfg, model, data, base["hf"], str(base["root"] / f"argv-{hardware}"))
     assert "skip_jax_distributed_system=true" in argv and f"hardware={hardware}" in argv
     if hardware == "cpu":
         mt = pyconfig.initialize_pydantic(argv)
@@ -390,28 +392,19 @@ def test_a_step_lasts_from_the_previous_step_end_to_its_own():
     read as 0.02 s when timed from the step's own start hook. Here the trainer spends 0.2 s between one
     step's end and the next step's start, as the real loop does while the chip runs."""
     import time
-    from types import SimpleNamespace
 
     import numpy as np
 
-    from loraflow.steps import lora_sft
+    from loraflow.trainer.hooks import tokens_in
+    from loraflow.trainer.step_log import StepLog
 
-    class Base:
-        def on_train_step_start(self, train_ctx):
-            pass
-
-        def on_train_step_end(self, train_ctx, train_step, train_loss, step_time=0.0):
-            pass
-
-    rows: list = []
-    ctx = SimpleNamespace(progress=lambda line: None)
-    hooks = lora_sft._make_hooks(Base, ctx, {"steps": 3, "log_every": 1}, None, rows)()
+    log = StepLog(lambda line: None, steps=3, log_every=1)
     batch = {"inputs_segmentation": np.ones((2, 50), np.int32)}
-    train_ctx = SimpleNamespace(data_hooks=SimpleNamespace(train_batch=batch))
     for step in (1, 2, 3):
-        hooks.on_train_step_start(train_ctx)
-        hooks.on_train_step_end(train_ctx, step, 1.0)
+        log.step_started(tokens_in(batch["inputs_segmentation"]))  # what the hooks do at each step's start
+        log.step_ended(step, 1.0)  # ... and end
         time.sleep(0.2)  # the trainer (and the chip) at work outside the hooks
+    rows = log.rows
     assert rows[0][3] < 0.1  # the attempt's first step: from its own start
     for step, _, tps, seconds in rows[1:]:
         assert seconds >= 0.2, (step, seconds)
