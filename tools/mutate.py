@@ -62,6 +62,21 @@ TRUST_ARTIFACTS = [
     "test_the_cache_never_stores_a_pointer_it_would_refuse",
 ]
 
+JSON_OBJECTS = [
+    "test_nesting_is_counted_outside_strings_and_the_limit_is_inclusive",
+    "test_the_parser_refuses_with_a_value_error_never_a_recursion_error",
+    "test_a_string_number_and_null_are_not_objects",
+    "test_a_local_file_is_read_with_the_same_bounds",
+    "test_a_local_file_that_is_not_utf8_is_refused_with_the_callers_fix",
+    "test_an_object_listed_over_its_cap_is_refused_before_a_byte_is_read",
+    "test_an_object_is_read_only_up_to_its_cap",
+    "test_an_empty_object_is_not_json_and_a_missing_one_is_none",
+    "test_read_manifest_refuses_a_bad_manifest_naming_it",
+    "test_a_bad_manifest_behind_a_cache_entry_is_a_miss_and_the_log_says_why",
+    "test_a_bad_cache_entry_is_a_miss_and_the_log_says_why",
+    "test_the_next_commit_goes_beside_a_bad_manifest",
+]
+
 GUARDS_CHAMPION = [
     "test_without_a_champion_the_base_comparison_decides",
     "test_a_better_champion_blocks_promotion",
@@ -79,7 +94,9 @@ TARGETS: dict[str, Target] = {
         ["loraflow/pipeline/artifacts.py", "loraflow/pipeline/json_objects.py"],
         [
             "tests/control/test_artifacts.py",
-            "tests/control/test_json_objects.py",
+            # the parser and the readers in artifacts.py; the champion, gate and promote tests of that file
+            # register whole champions (seconds for each mutant that reaches them) and test registry code
+            *[f"tests/control/test_json_objects.py::{t}" for t in JSON_OBJECTS],
             "tests/control/test_launch_and_runner.py",
             # the bucket-writer lane's refusals that live in artifacts.py (hostile manifests, sources, cache entries)
             *[f"tests/control/test_trust_bucket.py::{t}" for t in TRUST_ARTIFACTS],

@@ -90,7 +90,62 @@ def test_a_local_file_is_read_with_the_same_bounds(tmp_path: Path) -> None:
         json_objects.read_file_object(path)
 
 
+def test_a_local_file_that_is_not_utf8_is_refused_with_the_callers_fix(tmp_path: Path) -> None:
+    path = tmp_path / "decision.json"
+    path.write_bytes(GARBAGE["not-utf8"][0])
+    with pytest.raises(json_objects.JsonObjectError, match=r"not UTF-8: byte 0xff at offset 12\); re-run the gate$"):
+        json_objects.read_file_object(path, fix="re-run the gate")
+
+
 # ------------------------------------------------------------------------------------ the readers
+
+
+@pytest.fixture
+def downloads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many bytes each GCS download returned."""
+    from google.cloud.storage import Blob
+
+    got: list[int] = []
+    real = Blob.download_as_bytes
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        data = real(self, *args, **kwargs)
+        got.append(len(data))
+        return data
+
+    monkeypatch.setattr(Blob, "download_as_bytes", counted)
+    return got
+
+
+def test_an_object_listed_over_its_cap_is_refused_before_a_byte_is_read(gcs_bucket: str, downloads: list[int]) -> None:
+    uri = f"{gcs_bucket}/_cache/lora_sft/K.json"
+    body = json.dumps({"manifest": "x" * 80}).encode()
+    put(uri, body)
+    bucket, path = gcs.split_uri(uri)
+    listed = gcs.client().bucket(bucket).get_blob(path)  # its size known, as a listing gives it
+    assert json_objects.read_json_object(uri, max_bytes=len(body), blob=listed) == json.loads(body)
+    downloads.clear()
+    with pytest.raises(json_objects.JsonObjectError) as err:
+        json_objects.read_json_object(uri, max_bytes=len(body) - 1, blob=listed)
+    assert str(err.value).startswith(f"{uri} is larger than {len(body) - 1} bytes ({len(body)});")
+    assert downloads == []
+
+
+def test_an_object_is_read_only_up_to_its_cap(gcs_bucket: str, downloads: list[int]) -> None:
+    uri = f"{gcs_bucket}/x/_MANIFEST.json"
+    body = json.dumps({"pad": "x" * 200_000}).encode()
+    put(uri, body)
+    with pytest.raises(json_objects.JsonObjectError, match=f"^{uri} is larger than 1000 bytes;"):
+        json_objects.read_json_object(uri, max_bytes=1000)
+    assert downloads == [1001]  # a ranged read: the cap and one byte more, never the object
+    assert json_objects.read_json_object(uri, max_bytes=len(body)) == json.loads(body)  # the cap itself is allowed
+
+
+def test_an_empty_object_is_not_json_and_a_missing_one_is_none(gcs_bucket: str) -> None:
+    put(f"{gcs_bucket}/empty.json", b"")
+    with pytest.raises(json_objects.JsonObjectError, match=r"empty\.json is not JSON \(Expecting value"):
+        json_objects.read_json_object(f"{gcs_bucket}/empty.json")
+    assert json_objects.read_json_object(f"{gcs_bucket}/missing.json") is None
 
 
 def committed(tmp_path: Path, prefix: str, stage: str, key: str) -> artifacts.Manifest:
@@ -122,7 +177,8 @@ def test_a_bad_manifest_behind_a_cache_entry_is_a_miss_and_the_log_says_why(
     put(manifest.uri, data)
     with caplog.at_level(logging.WARNING, logger="loraflow.pipeline.artifacts"):
         assert artifacts.cache_lookup(root, "lora_sft", "K") is None
-    assert manifest.uri in caplog.text and says in caplog.text and "treating it as a miss" in caplog.text
+    assert f"cache entry {artifacts.cache_entry_uri(root, 'lora_sft', 'K')} is stale: {manifest.uri} " in caplog.text
+    assert says in caplog.text and "treating it as a miss" in caplog.text
 
 
 def test_a_bad_cache_entry_is_a_miss_and_the_log_says_why(
