@@ -13,8 +13,10 @@ the user and the setting to fix, never the password or the token. Only the stand
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraflow.errors import LoraflowError
+from loraflow.errors import LoraflowError, excerpt
 
 URL_ENV = "LORAFLOW_AIRFLOW_URL"
 USER_ENV = "LORAFLOW_AIRFLOW_USERNAME"
@@ -58,7 +60,7 @@ class AirflowClient:
     ) -> AirflowClient:
         env = os.environ if environ is None else environ
         return cls(
-            url=(url or env.get(URL_ENV) or DEFAULT_URL).rstrip("/"),
+            url=checked_url(url or env.get(URL_ENV) or DEFAULT_URL),
             username=username or env.get(USER_ENV),
             password=env.get(PASSWORD_ENV),
             token=env.get(TOKEN_ENV),
@@ -100,17 +102,28 @@ class AirflowClient:
                 f"cannot reach Airflow at {self.url} ({reason}); start it, or point --airflow-url / {URL_ENV} "
                 "at its API server"
             ) from None
+        except http.client.HTTPException as exc:  # something listens there, but it does not speak HTTP
+            raise AirflowUnreachable(
+                f"what answers at {self.url} is not an HTTP server ({type(exc).__name__}); point --airflow-url / "
+                f"{URL_ENV} at Airflow's API server (its port, {DEFAULT_URL} locally)"
+            ) from None
 
     def call(self, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None) -> Any:
         """``/api/v2{path}``'s JSON answer; an error status raises ``AirflowApiError`` with Airflow's detail."""
         url = f"{self.url}/api/v2{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
-        data = None if body is None else json.dumps(body).encode()
+        data = None if body is None else _request_body(body, f"{method} {path}")
         status, answer = self._send(method, url, data, {"Authorization": f"Bearer {self._bearer()}"})
         if status == 401:
             raise LoraflowError(f"Airflow at {self.url} refused the token (HTTP 401); set {TOKEN_ENV} to a valid one")
         if status >= 400:
             detail = answer.get("detail", answer) if isinstance(answer, dict) else answer
             raise AirflowApiError(status, f"Airflow at {self.url}: {method} {path}: HTTP {status}: {detail}")
+        if not isinstance(answer, dict):  # every endpoint used here answers a JSON object
+            raise AirflowApiError(
+                status,
+                f"{self.url} answered {method} {path} with no JSON object ({excerpt(answer)}); point --airflow-url / "
+                f"{URL_ENV} at Airflow's API server",
+            )
         return answer
 
     # ------------------------------------------------------------------------------ endpoints
@@ -156,6 +169,34 @@ class AirflowClient:
             self.call("PATCH", f"/dags/{_quote(dag_id)}", {"is_paused": False})
         run: dict[str, Any] = self.call("POST", f"/dags/{_quote(dag_id)}/dagRuns", {"logical_date": None, "conf": conf})
         return run
+
+
+def checked_url(url: str) -> str:
+    """``url`` (without a trailing slash) if it is an http:// or https:// URL of a host, with a port
+    from 0 to 65535 if it names one; else ``LoraflowError`` saying what to write."""
+    fix = f"write the API server's URL, such as {DEFAULT_URL} (--airflow-url or {URL_ENV})"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  # reading it checks it: ValueError when out of range or no number
+    except ValueError as exc:
+        raise LoraflowError(f"the Airflow URL {excerpt(url)} cannot be read ({exc}); {fix}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or _NOT_IN_URLS.search(url):
+        raise LoraflowError(f"the Airflow URL {excerpt(url)} is not an http:// or https:// URL of a host; {fix}")
+    return url.rstrip("/")
+
+
+# What no URL may hold (http.client refuses a request for one with a bare ValueError).
+_NOT_IN_URLS = re.compile(r"[\x00-\x20\x7f]")
+
+
+def _request_body(body: Any, what: str) -> bytes:
+    """``body`` as JSON; NaN and Infinity refused (Python would write them, and no JSON reader takes them)."""
+    try:
+        return json.dumps(body, allow_nan=False).encode()
+    except ValueError:
+        raise LoraflowError(
+            f"{what}: the request holds NaN or Infinity, which JSON has no value for; send finite numbers"
+        ) from None
 
 
 def _quote(part: str) -> str:

@@ -4,13 +4,16 @@ A value is read as JSON (``200``, ``0.5``, ``true``, ``null``) unless the param 
 the JSON reading is not one of its types: then it is the text as given. Every problem is reported
 at once, each naming the param and what it allows, before anything is triggered: an unknown key
 (Airflow would pass it on silently), a wrong type, a value outside its enum, minimum or maximum,
-a string too short, too long or not matching its pattern.
+a string too short, too long or not matching its pattern. NaN and Infinity are no value (JSON has
+none, and a NaN passes every bound): ``NaN``, ``Infinity`` and a number too large for a float are
+refused for a param that takes no string, and kept as text for one that does.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -43,7 +46,13 @@ def conf_from(dag_id: str, params: Mapping[str, Any], assignments: Iterable[str]
             problems.append(_unknown(key, params))
             continue
         schema = _schema(params[key])
-        value = _value(raw, schema)
+        try:
+            value = _value(raw, schema)
+        except _NotFinite:
+            problems.append(
+                f"param {key!r} = {excerpt(raw)} is not a finite number (JSON has no NaN or Infinity); write a number"
+            )
+            continue
         problem = value_problem(value, schema)
         if problem:
             problems.append(f"param {key!r} = {excerpt(value)} {problem}")
@@ -73,10 +82,31 @@ def _allowed_types(schema: Mapping[str, Any]) -> list[str]:
     return [declared] if isinstance(declared, str) else [str(t) for t in declared]
 
 
+class _NotFinite(ValueError):
+    """A JSON reading of a value that holds NaN, Infinity or a number beyond a float's range."""
+
+
+def _not_finite(text: str) -> float:
+    raise _NotFinite(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise _NotFinite(text)
+    return value
+
+
 def _value(raw: str, schema: Mapping[str, Any]) -> Any:
+    """``raw`` read as JSON (``_NotFinite`` for NaN or Infinity), or as the text itself when the
+    param takes a string and the reading is none of its types."""
     types = _allowed_types(schema)
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=_not_finite, parse_float=_finite)
+    except _NotFinite:
+        if "string" in types:
+            return raw
+        raise
     except ValueError:
         return raw
     if "string" in types and not _is_type(value, types):

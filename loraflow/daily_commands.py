@@ -9,6 +9,7 @@ reach them.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import socket
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow import airflow_rest
-from loraflow.errors import LoraflowError
+from loraflow.errors import LoraflowError, excerpt
 from loraflow.spec.locate import PIPELINES_ENV, pipelines_dir
 
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
@@ -47,15 +48,44 @@ def gcs_errors() -> Iterator[None]:
 
 
 def _check_emulator(host: str) -> None:
-    parsed = urllib.parse.urlsplit(host if "://" in host else f"http://{host}")
+    """The emulator ``STORAGE_EMULATOR_HOST`` names answers HTTP; else one line saying what to set."""
+    address, port, secure = _emulator_address(host)
+    start = f"start the emulator (`make ui` or `python -m loraflow.dev.local_gcs`) or unset {EMULATOR_ENV} to use GCS itself"
     try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 80), timeout=5):
+        with socket.create_connection((address, port), timeout=5):
             pass
+        if not secure:  # a TLS emulator is only connected to: its certificate is its own business
+            _answers_http(address, port)
     except OSError as exc:
+        raise LoraflowError(f"cannot reach GCS at {host} ({EMULATOR_ENV}): {exc.strerror or exc}; {start}") from None
+    except http.client.HTTPException as exc:
         raise LoraflowError(
-            f"cannot reach GCS at {host} ({EMULATOR_ENV}): {exc.strerror or exc}; start the emulator "
-            f"(`make ui` or `python -m loraflow.dev.local_gcs`) or unset {EMULATOR_ENV} to use GCS itself"
+            f"what answers at {host} ({EMULATOR_ENV}) is not an HTTP server ({type(exc).__name__}); point "
+            f"{EMULATOR_ENV} at the emulator's port, or {start}"
         ) from None
+
+
+def _emulator_address(host: str) -> tuple[str, int, bool]:
+    """(host name, port, https?) of ``STORAGE_EMULATOR_HOST`` (``http://HOST:PORT`` or ``HOST:PORT``)."""
+    fix = f"set {EMULATOR_ENV} to the emulator's URL, such as http://127.0.0.1:4443, or unset it to use GCS itself"
+    try:
+        parsed = urllib.parse.urlsplit(host if "://" in host else f"http://{host}")
+        port = parsed.port  # ValueError when out of range or no number
+    except ValueError as exc:
+        raise LoraflowError(f"{EMULATOR_ENV} {excerpt(host)} cannot be read ({exc}); {fix}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise LoraflowError(f"{EMULATOR_ENV} {excerpt(host)} is not an http:// URL of a host; {fix}")
+    secure = parsed.scheme == "https"
+    return parsed.hostname, port or (443 if secure else 80), secure
+
+
+def _answers_http(address: str, port: int) -> None:
+    connection = http.client.HTTPConnection(address, port, timeout=5)
+    try:
+        connection.request("GET", "/")
+        connection.getresponse().close()
+    finally:
+        connection.close()
 
 
 def _gcs_problem(exc: Exception) -> str | None:

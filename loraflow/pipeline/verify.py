@@ -13,7 +13,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraflow.errors import ArtifactError
 from loraflow.pipeline import artifacts, gcs
+from loraflow.spec.resource_names import check_bucket
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,12 @@ class Verification:
 
 def verify_artifact(uri: str, download: bool = False) -> Verification:
     """Check the committed artifact at ``uri`` (its prefix or its manifest); every problem found, each
-    naming the file. A manifest that cannot be trusted raises ``ArtifactError``."""
+    naming the file. A manifest that cannot be trusted, or a URI of no bucket GCS allows, raises
+    ``ArtifactError``."""
+    try:
+        check_bucket(gcs.split_uri(uri)[0])
+    except ValueError as exc:  # google-cloud-storage would raise it bare, with no word of the URI
+        raise ArtifactError(f"{uri!r}: {exc}") from None
     manifest = artifacts.read_manifest(uri)
     bucket_name, base = gcs.split_uri(manifest.prefix)
     start = base.rstrip("/") + "/" if base else ""

@@ -5,6 +5,8 @@ GCS cannot be reached."""
 from __future__ import annotations
 
 import json
+import math
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 
 from loraflow import cli
+from loraflow.airflow_rest import AirflowClient
 from loraflow.dag_params import conf_from
 from loraflow.dev.local_gcs import free_port
 from loraflow.errors import LoraflowError
@@ -121,6 +124,128 @@ def test_airflow_that_cannot_be_reached_is_one_line_naming_the_url_and_the_setti
     )
 
 
+@pytest.fixture
+def not_http() -> Iterator[str]:
+    """A port that accepts a connection and answers with something that is not HTTP (an SSH banner)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:  # as an SSH server: its banner first, then it reads what comes until the client leaves
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                conn.settimeout(5)
+                try:
+                    while conn.recv(4096):
+                        pass
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def assert_one_line(rc: int, out: str, err: str, *says: str) -> None:
+    assert rc == 1 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+    for words in says:
+        assert words in err, err
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://[::1", "the Airflow URL 'http://[::1' cannot be read (Invalid IPv6 URL)"),
+        ("http://127.0.0.1:99999", "the Airflow URL 'http://127.0.0.1:99999' cannot be read (Port out of range"),
+        ("127.0.0.1:8080", "the Airflow URL '127.0.0.1:8080' is not an http:// or https:// URL of a host"),
+        ("http://127.0.0.1:8080/a b", "is not an http:// or https:// URL of a host"),
+    ],
+)
+def test_an_airflow_url_that_is_no_url_is_one_line_saying_what_to_write(
+    url: str, says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_TOKEN", "jwt")
+    for argv in (["runs", TINY], ["trigger", TINY, "-p", "training_steps=100"]):
+        assert_one_line(*run(capsys, *argv, "--airflow-url", url), says, "such as http://127.0.0.1:8080")
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_URL", url)
+    assert_one_line(*run(capsys, "runs", TINY), says, "LORAFLOW_AIRFLOW_URL")
+
+
+def test_an_airflow_url_whose_port_answers_no_http_is_one_line(
+    not_http: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_USERNAME", "admin")
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_PASSWORD", "pw")
+    says = f"what answers at {not_http} is not an HTTP server (BadStatusLine); point --airflow-url"
+    assert_one_line(*run(capsys, "runs", TINY, "--airflow-url", not_http), says)
+
+
+def test_an_http_server_that_is_not_airflow_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Page(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html>a web page</html>")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("LORAFLOW_AIRFLOW_TOKEN", "jwt")
+    try:
+        for argv in (["runs", TINY], ["trigger", TINY]):
+            says = f"{url} answered GET /dags/{TINY}/details with no JSON object ('<html>a web page</html>')"
+            assert_one_line(*run(capsys, *argv, "--airflow-url", url), says, "Airflow's API server")
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("host", "says"),
+    [
+        ("http://127.0.0.1:99999", "STORAGE_EMULATOR_HOST 'http://127.0.0.1:99999' cannot be read (Port out of range"),
+        ("http://[::1", "STORAGE_EMULATOR_HOST 'http://[::1' cannot be read (Invalid IPv6 URL)"),
+        ("localhost:abc", "STORAGE_EMULATOR_HOST 'localhost:abc' cannot be read (Port could not be cast"),
+        ("ftp://127.0.0.1:21", "STORAGE_EMULATOR_HOST 'ftp://127.0.0.1:21' is not an http:// URL of a host"),
+    ],
+)
+def test_an_emulator_host_that_cannot_be_read_is_one_line_saying_what_to_set(
+    host: str, says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)
+    assert_one_line(*run(capsys, "verify", "gs://bucket/p/run/merge_adapter"), says, "such as http://127.0.0.1:4443")
+
+
+def test_an_emulator_port_that_answers_no_http_is_one_line_at_once(
+    not_http: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client library retried for 120 s before its traceback."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", not_http)
+    says = f"what answers at {not_http} (STORAGE_EMULATOR_HOST) is not an HTTP server (BadStatusLine)"
+    assert_one_line(*run(capsys, "verify", "gs://bucket/p/run/merge_adapter"), says)
+
+
+@pytest.mark.parametrize("bucket", ["Bad_Bucket!", "UPPER", "-dash", "a..b"])
+def test_verify_of_a_bucket_gcs_never_allows_is_one_line_naming_the_rule(
+    bucket: str, gcs_bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    says = f"error: 'gs://{bucket}/x': '{bucket}' is not a GCS bucket name; use 3-63 lowercase letters"
+    assert_one_line(*run(capsys, "verify", f"gs://{bucket}/x"), says)
+
+
 @pytest.fixture(scope="module")
 def dumped_params() -> dict[str, dict[str, Any]]:
     """DAG id -> its params exactly as Airflow's REST API reports them (``Param.dump()`` of each)."""
@@ -214,3 +339,50 @@ def test_trigger_refuses_a_bad_param_before_triggering_anything(
     rc, out, _ = run(capsys, "trigger", TINY, "-p", "training_steps=50", "--airflow-url", api.url)
     assert rc == 0 and "run manual__1" in out and '{"training_steps": 50}' in out
     assert "is paused" in out and api.posts == [f"/api/v2/dags/{TINY}/dagRuns"]
+
+
+@pytest.mark.parametrize("written", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_trigger_refuses_nan_and_infinity_before_posting(
+    written: str, api: _AirflowApi, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-p training_learning_rate=NaN`` passed the check (a NaN breaks no bound) and was posted as
+    invalid JSON."""
+    rc, out, err = run(capsys, "trigger", TINY, "-p", f"training_learning_rate={written}", "--airflow-url", api.url)
+    says = f"param 'training_learning_rate' = '{written}' is not a finite number (JSON has no NaN or Infinity)"
+    assert_one_line(rc, out, err, says, "write a number")
+    assert api.posts == []
+
+
+def test_no_request_body_with_nan_or_infinity_is_sent(api: _AirflowApi) -> None:
+    client = AirflowClient.from_settings(api.url)
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(LoraflowError, match="the request holds NaN or Infinity, which JSON has no value for"):
+            client.call("POST", f"/dags/{TINY}/dagRuns", {"conf": {"training_learning_rate": bad}})
+    assert api.posts == []
+
+
+# ------------------------------------------------------------------------------ boundaries
+
+
+def test_a_reason_of_the_documented_maximum_is_recorded_and_one_more_character_refused(
+    folder: Path, capsys: pytest.CaptureFixture[str], dumped_params: dict
+) -> None:
+    """1,000 characters is the documented maximum (the CLI, the audit trail and the maintenance DAG's param)."""
+    longest = "r" * 999 + "!"
+    rc, out, err = run(capsys, "registry", "rollback", TINY, "--pipelines", str(folder), "--reason", longest + "?")
+    assert_one_line(rc, out, err, "the reason has 1001 characters; an audit event keeps at most 1000: shorten it")
+    rc, _, _ = run(capsys, "registry", "rollback", TINY, "--pipelines", str(folder), "--reason", longest)
+    assert rc == 0
+    rc, out, _ = run(capsys, "registry", "list", TINY, "--pipelines", str(folder), "--json")
+    assert [e["reason"] for e in json.loads(out)["audit"]] == [longest]
+    registry = dumped_params["loraflow_registry"]
+    assert conf_from("loraflow_registry", registry, [f"reason={longest}"])["reason"] == longest
+    with pytest.raises(LoraflowError, match=r"param 'reason' = .* is longer than its maxLength 1000"):
+        conf_from("loraflow_registry", registry, [f"reason={longest}?"])
+
+
+def test_a_param_value_keeps_every_equals_sign_after_the_first(dumped_params: dict) -> None:
+    registry = dumped_params["loraflow_registry"]
+    conf = conf_from("loraflow_registry", registry, ["reason=a=b", f"pipeline={TINY}", "action=rollback"])
+    assert conf == {"reason": "a=b", "pipeline": TINY, "action": "rollback"}
+    assert conf_from("loraflow_registry", registry, ["reason==x="])["reason"] == "=x="
