@@ -27,12 +27,14 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loraflow.dev import local_gcs, local_postgres
+from loraflow.dev import local_gcs, local_postgres, stack_guard
 from loraflow.dev.local_celery import HOSTNAME_ENV, Broker, CeleryWorkers, start_broker
 from loraflow.dev.separate_hosts import host_dirs
+from loraflow.dev.stack_guard import say
 from loraflow.errors import LoraflowError
 from loraflow.evaluation.metrics import METRICS
 from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
@@ -71,10 +73,6 @@ WORKER_PRELOAD = (
 # pool reaches every task. Celery's ``imports`` setting imports these in the worker's main process first
 # (the LocalExecutor itself is not used there).
 CELERY_PRELOAD = tuple(m for m in WORKER_PRELOAD if m != "airflow.executors.local_executor")
-
-
-def say(message: str) -> None:
-    print(f"[loraflow] {message}", flush=True)
 
 
 # ---------------------------------------------------------------------------------- sources
@@ -287,7 +285,8 @@ class LocalAirflow:
         logs.mkdir(parents=True, exist_ok=True)
         subprocess.run([self.airflow, "db", "migrate"], env=self.env, check=True, stdout=subprocess.DEVNULL)
         if self.celery is not None:
-            self.broker = start_broker(self.home / "redis", self.broker_port)
+            self.broker = start_broker(self.home / "redis", self.broker_port, env=self.env)
+            stack_guard.record(self.env, self.broker.process.pid)  # Redis renames itself: the marker is lost
             for name in self.celery.names():
                 self.workers[name] = self._start_worker(name)
         for component in self.COMPONENTS:
@@ -318,7 +317,12 @@ class LocalAirflow:
             command = [sys.executable, "-m", "operators.local_scheduler", *component[1:]]
         else:
             command = [self.airflow, *component]
-        return subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        # Its own session: stop() ends the component and what it started together (the scheduler's
+        # forkserver and executor workers), and a Ctrl-C reaches the demo only, which then stops them.
+        with stack_guard.uninterrupted():
+            proc = subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            stack_guard.record(self.env, proc.pid)
+        return proc
 
     def _start_worker(self, name: str) -> subprocess.Popen[bytes]:
         """A Celery worker as a machine of its own: its own HOME, TMPDIR, scratch, Airflow home (local
@@ -340,9 +344,12 @@ class LocalAirflow:
         command += ["--celery-hostname", f"{name}@%h", "--skip-serve-logs", "--without-mingle", "--without-gossip"]
         out = open(self.home / "logs" / f"{name}.log", "ab")
         # Its own session: stop() ends the worker and its pool together, as a machine going away would.
-        return subprocess.Popen(
-            command, env=env, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with stack_guard.uninterrupted():
+            proc = subprocess.Popen(
+                command, env=env, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            stack_guard.record(env, proc.pid)
+        return proc
 
     def restart(self, name: str) -> None:
         """Stop one component (e.g. ``triggerer``) as a deploy would, and start it again."""
@@ -356,18 +363,14 @@ class LocalAirflow:
             proc.wait()
         self.procs[i] = self._start_component(self.COMPONENTS[i])
 
+    def exited(self) -> list[str]:
+        """The components that are no longer running."""
+        return [c[0] for c, p in zip(self.COMPONENTS, self.procs, strict=False) if p.poll() is not None]
+
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        """End every component and worker with its process group (SIGTERM; SIGKILL after 30 s), then the broker."""
+        _end_groups([*self.procs, *self.workers.values()])
         self.procs.clear()
-        for proc in self.workers.values():
-            _end_group(proc)
         self.workers.clear()
         if self.broker is not None:
             self.broker.stop()
@@ -440,23 +443,72 @@ class LocalAirflow:
         return {ti["task_id"]: ti["state"] for ti in body.get("task_instances", [])}
 
     def wait_for_run(
-        self, dag_id: str, run_id: str, timeout: float = 1800, progress: Callable[[str], None] = say
+        self,
+        dag_id: str,
+        run_id: str,
+        timeout: float = 1800,
+        progress: Callable[[str], None] = say,
+        queued_bound: float = stack_guard.QUEUED_BOUND,
     ) -> str:
+        """Wait for the run's end; its final state. Raises after ``timeout`` seconds, or as soon as a task
+        has been queued for ``queued_bound`` seconds while no task of the run changed state."""
         seen: dict[str, str | None] = {}
         deadline = time.monotonic() + timeout
-        started = time.monotonic()
+        started = last_change = time.monotonic()
         while time.monotonic() < deadline:
             states = self.task_states(dag_id, run_id)
+            now = time.monotonic()
             for task, state in states.items():
-                if state != seen.get(task) and state not in (None, "scheduled", "queued"):
-                    progress(f"{time.monotonic() - started:6.0f}s  {task:<20} {state}")
+                if state != seen.get(task):
+                    last_change = now
+                    if state not in (None, "scheduled", "queued"):
+                        progress(f"{now - started:6.0f}s  {task:<20} {state}")
             seen.update(states)
+            stuck = stack_guard.stuck_queued_task(states, now - last_change, queued_bound)
+            if stuck is not None:
+                raise LoraflowError(self._never_started(dag_id, run_id, stuck, now - last_change))
             _, run = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
             if run.get("state") in TERMINAL:
                 final: str = run["state"]
                 return final
             time.sleep(3)
-        raise LoraflowError(f"run {run_id} of {dag_id} did not finish within {timeout:.0f} s")
+        unfinished = ", ".join(f"{t} {s}" for t, s in seen.items() if s not in ("success", "failed", "skipped"))
+        raise LoraflowError(f"run {run_id} of {dag_id} did not finish within {timeout:.0f} s ({unfinished})")
+
+    def _never_started(self, dag_id: str, run_id: str, task_id: str, waited: float) -> str:
+        """What to say of a task its executor never started: its state, where its log will be, what to do."""
+        _, ti = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}")
+        ti = ti if isinstance(ti, dict) else {}
+        log = self.task_log_path(dag_id, run_id, task_id, int(ti.get("try_number") or 1))
+        return (
+            f"task {task_id} of {dag_id} run {run_id} is {ti.get('state', 'queued')} and has not started in "
+            f"{waited:.0f} s, no other task of the run moving: its executor never took it. Its log: {log} "
+            f"(written once it starts); the scheduler's: {self.home / 'logs' / 'scheduler.log'}. "
+            "A stack left by an earlier stop, or its database, may hold it: `make clean` starts afresh"
+        )
+
+    def task_log_path(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
+        """Where Airflow writes a try's log (its default ``log_filename_template``): under the stack's
+        logs, or the remote log folder of the Celery workers."""
+        root = self.env.get("AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER") or str(self.home / "logs")
+        return f"{root}/dag_id={dag_id}/run_id={run_id}/task_id={task_id}/attempt={try_number}.log"
+
+    def fail_leftover_runs(self, started_at: datetime) -> list[str]:
+        """Mark failed the runs an earlier stack left queued or running (stack_guard.leftover_runs): their
+        processes are gone; as they were, the scheduler would slowly resume them beside new runs. One line each."""
+        status, body = self.call("GET", "/dags/~/dagRuns?state=queued&state=running&limit=100")
+        if status != 200 or not isinstance(body, dict):
+            return [f"could not list the runs an earlier stack may have left (HTTP {status}: {body})"]
+        lines = []
+        runs = body.get("dag_runs", [])
+        for run in stack_guard.leftover_runs(runs, started_at):
+            dag_id, run_id = run["dag_id"], run["dag_run_id"]
+            status, answer = self.call("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", {"state": "failed"})
+            if status == 200:
+                lines.append(f"run {run_id} of {dag_id}, left {run['state']} by an earlier stack: marked failed")
+            else:
+                lines.append(f"run {run_id} of {dag_id} is left {run['state']} (HTTP {status} {answer}): `make clean`")
+        return lines
 
     def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
         status, body = self.call(
@@ -486,16 +538,20 @@ class LocalAirflow:
         return str(content)
 
 
-def _end_group(proc: subprocess.Popen[bytes]) -> None:
-    """End a process started in a session of its own, and its process group, by its id."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+def _end_groups(procs: list[subprocess.Popen[bytes]], grace: float = 30) -> None:
+    """End processes started in sessions of their own, each with its process group: SIGTERM to every
+    group at once, SIGKILL to each group after ``grace`` seconds (a group can outlive its leader)."""
+    for proc in procs:
         with suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
 
 
 @contextmanager
@@ -507,27 +563,34 @@ def local_stack(
     parallelism: int = 4,
     celery: CeleryWorkers | None = None,
 ) -> Iterator[LocalAirflow]:
-    """The GCS emulator + Airflow, started and (always) stopped again (``database_url``, ``parallelism``,
-    ``celery``: see ``LocalAirflow``)."""
-    home.mkdir(parents=True, exist_ok=True)
-    emulator = local_gcs.start("loraflow-demo", None if in_memory else home / "gcs", log=home / "gcs-emulator.log")
-    os.environ.update(emulator.env())
-    gcs.client.cache_clear()
-    airflow = LocalAirflow(
-        home / "airflow",
-        emulator.env(),
-        pipelines_dir=pipelines_dir,
-        database_url=database_url,
-        parallelism=parallelism,
-        celery=celery,
-    )
-    try:
-        say(f"GCS emulator on {emulator.host}; starting Airflow on {airflow.url} ...")
-        airflow.start()
-        yield airflow
-    finally:
-        airflow.stop()
-        emulator.stop()
+    """The GCS emulator + Airflow, started and (always) stopped again, SIGTERM and SIGHUP included; one
+    stack per ``home``, and what an earlier one left there ended first (``loraflow.dev.stack_guard``).
+    ``database_url``, ``parallelism``, ``celery``: see ``LocalAirflow``."""
+    with stack_guard.owned(home) as shield:
+        started_at = datetime.now(UTC)
+        marker = stack_guard.marker_env(home)
+        data = None if in_memory else home / "gcs"
+        emulator = local_gcs.start("loraflow-demo", data, log=home / "gcs-emulator.log", env=marker)
+        os.environ.update(emulator.env())
+        gcs.client.cache_clear()
+        airflow = LocalAirflow(
+            home / "airflow",
+            {**emulator.env(), **marker},
+            pipelines_dir=pipelines_dir,
+            database_url=database_url,
+            parallelism=parallelism,
+            celery=celery,
+        )
+        try:
+            say(f"GCS emulator on {emulator.host}; starting Airflow on {airflow.url} ...")
+            airflow.start()
+            for line in airflow.fail_leftover_runs(started_at):
+                say(line)
+            yield airflow
+        finally:
+            shield()
+            airflow.stop()
+            emulator.stop()
 
 
 # ---------------------------------------------------------------------------------- reporting
@@ -603,7 +666,8 @@ def demo_stack(celery_workers: int = 0) -> Iterator[LocalAirflow]:
             yield airflow
         return
     with (
-        local_postgres.running() as url,
+        stack_guard.owned(DEMO_HOME),  # the PostgreSQL server too is the stack's: ended if left behind
+        local_postgres.running(env=stack_guard.marker_env(DEMO_HOME)) as url,
         local_stack(database_url=url, celery=CeleryWorkers(count=celery_workers)) as airflow,
     ):
         yield airflow
@@ -632,11 +696,13 @@ def cmd_ui(args: argparse.Namespace) -> int:
         say(f"Airflow UI: {airflow.url}  user: admin  password: {airflow.password}")
         say(f"open {airflow.url}/dags/{spec.name}, press Trigger, change a parameter, run. Ctrl-C stops everything.")
         try:
-            while all(p.poll() is None for p in airflow.procs):
+            while not airflow.exited():
                 time.sleep(2)
-        except KeyboardInterrupt:
-            say("stopping")
-        return 0
+            say(f"the {', '.join(airflow.exited())} exited (see {airflow.home / 'logs'}); stopping everything")
+            return 1
+        except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: the way to end `make ui`
+            say(f"{stop or 'SIGINT'}: stopping everything")
+            return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,6 +735,10 @@ def main(argv: list[str] | None = None) -> int:
     except LoraflowError as exc:
         say(f"error: {exc}")
         return 1
+    except KeyboardInterrupt as stop:  # the stack has stopped
+        signum = stop.signum if isinstance(stop, stack_guard.StopSignal) else signal.SIGINT
+        say(f"stopped by {signal.Signals(signum).name}")
+        return 128 + signum
 
 
 if __name__ == "__main__":

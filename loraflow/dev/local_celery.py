@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,20 +94,36 @@ def _pong(port: int) -> bool:
         return False
 
 
-def start_broker(folder: Path, port: int | None = None, timeout: float = 30) -> Broker:
-    """Redis on 127.0.0.1, in memory only (nothing saved to ``folder`` but its log); returns once it answers."""
+def _answered(broker: Broker, port: int, folder: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if broker.process.poll() is not None:
+            status = broker.process.returncode
+            raise LoraflowError(f"redis-server exited at start (status {status}); see {folder}/redis.log")
+        if _pong(port):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def start_broker(
+    folder: Path, port: int | None = None, timeout: float = 30, env: Mapping[str, str] | None = None
+) -> Broker:
+    """Redis on 127.0.0.1, in memory only (nothing saved to ``folder`` but its log), in environment ``env``
+    (default: this process's); returns once it answers."""
     folder.mkdir(parents=True, exist_ok=True)
     port = port or local_gcs.free_port()
     argv = [str(redis_server()), "--bind", "127.0.0.1", "--port", str(port), "--protected-mode", "yes"]
     argv += ["--save", "", "--appendonly", "no", "--dir", str(folder), "--logfile", str(folder / "redis.log")]
-    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env
+    )
     broker = Broker(f"redis://127.0.0.1:{port}/0", process)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise LoraflowError(f"redis-server exited at start (status {process.returncode}); see {folder}/redis.log")
-        if _pong(port):
+    try:
+        if _answered(broker, port, folder, timeout):
             return broker
-        time.sleep(0.2)
+    except BaseException:  # a signal (Ctrl-C, SIGTERM), or it exited
+        broker.stop()  # never leave a server behind that nobody holds
+        raise
     broker.stop()
     raise LoraflowError(f"redis-server did not answer on 127.0.0.1:{port} within {timeout:.0f} s")

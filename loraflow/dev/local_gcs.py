@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +105,26 @@ def _create_bucket(host: str, bucket: str) -> None:
             raise LoraflowError(f"the GCS emulator refused to create bucket {bucket!r}: HTTP {exc.code}") from None
 
 
-def start(bucket: str, data_dir: Path | None = None, port: int | None = None, log: Path | None = None) -> Emulator:
+def _came_up(emulator: Emulator, timeout: float = 30) -> bool:
+    """Whether the server answers within ``timeout`` seconds (its bucket then created)."""
+    deadline = time.monotonic() + timeout
+    while emulator.process.poll() is None and time.monotonic() < deadline:
+        if _answers(emulator.host):
+            _create_bucket(emulator.host, emulator.bucket)
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def start(
+    bucket: str,
+    data_dir: Path | None = None,
+    port: int | None = None,
+    log: Path | None = None,
+    env: Mapping[str, str] = {},
+) -> Emulator:
     """Start an emulator holding ``bucket`` on a free loopback port (or ``port``); on disk under
-    ``data_dir`` or in memory. Returns once it answers."""
+    ``data_dir`` or in memory; with ``env`` added to its environment. Returns once it answers."""
     exe = executable()
     if data_dir is None:
         backend = ["-backend", "memory"]
@@ -122,21 +140,19 @@ def start(bucket: str, data_dir: Path | None = None, port: int | None = None, lo
         argv += ["-public-host", address]
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:
-            proc = subprocess.Popen([*argv, *backend, "-log-level", "warn"], stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [*argv, *backend, "-log-level", "warn"], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}
+            )
         finally:
             if log:
                 out.close()  # type: ignore[union-attr]
         emulator = Emulator(host, bucket, proc)
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline:
-            if _answers(host):
-                try:
-                    _create_bucket(host, bucket)
-                except BaseException:
-                    emulator.stop()  # never leave a server behind that nobody holds
-                    raise
+        try:
+            if _came_up(emulator):
                 return emulator
-            time.sleep(0.1)
+        except BaseException:  # a signal (Ctrl-C, SIGTERM) or a refused bucket
+            emulator.stop()  # never leave a server behind that nobody holds
+            raise
         emulator.stop()
     where = f"; see {log}" if log else ""
     raise LoraflowError(f"the GCS emulator (fake-gcs-server) did not start on 127.0.0.1{where}")

@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,8 +51,9 @@ def as_postgres(argv: list[str]) -> list[str]:
 
 
 @contextmanager
-def running(max_connections: int = 200) -> Iterator[str]:
-    """A PostgreSQL cluster on 127.0.0.1 (data and socket in a temp dir); yields its SQLAlchemy URL."""
+def running(max_connections: int = 200, env: Mapping[str, str] = {}) -> Iterator[str]:
+    """A PostgreSQL cluster on 127.0.0.1 (data and socket in a temp dir), its server started with ``env``
+    added to its environment; yields its SQLAlchemy URL."""
     if importlib.util.find_spec("asyncpg") is None:
         raise LoraflowError(
             "the control environment lacks asyncpg, the async PostgreSQL driver Airflow 3 opens beside "
@@ -79,6 +80,7 @@ def running(max_connections: int = 200) -> Iterator[str]:
             as_postgres([*pg_ctl, "-l", str(root / "server.log"), "-o", options, "-w", "start"]),
             check=True,
             stdout=subprocess.DEVNULL,
+            env={**os.environ, **env},
         )
         subprocess.run(
             as_postgres([str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "airflow", "airflow"]),
