@@ -65,7 +65,7 @@ PLAIN_TEMPLATE = (
     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
     "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
 )
-# What MaxText is given: each piece loraflow rendered, written as it is (see loraflow.steps.lora_sft).
+# What MaxText is given: each piece loraflow rendered, written as it is (see loraflow.trainer.data).
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 SETTINGS_HELP = (
     "auto (the tokenizer's own, else none), tokenizer, tokenizer:NAME (a named template of the tokenizer), "

@@ -1,6 +1,6 @@
 """Training sees exactly the prompt token ids evaluation sends, and learns only the answers.
 
-lora_sft's MaxText command line (the real ``_maxtext_argv``) drives MaxText's own SFT data pipeline
+lora_sft's MaxText command line (``loraflow.trainer.argv.sft_argv``) drives MaxText's own SFT data pipeline
 (``create_data_iterator``: the HF dataset, MaxText's chat template step, tokenization and prompt
 masking); each example's batch is compared with the ids the evaluation path renders for the same row
 (``loraflow.evaluation.examples.render_prompts``, as evaluate and the QLoRA answers call it), for
