@@ -108,6 +108,22 @@ TARGETS: dict[str, Target] = {
         ["loraflow/evaluation/gate_rule.py"],
         ["tests/control/test_gate.py", "tests/control/test_regression_guard.py"],
     ),
+    # The regression guard's path outside gate_rule: the set and its scoring rule, what the evaluate step
+    # scores of each option (its vLLM half, sequences and score, is tests/serving's), what the gate reads.
+    "guard": Target(
+        "control",
+        ["loraflow/evaluation/guard.py", "loraflow/steps/_guard.py", "loraflow/steps/gate.py"],
+        ["tests/control/test_regression_guard.py"],
+        [
+            "loraflow.evaluation.guard.*",
+            "loraflow.steps._guard.x_load__mutmut_*",
+            "loraflow.steps._guard.x_continuations__mutmut_*",
+            *[
+                f"loraflow.steps.gate.x_{f}__mutmut_*"
+                for f in ("load_guard", "_guard_row", "_guard_check", "with_guard")
+            ],
+        ],
+    ),
     # The planning half of the merge; the numerics (merge_lora, the kernel) have their own reference tests.
     "merge": Target(
         "trainer",
