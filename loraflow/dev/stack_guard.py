@@ -147,6 +147,7 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 
 
 def _wait_gone(home: Path, seconds: float) -> dict[int, str]:
+    """What is left of the stack once it is all gone, or after ``seconds``."""
     deadline = time.monotonic() + seconds
     left = stack_processes(home)
     while left and time.monotonic() < deadline:
@@ -158,14 +159,13 @@ def _wait_gone(home: Path, seconds: float) -> dict[int, str]:
 def end_stack_processes(home: Path, grace: float = 10.0) -> dict[int, str]:
     """End every process of the stack on ``home``: SIGTERM (to its group when it leads one), SIGKILL to
     what is left after ``grace`` seconds. Returns what was found; raises if any survives."""
-    found = stack_processes(home)
+    found = left = stack_processes(home)
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        left = stack_processes(home)
         for pid in left:
             _signal(pid, sig)
-        if not _wait_gone(home, wait):
+        left = _wait_gone(home, wait)  # a process started meanwhile (a worker replaced) is in it too
+        if not left:
             return found
-    left = stack_processes(home)
     raise LoraflowError(
         f"processes of the local stack on {home} survived SIGKILL ({describe(left)}): stop them "
         "(another user's? `ps -o user= -p PID`), then run `make clean`"
