@@ -86,6 +86,13 @@ GUARDS_CHAMPION = [
     "test_the_champion_moving_changes_the_decision",
 ]
 
+# test_trust_bucket.py's tests of the champion as the gate reads it (registry/store.py)
+TRUST_CHAMPION = [
+    "test_a_champion_registered_as_publish_writes_it_is_read_with_its_verified_evaluation",
+    "test_a_champion_alias_pointing_elsewhere_is_refused",
+    "test_a_champion_the_gate_cannot_verify_is_refused_naming_the_version_and_the_repair",
+]
+
 TARGETS: dict[str, Target] = {
     # artifacts.py is read by the runner (input identities, the cache): its fast tests count here too.
     # json_objects.py is how it (and every other reader of GCS JSON) parses what a bucket writer wrote.
@@ -145,20 +152,34 @@ TARGETS: dict[str, Target] = {
         # builds the hand-off DAG (5 s): the operators' wiring, not handoff.py's decisions
         deselect=["tests/control/test_handoff.py::test_a_handoff_pipeline_is_wrapped_in_pick_and_verdict"],
     ),
-    # registry.py is read by the gate step (the champion comparison), written by publish.
+    # The registry: store.py is read by the gate step (the champion comparison), written by publish; the
+    # alias moves, the audit trail and the operators' list/promote/rollback (the CLI's and the DAG's).
     "registry": Target(
         "control",
-        ["loraflow/registry/store.py", "loraflow/steps/publish.py"],
+        [
+            "loraflow/registry/store.py",
+            "loraflow/steps/publish.py",
+            "loraflow/registry/alias.py",
+            "loraflow/registry/audit.py",
+            "loraflow/registry/operations.py",
+        ],
         [
             "tests/control/test_publish.py",
             "tests/control/test_gate.py",
-            # the champion as the gate reads it, and the aliases it refuses
+            # the champion as the gate reads it, and the aliases and versions it refuses
             *[f"tests/control/test_guards.py::{t}" for t in GUARDS_CHAMPION],
-            "tests/control/test_trust_bucket.py::test_a_champion_alias_of_this_registry_is_read",
-            "tests/control/test_trust_bucket.py::test_a_champion_alias_pointing_elsewhere_is_refused",
+            *[f"tests/control/test_trust_bucket.py::{t}" for t in TRUST_CHAMPION],
+            "tests/control/test_registry_operations.py",
+            "tests/control/test_registry_listing.py",
         ],
-        # the Vertex AI Model Registry mirror through its stand-in server (6 s)
-        deselect=["tests/control/test_publish.py::test_vertex_model_registry_mirrors_versions_and_the_champion_alias"],
+        # the Vertex AI Model Registry mirror through its stand-in server (1-6 s each); operations' own
+        # mirror calls are pinned by test_registry_operations.py's stand-in (Mirror) instead
+        deselect=[
+            "tests/control/test_publish.py::test_vertex_model_registry_mirrors_versions_and_the_champion_alias",
+            "tests/control/test_registry_operations.py::test_moves_are_mirrored_to_the_vertex_model_registry",
+            "tests/control/test_registry_operations.py::"
+            "test_a_version_missing_from_vertex_fails_the_mirror_and_says_how_to_repair_it",
+        ],
     ),
     # The runner around a stand-in step (FakeStep); the tests that start real step programs are left out.
     "runner": Target(

@@ -276,6 +276,17 @@ def test_the_metric_a_version_recorded_is_read_from_each_entry_format() -> None:
     assert recorded_metric(old, "exact_match") is None
     assert recorded_metric({"decision": {"metric": "accuracy", "tuned": None}}, "accuracy") is None
     assert recorded_metric({}, "accuracy") is None
+    assert recorded_metric({"metrics": {"accuracy": float("nan")}}, "accuracy") is None
+
+
+def test_what_a_version_records_is_noted_whatever_it_is() -> None:
+    from loraflow.registry.store import recorded_value
+
+    old = {"decision": {"metric": "accuracy", "tuned": 0.5}}
+    assert recorded_value({"metrics": {"accuracy": "abc"}, **old}, "accuracy") == "abc"
+    assert recorded_value({"metrics": {"accuracy": None}, **old}, "accuracy") is None
+    assert recorded_value({"metrics": {"f1": 0.9}, **old}, "accuracy") == 0.5
+    assert recorded_value(old, "f1") is None
 
 
 def test_the_metrics_a_version_records_are_the_tuned_models_scalars_and_the_gates_figure() -> None:

@@ -37,18 +37,20 @@ def version(reg: operations.PipelineRegistry, number: int) -> str:
 
 def test_a_malformed_version_is_listed_with_what_is_readable_and_named(reg: operations.PipelineRegistry) -> None:
     rewrite(version(reg, 2), {"metrics": ["accuracy", 0.99], "created_at": {"at": 1}})
-    rewrite(version(reg, 1), {"metrics": {"accuracy": {"x": 1}, "n": 100}})
+    rewrite(version(reg, 1), {"metrics": {"accuracy": {"x": 1}, "f1": [0.5], "n": 100}})
+    rewrite(version(reg, 3), {"metrics": "0.8"})
     listed = operations.listing(reg)
     v1, v2, v3 = listed["versions"]
     assert v2["run_id"] == "run-2" and v2["metrics"] == {} and "created_at" not in v2
     assert v2["problem"].startswith(f"{version(reg, 2)} is not a version as publish writes it: ")
     assert "its created_at is {'at': 1}, not text; its metrics is ['accuracy', 0.99], not an object" in v2["problem"]
     assert "restore the object from the bucket's object history" in v2["problem"]
-    assert v1["metrics"] == {"n": 100} and 'its metrics "accuracy" are not figures' in v1["problem"]
-    assert "problem" not in v3 and v3["metrics"] == {"accuracy": 0.8, "n": 100}
+    assert v1["metrics"] == {"n": 100} and 'its metrics "accuracy", "f1" are not figures' in v1["problem"]
+    assert v1["eval_set"] == "eval-fp" and v1["gate_manifest"].endswith("/run-1/gate/_MANIFEST.json")
+    assert v3["metrics"] == {} and 'its metrics is "0.8", not an object of names and figures' in v3["problem"]
     text = operations.render(listed)
     assert "run-2" in text and f"problem: {version(reg, 2)} is not a version" in text
-    assert "accuracy=0.8, n=100" in text and "champion: version 3" in text
+    assert "accuracy=0.6" not in text and "n=100" in text and "champion: version 3" in text
     json.dumps(listed)  # --json prints it too
 
 
@@ -102,6 +104,7 @@ def test_an_alias_that_is_not_one_is_named_and_the_versions_are_listed(reg: oper
     rewrite(where, {"version": "3"})
     listed = operations.listing(reg)
     assert listed["champion"] is None and [v["version"] for v in listed["versions"]] == [1, 2, 3]
+    assert listed["alias_uri"] == where
     assert listed["alias_problem"].startswith(f"the champion alias {where} is refused: its version is '3'")
     text = operations.render(listed)
     assert "; champion: unreadable: the champion alias" in text and "delete it" in text
@@ -128,6 +131,32 @@ def test_the_cli_and_the_dag_list_a_registry_with_malformed_objects(
 
 
 # ------------------------------------------------------------------------ fields printed from storage
+
+
+@pytest.mark.parametrize(
+    ("value", "printed", "quoted"),
+    [
+        ("run-2", "run-2", '"run-2"'),
+        ("été 2026", "été 2026", '"été 2026"'),
+        ("a\nb", '"a\\nb"', '"a\\nb"'),
+        ("RUN-X", "RUN-X", '"RUN-X"'),  # mutmut pads character sets with X
+        ("\x1b[2J\x9b\u202e\u2028", '"\\x1b[2J\\x9b\\u202e\\u2028"', '"\\x1b[2J\\x9b\\u202e\\u2028"'),
+        ("C:\\n", '"C:\\\\n"', '"C:\\\\n"'),  # a backslash is escaped: it can never pass for an escape
+        ('say "hi"', 'say "hi"', '"say \\"hi\\""'),
+        ('say "hi"\n', '"say \\"hi\\"\\n"', '"say \\"hi\\"\\n"'),
+        (None, "None", "None"),
+        ({"a": "\x1b"}, "{'a': '\\x1b'}", "{'a': '\\x1b'}"),
+        (3, "3", "3"),
+    ],
+)
+def test_a_stored_field_is_printed_as_text_or_quoted_and_escaped(value: object, printed: str, quoted: str) -> None:
+    assert store.shown(value) == printed and store.shown(value, quoted=True) == quoted
+
+
+def test_a_huge_stored_field_is_cut() -> None:
+    text = store.shown("x" * 5000)
+    assert len(text) == store.SHOWN_MAX_CHARS and text.endswith("x...")
+    assert store.shown("x" * store.SHOWN_MAX_CHARS) == "x" * store.SHOWN_MAX_CHARS
 
 
 def test_no_field_from_storage_can_break_a_line_or_reach_the_terminal_raw(reg: operations.PipelineRegistry) -> None:
@@ -175,3 +204,61 @@ def test_a_refused_concurrent_move_quotes_who_moved_the_alias(
     with pytest.raises(operations.ConcurrentMove) as refused:
         operations.promote(reg, 1, actor="alice", reason="r", via="cli")
     assert 'moved by "mallory\\x1b]0;owned\\x07" at ' in str(refused.value) and "\x1b" not in str(refused.value)
+
+
+def test_the_listing_renders_as_documented() -> None:
+    """render() is a pure function of the listing: every column, mark and line pinned."""
+    event = {
+        "format": audit.FORMAT, "sequence": 1, "action": "rollback", "from_version": 3, "to_version": 2,
+        "actor": "alice", "reason": "v3 is worse", "via": "cli", "at": "2026-12-06T09:10:07Z",
+    }  # fmt: skip
+    listed = {
+        "pipeline": "tiny",
+        "registry": "gs://b/_registry",
+        "champion": 2,
+        "versions": [
+            {"version": 1, "champion": False, "withdrawn": False, "problem": "gs://b/1.json is not a JSON object"},
+            {
+                "version": 2,
+                "champion": True,
+                "withdrawn": False,
+                "run_id": "run-2",
+                "created_at": "2026-12-05T16:41:02Z",
+                "metrics": {"n": 400, "accuracy": 0.93751, "note": "ok"},
+                "model_manifest": "gs://b/m2",
+                "gate_manifest": "gs://b/g2",
+            },
+            {"version": 3, "champion": False, "withdrawn": True, "metrics": {}, "problem": "its run_id is 3"},
+        ],
+        "audit": [
+            event,
+            {**event, "sequence": 2, "action": "promote", "from_version": None, "to_version": 3, "pending": True},
+            {"sequence": 3, "uri": "gs://b/000003.json", "problem": "gs://b/000003.json is not an event"},
+        ],
+    }
+    assert operations.render(listed).split("\n") == [
+        "registry of tiny (gs://b/_registry); champion: version 2",
+        "  version  created               run                                       metrics",
+        "        1  (unreadable: gs://b/1.json is not a JSON object)",
+        "*       2  2026-12-05T16:41:02Z  run-2                                     accuracy=0.9375, n=400, note=ok",
+        "           model gs://b/m2",
+        "           gate  gs://b/g2",
+        "x       3  ?                     ?                                         ",
+        "           model ?",
+        "           gate  ?",
+        "           problem: its run_id is 3",
+        "* champion   x withdrawn by a rollback",
+        "audit trail:",
+        '  #1    2026-12-06T09:10:07Z  rollback v3 -> v2  by alice (cli): "v3 is worse"',
+        '  #2    2026-12-06T09:10:07Z  promote  (none) -> v3  by alice (cli): "v3 is worse"  '
+        "[event not yet written; from the alias]",
+        "  #3    (unreadable: gs://b/000003.json is not an event)",
+    ]
+    empty = {**listed, "champion": None, "versions": [], "audit": []}
+    assert operations.render(empty).split("\n") == [
+        "registry of tiny (gs://b/_registry); champion: none yet",
+        "  version  created               run                                       metrics",
+        "  (no versions: no run of this pipeline was promoted yet)",
+        "* champion   x withdrawn by a rollback",
+        "audit trail: (empty)",
+    ]

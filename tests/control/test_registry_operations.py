@@ -21,6 +21,7 @@ from tests.vertex_standin import VertexStandIn
 from .champions import register_champion
 
 PIPELINE = "tiny"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -106,6 +107,8 @@ def test_nothing_to_roll_back_without_a_champion(gcs_bucket: str) -> None:
     empty = operations.PipelineRegistry(f"{gcs_bucket}/_registry", "none", f"{gcs_bucket}/artifacts")
     with pytest.raises(operations.NothingToRollBack, match=r"has no champion yet"):
         operations.rollback(empty, actor="a", reason="r", via="cli")
+    text = operations.render(operations.listing(empty))
+    assert "; champion: none yet" in text and "(no versions: no run" in text and "audit trail: (empty)" in text
 
 
 def test_an_unknown_version_is_named_with_the_versions_there_are(reg: operations.PipelineRegistry) -> None:
@@ -115,8 +118,10 @@ def test_an_unknown_version_is_named_with_the_versions_there_are(reg: operations
 
 
 def test_a_move_needs_a_reason(reg: operations.PipelineRegistry) -> None:
-    with pytest.raises(operations.RegistryOperationError, match=r"needs a reason for the audit trail"):
+    with pytest.raises(operations.RegistryOperationError, match=r"a rollback needs a reason for the audit trail"):
         operations.rollback(reg, actor="a", reason="  ", via="cli")
+    with pytest.raises(operations.RegistryOperationError, match=r"a promote needs a reason"):
+        operations.promote(reg, 2, actor="a", reason="", via="cli")
     with pytest.raises(operations.RegistryOperationError, match=r"the reason has 1001 characters; .* at most 1000"):
         operations.rollback(reg, actor="a", reason="x" * 1001, via="cli")
     assert audit.read_trail(reg.registry_uri, reg.pipeline) == []
@@ -216,12 +221,15 @@ def test_a_move_whose_event_was_not_written_is_listed_and_recorded_by_the_next_m
     monkeypatch.setattr(audit, "record", lambda *a, **k: False)  # the mover died right after its alias write
     operations.rollback(reg, actor="gone", reason="r1", via="cli")
     monkeypatch.undo()
-    [pending] = operations.listing(reg)["audit"]
+    listed = operations.listing(reg)
+    [pending] = listed["audit"]
     assert pending["pending"] is True and pending["actor"] == "gone"
+    assert operations.render(listed).endswith('by gone (cli): "r1"  [event not yet written; from the alias]')
     assert audit.read_trail(reg.registry_uri, PIPELINE) == []  # not stored: the listing shows it from the alias
     operations.promote(reg, 3, actor="next", reason="r2", via="cli")
     trail = audit.read_trail(reg.registry_uri, PIPELINE)
     assert [(e["actor"], "pending" in e) for e in trail] == [("gone", False), ("next", False)]
+    assert "[event not yet written" not in operations.render(operations.listing(reg))
 
 
 def test_publish_moves_are_in_the_trail_and_a_retried_publish_never_undoes_a_rollback(
@@ -286,7 +294,8 @@ def test_after_the_alias_is_deleted_the_next_move_continues_the_trail(reg: opera
     bucket, name = gcs.split_uri(store.alias_uri(reg.registry_uri, PIPELINE))
     gcs.client().bucket(bucket).blob(name).delete()  # what a refused alias's message recommends
     done = operations.promote(reg, 3, actor="ops", reason="alias repaired", via="cli")
-    assert (done["event"]["sequence"], done["event"]["from_version"]) == (3, None)
+    assert (done["action"], done["event"]["sequence"], done["event"]["from_version"]) == ("promote", 3, None)
+    assert operations.summary_line(done).endswith('promote  (none) -> v3  by ops (cli): "alias repaired"')
     trail = audit.read_trail(reg.registry_uri, PIPELINE)
     assert [(e["sequence"], e["actor"], e["to_version"]) for e in trail] == [(1, "a", 2), (2, "a", 1), (3, "ops", 3)]
     assert champion_version(reg) == 3
@@ -345,7 +354,11 @@ def test_promoting_the_champion_mirrors_it_again_and_moves_nothing(
     before = objects(gcs_bucket)
     done = operations.promote(with_mirror, 3, actor="a", reason="repair the mirror", via="cli")
     assert done["event"] is None and done["note"] == "version 3 is the champion already"
+    assert (done["action"], done["champion"], done["pipeline"]) == ("promote", 3, PIPELINE)
     assert mirror.moved == [3] and done["vertex_model"] == f"{Mirror.model_name}@3"
+    assert operations.summary_line(done) == (
+        f"tiny: version 3 is the champion already; Vertex AI {Mirror.model_name}@3 holds champion, default"
+    )
     assert objects(gcs_bucket) == before
 
 
@@ -353,7 +366,9 @@ def test_promoting_a_tampered_champion_is_refused_and_never_mirrored(reg: operat
     with_mirror, mirror = mirrored(reg)
     champion = {v["version"]: v for v in operations.listing(reg)["versions"]}[3]
     tamper(champion["model_manifest"], "model.safetensors", b"other weights, same name")
-    with pytest.raises(operations.VersionDoesNotVerify, match=r"version 3 .* model.safetensors"):
+    with pytest.raises(
+        operations.VersionDoesNotVerify, match=r"version 3 .* model.safetensors.*refusing to promote it"
+    ):
         operations.promote(with_mirror, 3, actor="a", reason="repair the mirror", via="cli")
     assert mirror.moved == []
 
@@ -424,3 +439,29 @@ def test_a_403_reading_the_alias_raises_and_never_means_no_champion(
     with pytest.raises(Forbidden):
         publish.Registry(reg.registry_uri, PIPELINE).move_alias(4, {"run_id": "run-4"}, "r")
     assert audit.read_trail(reg.registry_uri, PIPELINE) == []
+
+
+def test_a_spec_names_its_registry_its_artifact_root_and_its_vertex_mirror(tmp_path: Path) -> None:
+    from loraflow.spec.schema import load_spec
+
+    text = (REPO / "pipelines" / "tiny-llama-lora.yaml").read_text()
+    spec_file = tmp_path / "tiny-llama-lora.yaml"
+    spec_file.write_text(
+        text + "\npublish:\n  vertex_model_registry:\n    project: acme-ml9\n    serving_container_image: img\n"
+    )
+    spec = load_spec(spec_file)
+    reg = operations.PipelineRegistry.for_spec(spec)
+    assert (reg.registry_uri, reg.pipeline, reg.artifact_root) == (spec.registry_uri, spec.name, spec.artifact_root)
+    assert reg.vertex is not None and reg.vertex.model_name.endswith("/models/loraflow-tiny-llama-lora")
+    assert (reg.vertex.target.project, reg.vertex.target.image, reg.vertex.pipeline) == ("acme-ml9", "img", spec.name)
+    assert operations.PipelineRegistry.for_spec(load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml")).vertex is None
+
+
+def test_the_actor_is_loraflow_actor_else_the_local_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    import getpass
+
+    monkeypatch.setattr(getpass, "getuser", lambda: "local-user")
+    monkeypatch.setenv("LORAFLOW_ACTOR", "ci-bot")
+    assert operations.default_actor() == "ci-bot"
+    monkeypatch.delenv("LORAFLOW_ACTOR")
+    assert operations.default_actor() == "local-user"
