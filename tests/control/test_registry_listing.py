@@ -54,6 +54,13 @@ def test_a_malformed_version_is_listed_with_what_is_readable_and_named(reg: oper
     json.dumps(listed)  # --json prints it too
 
 
+def test_a_version_of_an_older_format_is_read_up_to_the_versions_cap(reg: operations.PipelineRegistry) -> None:
+    """Versions registered before publish kept scalars only embedded per-example lists (hundreds of kB)."""
+    rewrite(version(reg, 1), {"decision": {"tuned_metrics": {"correct": [1] * 100_000}}})
+    [v1] = [v for v in operations.listing(reg)["versions"] if v["version"] == 1]
+    assert "problem" not in v1 and v1["run_id"] == "run-1"
+
+
 def test_a_version_that_is_no_json_object_is_listed_unreadable(reg: operations.PipelineRegistry) -> None:
     bucket, name = gcs.split_uri(version(reg, 2))
     gcs.client().bucket(bucket).blob(name).upload_from_string(b"[1, 2]")

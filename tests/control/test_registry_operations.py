@@ -58,6 +58,7 @@ def test_the_listing_shows_every_version_with_its_metrics_lineage_and_the_champi
     assert v2["model_manifest"].endswith("/tiny/run-2/merge_adapter/_MANIFEST.json")
     assert v2["gate_manifest"].endswith("/tiny/run-2/gate/_MANIFEST.json")
     assert [v["champion"] for v in listed["versions"]] == [False, False, True]
+    assert "alias_problem" not in listed and all("problem" not in v for v in listed["versions"])
     text = operations.render(listed)
     assert "champion: version 3" in text and "accuracy=0.7" in text and "audit trail: (empty)" in text
 
