@@ -15,14 +15,17 @@ manifest summary and the run report, and the run continues. A rule left out keep
 (``DataExpectations()``). ``loraflow.steps.validate_data`` turns each rule into Great Expectations
 expectations over the train and eval sets.
 
-Pure: pydantic only, no Great Expectations here (the spec imports this module at DAG parse time).
+Pure: pydantic and the spec's base model (strict, as every section of it) only, no Great Expectations
+here (the spec imports this module at DAG parse time).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from loraflow.spec.fields import SpecModel
 
 Level = Literal["fail", "warn"]
 ROLE_NAMES = Literal["system", "user", "assistant"]
@@ -37,9 +40,7 @@ MOVED = {
 }
 
 
-class Rule(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Rule(SpecModel):
     level: Level = Field("fail", description="fail: stop the run; warn: record it and continue")
 
 
@@ -89,10 +90,8 @@ class LeakageRule(Rule):
     max_fraction: float = Field(0.0, ge=0, le=1, description="share of eval prompts that may also be in train")
 
 
-class DataExpectations(BaseModel):
+class DataExpectations(SpecModel):
     """The data contract: each rule with its level (fail or warn) and thresholds."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: FormatRule = Field(default_factory=FormatRule, description=FormatRule.__doc__)
     no_nulls: Rule = Field(default_factory=Rule, description="no prompt or completion is null")

@@ -128,11 +128,24 @@ STEP_TUNABLES = frozenset(
 @dataclass(frozen=True)
 class Allowed:
     """A variable a spec may set for a step: why a spec author needs it, and the values it takes
-    (``pattern`` matches a whole value; ``values`` says it in words for the error)."""
+    (``pattern`` matches a whole value; ``values`` says it in words for the error). A whole number's
+    bounds are ``bounds``: the value is compared with them as a number (``whole_number`` makes one)."""
 
     reason: str
     values: str
     pattern: str
+    bounds: tuple[int, int] | None = None
+
+    def takes(self, value: str) -> bool:
+        if re.fullmatch(self.pattern, value) is None:
+            return False
+        return self.bounds is None or self.bounds[0] <= int(value) <= self.bounds[1]
+
+
+def whole_number(reason: str, lowest: int, highest: int, unit: str = "a number") -> Allowed:
+    """A variable that takes a whole number from ``lowest`` to ``highest`` (written plainly: digits,
+    no sign, no leading zero); the words of its error and its check come from the same bounds."""
+    return Allowed(reason, f"{unit} from {lowest} to {highest}", r"0|[1-9][0-9]{0,17}", (lowest, highest))
 
 
 # XLA's flags a spec may pass in XLA_FLAGS or LIBTPU_INIT_ARGS (``--flag`` or ``--flag=value``, the
@@ -190,17 +203,16 @@ ALLOWED: dict[str, Allowed] = {
         "vLLM's attention kernel on the serving host", "a backend name such as FLASH_ATTN or TORCH_SDPA",
         r"[A-Z][A-Z0-9_]{0,63}",
     ),
-    "OMP_NUM_THREADS": Allowed("CPU threads of OpenMP in native libraries", "a number from 1 to 1024", r"[1-9][0-9]{0,3}"),
+    "OMP_NUM_THREADS": whole_number("CPU threads of OpenMP in native libraries", 1, 1024),
     "TOKENIZERS_PARALLELISM": Allowed("whether Hugging Face tokenizers use threads", "true or false", r"true|false"),
     "LORAFLOW_LOG_LEVEL": Allowed(
         "how much loraflow and the libraries log in the step's output", "DEBUG, INFO, WARNING, ERROR or CRITICAL", _LEVELS
     ),
-    "LORAFLOW_JOIN_TIMEOUT": Allowed(
-        "seconds a multi-host step waits for every host to join (slow-starting pods)", "whole seconds, 1-86400",
-        r"[1-9][0-9]{0,4}",
+    "LORAFLOW_JOIN_TIMEOUT": whole_number(
+        "seconds a multi-host step waits for every host to join (slow-starting pods)", 1, 86400, "whole seconds"
     ),
-    "LORAFLOW_HEARTBEAT_TIMEOUT": Allowed(
-        "seconds without a host's heartbeat before the other hosts stop", "whole seconds, 1-86400", r"[1-9][0-9]{0,4}"
+    "LORAFLOW_HEARTBEAT_TIMEOUT": whole_number(
+        "seconds without a host's heartbeat before the other hosts stop", 1, 86400, "whole seconds"
     ),
     "LORAFLOW_HARDWARE": Allowed(
         "MaxText's hardware when JAX's devices do not tell", "cpu, tpu, gpu or gpu_multiprocess",
@@ -269,7 +281,7 @@ def value_problem(name: str, value: str) -> str | None:
     allowed = ALLOWED[name]
     if allowed.values == _FLAGS:
         return _flags_problem(value)
-    if re.fullmatch(allowed.pattern, value):
+    if allowed.takes(value):
         return None
     return f"the value {excerpt(value)} is not {allowed.values}; write one of those"
 
@@ -288,14 +300,6 @@ def _flags_problem(value: str) -> str | None:
         if flag_value is not None and not _FLAG_VALUE.fullmatch(flag_value):
             return f"the value of --{flag}, {excerpt(flag_value)}, is not a plain word or number; write one"
     return None
-
-
-def check_name(name: str) -> str:
-    """``name`` if a spec may set it; else ``ValueError`` naming the rule it breaks and the fix."""
-    reason = refusal(name)
-    if reason is not None:
-        raise ValueError(reason)
-    return name
 
 
 def check_step_name(name: str) -> str:

@@ -14,14 +14,17 @@ from loraflow.spec import resource_names as rn
 
 
 class SpecModel(BaseModel):
-    """A section of the spec: unknown keys are refused, values never change after validation."""
+    """A section of the spec: unknown keys are refused, values never change after validation, and
+    every value is of its setting's own type (strict): a number is never ``true``, ``yes`` or text
+    such as ``"0.05"`` (``max_drop: true`` became 1.0 and turned the regression guard off), a
+    boolean never 1 or ``"no"``. A whole number is accepted for a float setting."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 # Names a spec gives to environment variables of a step: loraflow/spec/env_rules.py. compute.*.env
-# names are on its allow-list (StepEnvName); secrets names pass its rules (EnvName).
-EnvName = Annotated[str, AfterValidator(env_rules.check_name)]
+# names are on its allow-list (StepEnvName); secrets names pass its rules and are named for a secret
+# (SecretName).
 StepEnvName = Annotated[str, AfterValidator(env_rules.check_step_name)]
 EnvValue = Annotated[str, AfterValidator(env_rules.check_value)]
 SecretName = Annotated[str, AfterValidator(env_rules.check_secret_name)]  # also named for a secret (HF_TOKEN)

@@ -23,7 +23,9 @@ what a spec resolves to.
 A spec is read with limits (`loraflow/spec/reader.py`: at most 1 MiB, YAML aliases bounded once
 expanded) and must be plain data: a key given twice in one mapping, and values tagged other than as
 strings, numbers, booleans, null, lists and mappings (`!!binary`, `!!set`, an unquoted date), are
-refused. Every number is finite and at most 2**53 in size (`loraflow/spec/fields.py`); tags and
+refused. Every value is of its setting's type, strictly (`loraflow/spec/fields.py`): a number is
+never a boolean (`true`, `yes`, `on`) or quoted text (`"0.05"`), a boolean never `1` or `"no"` (a
+whole number is a float setting's too); every number is finite and at most 2**53 in size; tags and
 display names hold no control, invisible or direction-changing characters. Values that end up in a
 Google Cloud or Kubernetes request (regions, project ids, bucket names, machine types, images,
 namespaces, service accounts, networks, reservations) must have their kind's form

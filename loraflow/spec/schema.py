@@ -814,8 +814,17 @@ def with_overrides(spec: PipelineSpec, overrides: dict[str, Any], source: str = 
         *parents, leaf = path.split(".")
         for part in parents:
             node = node[part]
-        node[leaf] = value
+        node[leaf] = _as_json_schema_reads(spec, path, value)
     return validate_spec(data, source)
+
+
+def _as_json_schema_reads(spec: PipelineSpec, path: str, value: Any) -> Any:
+    """A trigger value as its param's JSON Schema reads it: 2000.0 is the integer 2000 for an
+    integer setting (the spec itself, strict, takes only 2000 there)."""
+    integer = "integer" in _json_type(spec, path)
+    if integer and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -843,11 +852,25 @@ def _fix_hint(err: dict[str, Any]) -> str:
         return f"{msg} (got {_given(given.get('launcher') if isinstance(given, dict) else given)})"
     if kind == "missing":
         return "required; add it"
+    if kind in _NUMBER_TYPES and isinstance(err.get("input"), bool | str):
+        return _not_a_number(msg, err["input"], _NUMBER_TYPES[kind])
     if kind.endswith("_type") or kind.endswith("_parsing"):
         return f"{msg.lower()} (got {_given(err.get('input'))})"
     if kind == "value_error":
         return msg.removeprefix("Value error, ")
     return f"{msg} (got {_given(err.get('input'))})"
+
+
+# pydantic's error types for a value that is no number, and the number each setting wants.
+_NUMBER_TYPES = {"int_type": "a whole number such as 100", "float_type": "a number such as 0.05"}
+
+
+def _not_a_number(msg: str, given: bool | str, wanted: str) -> str:
+    """Why ``true`` or text is no number of a spec (``msg``: pydantic's), and what to write."""
+    if isinstance(given, bool):
+        why = "YAML reads true, false, yes, no, on and off as booleans"
+        return f"{msg.lower()} (got {given}): {why}; write {wanted}"
+    return f"{msg.lower()} (got {_given(given)}): text is no number; write {wanted}, without quotes"
 
 
 def _given(value: Any) -> str:
@@ -874,9 +897,9 @@ _BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_e
 def validate_spec(data: Any, source: str) -> PipelineSpec:
     """``data`` (a spec as plain data) as a ``PipelineSpec``, or ``SpecError`` listing every problem.
 
-    Every number, wherever it sits, is checked by one rule (``fields.number_problems``): in the data
-    as written (with the other problems), then in the validated spec (text such as "1e29" becomes a
-    number only there)."""
+    Every number, wherever it sits, is checked by one rule (``fields.number_problems``) in the data
+    as written, with the other problems; a setting takes no text for a number (the models are strict),
+    so the validated spec holds no number the data did not."""
     if not isinstance(data, dict):
         raise SpecError(source, [("(top level)", "a spec is a YAML mapping of keys such as name, base_model, data")])
     numbers = number_problems(data)
@@ -891,7 +914,6 @@ def validate_spec(data: Any, source: str) -> PipelineSpec:
                 continue
             problems[(key, _fix_hint(dict(err)))] = None
         raise SpecError(source, list(problems)) from None
-    numbers = numbers or number_problems(spec.model_dump())
     if numbers:
         raise SpecError(source, numbers)
     return spec

@@ -154,7 +154,9 @@ class LoraSftConfig(LoraSpec, TrainingSpec, StepConfig):
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> LoraSftConfig:
-        answers = {"max_new_tokens": spec.evaluation.max_new_tokens} if spec.lora.quantization != "none" else {}
+        answers: dict[str, Any] = (
+            {"max_new_tokens": spec.evaluation.max_new_tokens} if spec.lora.quantization != "none" else {}
+        )
         return cls(**_maxtext_model(spec), **spec.lora.model_dump(), **spec.training.model_dump(), **answers)
 
 

@@ -18,6 +18,8 @@ LOADER = "changes the dynamic loader"
 CLOUD = "changes which credentials, project or service endpoint"
 NOT_FINITE = "is not a finite number"
 TOO_LARGE = "is too large"
+TEXT_NO_NUMBER = "): text is no number; write"
+BOOLEAN_NO_NUMBER = "): YAML reads true, false, yes, no, on and off as booleans; write"
 INVISIBLE = "invisible or direction-changing character"
 NOT_ALLOWED = "is not on the allow-list"
 INF = float("inf")
@@ -145,8 +147,14 @@ EDITS: list[tuple[str, dict[str, Any], str, str]] = [
     ("param-description-nul", {"params": [{"path": "training.steps", "description": "a\x00b"}]}, "params.0.description", "control character"),
     # Numbers: finite and of a size a pipeline can mean, in every section (one check: loraflow/spec/fields.py).
     ("alpha-inf", {"lora.alpha": INF}, "lora.alpha", NOT_FINITE),
-    ("alpha-inf-string", {"lora.alpha": "inf"}, "lora.alpha", NOT_FINITE),
-    ("alpha-huge-string", {"lora.alpha": "1e29"}, "lora.alpha", TOO_LARGE),
+    ("alpha-inf-string", {"lora.alpha": "inf"}, "lora.alpha", TEXT_NO_NUMBER),
+    ("alpha-huge-string", {"lora.alpha": "1e29"}, "lora.alpha", TEXT_NO_NUMBER),
+    # Numbers are numbers (strict models: loraflow/spec/fields.py SpecModel): never a boolean, never text.
+    ("max-drop-true", {"gate.guard": {"set": "general-mc-v1", "max_drop": True}}, "gate.guard.max_drop", BOOLEAN_NO_NUMBER),
+    ("max-drop-text", {"gate.guard": {"set": "general-mc-v1", "max_drop": "0.05"}}, "gate.guard.max_drop", TEXT_NO_NUMBER),
+    ("steps-text", {"training.steps": "200"}, "training.steps", "valid integer (got '200'): text is no number; write a whole number such as 100"),
+    ("hosts-true", {"compute": {"lora_sft": {"launcher": "local", "hosts": True}}}, "compute.lora_sft.hosts", BOOLEAN_NO_NUMBER),
+    ("expectation-false", {"data.expectations.duplicates.max_fraction": False}, "data.expectations.duplicates.max_fraction", BOOLEAN_NO_NUMBER),
     ("steps-1e29", {"training.steps": 1e29}, "training.steps", TOO_LARGE),
     ("steps-huge-int", {"training.steps": 10**29}, "training.steps", TOO_LARGE),
     ("seed-huge-int", {"evaluation.seed": 2**64}, "evaluation.seed", TOO_LARGE),

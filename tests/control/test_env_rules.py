@@ -215,6 +215,13 @@ OFF_THE_FLAG_LIST = "is not on the allow-list of XLA flags a spec may set"
         ("xla_dump_to=/x", "'xla_dump_to=/x' is not a flag"),
         ("--xla_force_host_platform_device_count=/tmp/x", "the value of --xla_force_host_platform_device_count, "
                                                           "'/tmp/x', is not a plain word or number"),
+        # the value and the flag are checked whole, never by their start
+        ("--xla_force_host_platform_device_count=8/tmp/x", "the value of --xla_force_host_platform_device_count, "
+                                                           "'8/tmp/x', is not a plain word or number"),
+        ("--xla_force_host_platform_device_count=8 /tmp/x", "'/tmp/x' is not a flag"),
+        ("--xla_force_host_platform_device_count_dump=/x", "--xla_force_host_platform_device_count_dump "
+                                                           + OFF_THE_FLAG_LIST),
+        ("--xla_force_host_platform_device_count8/tmp/x", "'--xla_force_host_platform_device_count8/tmp/x' is not a flag"),
     ],
 )  # fmt: skip
 def test_a_flag_that_writes_or_names_a_path_is_refused_naming_it(flags: str, says: str) -> None:
@@ -238,4 +245,63 @@ def test_a_name_off_the_allow_list_is_refused_naming_it_the_list_and_how_to_ask(
     [(where, says)] = err.value.problems
     assert where == f"compute.lora_sft.env.{name}"
     assert says.startswith(f"{name} is not on the allow-list of variables a spec may set for a step")
-    assert "XLA_FLAGS" in says and "docs/security.md, 'Asking for a variable, flag or override'" in says
+    assert f"ALLOWED: {', '.join(sorted(env_rules.ALLOWED))}); remove it; to ask for one" in says
+    assert "docs/security.md, 'Asking for a variable, flag or override'" in says
+
+
+@pytest.mark.parametrize(
+    ("name", "lowest", "highest", "unit"),
+    [("OMP_NUM_THREADS", 1, 1024, "a number"), ("LORAFLOW_JOIN_TIMEOUT", 1, 86400, "whole seconds"),
+     ("LORAFLOW_HEARTBEAT_TIMEOUT", 1, 86400, "whole seconds")],
+)  # fmt: skip
+def test_a_whole_number_variable_takes_its_documented_range_compared_as_a_number(
+    name: str, lowest: int, highest: int, unit: str
+) -> None:
+    """OMP_NUM_THREADS took up to 9999 and the timeouts 99999 (a digit count, not the bound they name)."""
+    for good in (lowest, highest, (lowest + highest) // 2):
+        assert validate_spec(with_env(name, value=str(good)), "t").compute["lora_sft"].env == {name: str(good)}
+    for bad in (lowest - 1, highest + 1, 9999, 99999, 10**30, "01", "+8", "8.0", "1e3", "-1", " 8", "8 "):
+        if isinstance(bad, int) and lowest <= bad <= highest:
+            continue
+        with pytest.raises(SpecError) as err:
+            validate_spec(with_env(name, value=str(bad)), "t")
+        [(where, says)] = err.value.problems
+        assert where == "compute.lora_sft.env"
+        assert says == f"{name}: the value {str(bad)!r} is not {unit} from {lowest} to {highest}; write one of those"
+
+
+def test_a_whole_number_entry_takes_its_words_and_its_check_from_one_range() -> None:
+    entry = env_rules.whole_number("why it is there", 2, 90, "whole seconds")
+    assert (entry.reason, entry.values, entry.bounds) == ("why it is there", "whole seconds from 2 to 90", (2, 90))
+    assert [v for v in ("1", "2", "45", "90", "91", "02", "0", "x", "") if entry.takes(v)] == ["2", "45", "90"]
+    assert env_rules.whole_number("r", 0, 3).values == "a number from 0 to 3"
+    assert env_rules.whole_number("r", 0, 3).takes("0")
+
+
+def test_a_name_is_portable_up_to_128_characters() -> None:
+    assert env_rules.refusal("A" * 128) is None
+    assert "is not a portable environment variable name" in (env_rules.refusal("A" * 129) or "")
+
+
+@pytest.mark.parametrize("suffix", env_rules.SECRET_SUFFIXES)
+def test_a_secret_goes_only_into_a_variable_named_for_one(suffix: str) -> None:
+    assert env_rules.check_secret_name(f"HF{suffix}") == f"HF{suffix}"
+    with pytest.raises(ValueError) as err:
+        env_rules.check_secret_name(f"HF{suffix}_FILE")
+    assert str(err.value) == (
+        f"HF{suffix}_FILE is not named for a secret: a library may read it as a setting, split the value and print "
+        "a piece of it, which the log masker cannot recognise; map the secret to the variable the step "
+        "reads it from, named ending in _TOKEN, _KEY, _SECRET or _PASSWORD (e.g. HF_TOKEN)"
+    )
+
+
+def test_every_refused_value_of_a_step_environment_is_named_at_once() -> None:
+    with pytest.raises(ValueError) as err:
+        env_rules.check_step_env({"OMP_NUM_THREADS": "0", "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "9"})
+    assert str(err.value) == (
+        "OMP_NUM_THREADS: the value '0' is not a number from 1 to 1024; write one of those; "
+        "TF_CPP_MIN_LOG_LEVEL: the value '9' is not 0, 1, 2 or 3; write one of those"
+    )
+    with pytest.raises(ValueError) as err:
+        env_rules.check_value("a\0b")
+    assert str(err.value) == "the value contains a NUL character, which no environment can hold; remove it"

@@ -270,8 +270,7 @@ def _number_settings(model: type, prefix: str = "") -> list[tuple[str, type]]:
 
 
 def test_every_number_of_the_schema_is_finite_and_bounded() -> None:
-    """One check refuses inf, nan and absurd sizes wherever a number sits, written as a number or as text
-    pydantic turns into one: no section can forget it."""
+    """One check refuses inf, nan and absurd sizes wherever a number sits: no section can forget it."""
     from loraflow.spec.schema import PipelineSpec
 
     settings = _number_settings(PipelineSpec)
@@ -290,6 +289,31 @@ def test_every_number_of_the_schema_is_finite_and_bounded() -> None:
                 value,
                 err.value.problems,
             )
+
+
+def test_every_number_of_the_schema_is_a_number_never_a_boolean_or_text() -> None:
+    """``max_drop: true`` (or ``yes``) was 1.0, which turned the regression guard off, and ``"0.05"`` was
+    taken: every number setting, in every section (the strict base model), refuses both, naming the fix."""
+    from loraflow.spec.schema import PipelineSpec
+
+    for path, kind in _number_settings(PipelineSpec):
+        for value in (True, False, "1", "0.05"):
+            with pytest.raises(SpecError) as err:
+                validate_spec(tiny_with(TINY, "numbers", {path: value}), "numbers.yaml")
+            wanted = "a whole number such as 100" if kind is int else "a number such as 0.05"
+            at_path = [m for p, m in err.value.problems if p == path]
+            assert len(at_path) == 1 and wanted in at_path[0], (path, value, err.value.problems)
+
+
+@pytest.mark.parametrize("written", ["yes", "on", "true", '"0.05"'])
+def test_a_yaml_boolean_or_quoted_share_is_no_max_drop(written: str) -> None:
+    text = TINY_TEXT.replace(
+        b"\ngate:\n", f"\ngate:\n  guard: {{set: general-mc-v1, max_drop: {written}}}\n".encode(), 1
+    )
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, Path("tiny-llama-lora.yaml"))
+    [(where, says)] = err.value.problems
+    assert where == "gate.guard.max_drop" and "write a number such as 0.05" in says, says
 
 
 PARSE_WITH_OLD_TAG_LIMIT = r"""
