@@ -478,6 +478,31 @@ def test_a_garbage_claim_on_an_old_version_is_skipped_and_reported_never_crashin
         handoff.pick(team, "dag", "run-c", requested="v1")
 
 
+def test_a_bad_claim_written_after_the_scan_is_skipped_and_the_next_version_taken(
+    team: HandoffSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan saw v2, the newest, unclaimed; a garbage _CLAIM lands on it before this run claims it
+    (deterministic: written as the scan returns). The pick passes v2 over, says why, and takes v1."""
+    drop(team, "v1")
+    drop(team, "v2")
+    real_scan = handoff.scan
+
+    def scan_then_a_bad_claim_lands(h: HandoffSpec) -> list[handoff.VersionState]:
+        states = real_scan(h)
+        put(team, f"v2/{handoff.CLAIM}", b"not a claim")
+        return states
+
+    monkeypatch.setattr(handoff, "scan", scan_then_a_bad_claim_lands)
+    picked = handoff.pick(team, "dag", "run-a")
+    assert picked.version == "v1" and picked.reason == f"the newest ready version under {team.prefix}"
+    [skipped] = picked.skipped
+    assert skipped.startswith(f"{team.prefix}/v2/{handoff.CLAIM} is not JSON")
+    assert skipped.endswith("it is not a claim loraflow writes, so no run takes that version; publish the data again "
+                            "under a new version name (or, if no run is training it, delete that _CLAIM)")  # fmt: skip
+    held = handoff.read_claim(team, "v1") or {}
+    assert (held.get("dag_id"), held.get("run_id")) == ("dag", "run-a")
+
+
 def test_a_huge_claim_is_never_read_whole(team: HandoffSpec, monkeypatch: pytest.MonkeyPatch) -> None:
     from google.cloud.storage import Blob
 
