@@ -221,6 +221,26 @@ TARGETS: dict[str, Target] = {
             )
         ],
     ),
+    # Chat templates: the renderer's rules (train == eval pieces) and the bounded sandbox's parent side
+    # (template_worker.py runs isolated in a child, out of mutmut's reach: its bounds are pinned by behaviour).
+    "chat_template": Target(
+        "control",
+        ["loraflow/data/chat_template.py", "loraflow/data/template_sandbox.py"],
+        ["tests/control/test_chat_template.py"],
+        deselect=[
+            # each runs validate_data (GX, a tokenizer: seconds each); the refusals they reach are pinned above
+            *[
+                f"tests/control/test_chat_template.py::{t}"
+                for t in (
+                    "test_validate_data_hands_the_resolved_template_on",
+                    "test_validate_data_names_the_rows_a_template_refuses",
+                    "test_validate_data_stops_at_the_first_row_a_template_breaks_a_bound_on",
+                    "test_validate_data_refuses_a_named_template_the_tokenizer_lacks",
+                    "test_the_renderer_dies_with_the_process_that_started_it",
+                )
+            ],
+        ],
+    ),
     # Last: the longest list of test files.
     "spec": Target(
         "control",

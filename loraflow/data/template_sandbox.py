@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -36,7 +35,6 @@ TIME_LIMIT_S = 5.0
 START_LIMIT_S = 60.0
 _WORKER = Path(__file__).with_name("template_worker.py")
 _HEADER = struct.Struct(">I")
-_MAX_ANSWER_BYTES = 64 * 2**20
 
 # The child's error kinds, as sentences that end in the fix.
 _MESSAGES = {
@@ -73,7 +71,7 @@ class _Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
+            env={},  # it needs nothing of this process's environment
         )
         self.started = False
         self.killed = False  # by :meth:`stop`, on the time bound
@@ -82,13 +80,13 @@ class _Child:
         return self.pid == os.getpid() and self.proc.poll() is None
 
     def ask(self, request: dict[str, Any], limit_s: float) -> dict[str, Any] | None:
-        """The child's answer, or None when it did not answer within ``limit_s`` (then it is killed)."""
+        """The child's answer; None when it ended first, or did not answer within ``limit_s`` (then it is killed)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        data = json.dumps(request, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        data = json.dumps(request).encode("ascii")  # ASCII JSON: any str crosses, lone surrogates too
         try:
             self.proc.stdin.write(_HEADER.pack(len(data)) + data)
             self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+        except OSError:  # it ended
             self.stop()
             return None
         if not self.started:  # the first answer also waits for the interpreter and jinja2 to start
@@ -96,26 +94,33 @@ class _Child:
             self.started = True
         deadline = time.monotonic() + limit_s
         header = _read(self.proc.stdout, _HEADER.size, deadline)
-        answer = None
-        if header is not None and (size := _HEADER.unpack(header)[0]) <= _MAX_ANSWER_BYTES:
+        if header is not None and len(header) == _HEADER.size:
+            size = _HEADER.unpack(header)[0]
             body = _read(self.proc.stdout, size, deadline)
-            answer = None if body is None else json.loads(body.decode("utf-8", "surrogatepass"))
-        if answer is None:
-            self.stop()
-        return answer
+            if body is not None and len(body) == size:
+                answer: dict[str, Any] = json.loads(body.decode("ascii"))
+                return answer
+            header = body
+        self.stop(kill=header is None)
+        return None
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+    def stop(self, kill: bool = False) -> None:
+        """End the child: at once (``kill``: it ran over its time), else by closing its input."""
+        if kill:
+            self.proc.kill()
             self.killed = True
-        self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()
+        try:
+            self.proc.wait(timeout=START_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _read(stream: IO[bytes], size: int, deadline: float) -> bytes | None:
-    """``size`` bytes from the child's pipe, or None when the deadline passes or the child ends first."""
+    """``size`` bytes from the child's pipe, fewer when it ends first, None when the deadline passes."""
     fd, out = stream.fileno(), bytearray()
     while len(out) < size:
         left = deadline - time.monotonic()
@@ -123,7 +128,7 @@ def _read(stream: IO[bytes], size: int, deadline: float) -> bytes | None:
             return None
         chunk = os.read(fd, size - len(out))
         if not chunk:
-            return None
+            break
         out += chunk
     return bytes(out)
 
@@ -156,7 +161,7 @@ def _ask(request: dict[str, Any], what: str, limit_s: float) -> dict[str, Any]:
     if "error" in answer:
         from loraflow.data import template_worker
 
-        kind = str(answer["error"]) if answer["error"] in _MESSAGES else "render"
+        kind = str(answer["error"])
         message = _MESSAGES[kind].format(
             detail=answer.get("detail", ""), limit=template_worker.MEMORY_HEADROOM // 2**20
         )
@@ -167,6 +172,11 @@ def _ask(request: dict[str, Any], what: str, limit_s: float) -> dict[str, Any]:
 def compile_check(source: str, max_chars: int) -> None:
     """Nothing when ``source`` compiles as a chat template; else SandboxError."""
     _ask({"op": "compile", "source": source, "max_chars": max_chars}, "compile", TIME_LIMIT_S)
+
+
+def time_limit(conversations: int) -> float:
+    """Seconds one exchange rendering this many conversations may take (each gets :data:`TIME_LIMIT_S`)."""
+    return TIME_LIMIT_S * max(1, conversations)
 
 
 def render_many(
@@ -184,5 +194,5 @@ def render_many(
         "conversations": [[list(messages), bool(prompt)] for messages, prompt in conversations],
         "max_chars": max_chars,
     }
-    answer = _ask(request, "render one conversation", TIME_LIMIT_S * max(1, len(conversations)))
+    answer = _ask(request, "render one conversation", time_limit(len(conversations)))
     return [str(text) for text in answer["texts"]]

@@ -11,7 +11,7 @@ Run as ``python -I template_worker.py`` (isolated: no PYTHONPATH, no user site, 
 directory), so it imports the standard library and jinja2 only, never loraflow.
 
 Protocol, on stdin / stdout: each message is a 4-byte big-endian length and that many bytes of
-UTF-8 JSON. Requests: ``{"op": "compile", "source", "max_chars"}`` and ``{"op": "render", "source", "specials",
+JSON in ASCII (escaped: any Python str crosses, lone surrogates included). Requests: ``{"op": "compile", "source", "max_chars"}`` and ``{"op": "render", "source", "specials",
 "conversations": [[messages, add_generation_prompt], ...], "max_chars"}``; answers: ``{"ok": true}``,
 ``{"texts": [...]}`` or
 ``{"error": kind, "detail": ...}`` where kind is one of the keys of the parent's messages.
@@ -153,6 +153,8 @@ class Worker:
 
         op = request.get("op")
         try:
+            if op not in ("compile", "render"):
+                raise ValueError(f"unknown request {op!r}")
             max_chars = int(request["max_chars"])
             template = self.template(request["source"], max_chars)
             if op == "compile":
@@ -182,12 +184,12 @@ def read_message(stream: Any) -> dict[str, Any] | None:
     if len(header) < _HEADER.size:
         return None
     (size,) = _HEADER.unpack(header)
-    message: dict[str, Any] = json.loads(stream.read(size).decode("utf-8"))
+    message: dict[str, Any] = json.loads(stream.read(size).decode("ascii"))
     return message
 
 
 def write_message(stream: Any, message: dict[str, Any]) -> None:
-    data = json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    data = json.dumps(message).encode("ascii")
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 

@@ -12,10 +12,12 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -211,6 +213,71 @@ def test_whatever_a_template_raises_while_rendering_is_the_templates_failure(sou
     """Not a crash of the step (exit 1, retried): a refusal naming the template's error."""
     with pytest.raises(ct.ChatTemplateError, match=f"the chat template failed to render \\({raised}"):
         ct.render(template(source), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
+
+
+@pytest.fixture
+def fresh_renderer() -> Iterator[None]:
+    """The next request starts a new child (each test's bounds then apply from its start)."""
+    if template_sandbox._child is not None:
+        template_sandbox._child.stop()
+    template_sandbox._child = None
+    yield
+
+
+def test_text_crosses_to_the_renderer_and_back_exactly() -> None:
+    odd = "caf\u00e9 \u65e5\u672c \U0001f600 lone \ud800 nul \x00 end"
+    text = ct.render(template("{{ messages[0]['content'] }}|{{ bos_token }}"), [{"role": "user", "content": odd}], True)
+    assert text == odd + "|<|bos|>"
+
+
+def test_the_renderer_is_given_no_environment(monkeypatch: pytest.MonkeyPatch, fresh_renderer: None) -> None:
+    """A worker's credentials and settings are no business of a template's process."""
+    monkeypatch.setenv("LORAFLOW_TEST_SECRET", "s3cret")
+    ct.render(template(CHATML), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
+    child = template_sandbox._child
+    assert child is not None
+    assert Path(f"/proc/{child.proc.pid}/environ").read_bytes() == b""
+
+
+def test_the_time_bound_counts_from_a_started_renderer(monkeypatch: pytest.MonkeyPatch, fresh_renderer: None) -> None:
+    """The interpreter's start is not the template's time; once started, a quick template meets a tight bound."""
+    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 0.0)
+    monkeypatch.setattr(template_sandbox, "START_LIMIT_S", 60.0)
+    assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
+    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 30.0)
+    monkeypatch.setattr(template_sandbox, "START_LIMIT_S", 0.0)
+    for _ in range(3):
+        assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
+
+
+def test_a_warm_renderer_answers_within_a_tight_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True)  # started
+    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 0.8)
+    for _ in range(3):
+        assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
+
+
+def test_each_conversation_of_an_exchange_gets_the_time_bound() -> None:
+    assert template_sandbox.time_limit(1) == template_sandbox.TIME_LIMIT_S
+    assert template_sandbox.time_limit(3) == 3 * template_sandbox.TIME_LIMIT_S
+    assert template_sandbox.time_limit(0) == template_sandbox.TIME_LIMIT_S
+
+
+def test_a_renderer_that_ends_is_named_and_the_next_request_gets_a_new_one(
+    monkeypatch: pytest.MonkeyPatch, fresh_renderer: None
+) -> None:
+    """Not "took more than 5 s": the process ended (here: killed from outside, as the kernel's OOM killer would)."""
+    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 120.0)
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+    ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True)
+    child = template_sandbox._child
+    assert child is not None
+    threading.Timer(0.5, os.kill, (child.proc.pid, signal.SIGTERM)).start()
+    with pytest.raises(ct.TemplateBoundError, match=r"ended the process rendering it \(exit -15\)") as info:
+        ct.render(template(slow), normalised(PROMPT_COMPLETION), True)
+    assert "took more than" not in str(info.value)
+    assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
+    assert template_sandbox._child is not child
 
 
 def test_the_renderer_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
