@@ -269,3 +269,18 @@ def test_the_listing_renders_as_documented() -> None:
         "* champion   x withdrawn by a rollback",
         "audit trail: (empty)",
     ]
+
+
+def test_a_concurrent_move_by_a_writer_that_records_no_event_is_refused_without_a_name(
+    reg: operations.PipelineRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = operations._verified
+
+    def verified_while_an_old_publish_moves_the_alias(*args, **kwargs):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(operations, "_verified", real)
+        artifacts.write_json(store.alias_uri(reg.registry_uri, PIPELINE), {"version": 2})  # no move recorded
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(operations, "_verified", verified_while_an_old_publish_moves_the_alias)
+    with pytest.raises(operations.ConcurrentMove, match=r"it held version 3, now 2\); nothing was changed"):
+        operations.promote(reg, 1, actor="alice", reason="r", via="cli")
