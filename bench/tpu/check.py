@@ -10,8 +10,10 @@ on the parity task with LoRA in float32 and in bfloat16 and with nf4, and once b
 point. ``1b`` and ``3b``: a generated Llama-3.2-1B / 3B-shaped model (bf16, random) converted, then
 LoRA through loraflow and through MaxText's own entry point, and QLoRA int8 and nf4. ``8b``: an
 8B Llama-3.1-shaped model with nf4 through MaxText's set-up, from random weights (where it fails on
-one chip). ``8b-qlora``: the same model generated, converted, and trained with nf4 through lora_sft. Every case runs in a process of its
-own (``_case.py``); results go to ``OUT/tpu-PHASE.json`` after each case, so a case that fails or
+one chip). ``8b-qlora``: the same model generated, converted, and trained with nf4 through lora_sft.
+``vllm-tiny`` and ``vllm-1b``: the evaluate stage on vLLM's TPU backend (:func:`serving`). Every case runs
+in a process of its own (``_case.py``, ``_serve_case.py`` for the vLLM ones), stopped if the host's
+memory runs short; results go to ``OUT/tpu-PHASE.json`` after each case, so a case that fails or
 runs out of time leaves the others'. The tiny phase also writes ``OUT/tpu-tiny-adapters.tar.gz``
 (each run's PEFT export and loss.csv) for the CPU-side comparison (``bench/tpu/compare.py``).
 Stdlib only: it runs before anything is imported.
@@ -25,6 +27,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CASE = str(HERE / "_case.py")
+SERVE_CASE = str(HERE / "_serve_case.py")
+#: a case is stopped when the host's available memory falls below this
+MIN_AVAILABLE_BYTES = 3 << 30
 
 
 def _train(size: str, mode: str, dtype: str, quantization: str, steps: int) -> dict[str, Any]:
@@ -67,32 +73,57 @@ def phases() -> dict[str, list[dict[str, Any]]]:
     # The moonshot: QLoRA of an 8B Llama-3.1-shaped model from a converted checkpoint, through lora_sft,
     # which builds and quantizes the model in host memory on one chip (its prepare takes most of a call).
     moonshot = [{"kind": "prepare", "size": "8b"}, _train("8b", "loraflow", "bfloat16", "nf4", 8)]
-    return {"tiny": tiny, **large, "8b": frontier, "8b-qlora": moonshot}
+    return {"tiny": tiny, **large, "8b": frontier, "8b-qlora": moonshot, **serving()}
+
+
+def _evaluate(name: str, model: str, dtype: str, **extra: Any) -> dict[str, Any]:
+    config = {"max_new_tokens": 8, "batch_size": 32, "seed": 0, "max_model_len": 512, "dtype": dtype}
+    return {"kind": "vllm-evaluate", "name": name, "model": model, "config": config, **extra}
+
+
+def serving() -> dict[str, list[dict[str, Any]]]:
+    """The evaluate stage on vLLM (``_serve_case.py``; installed by ``install_serve.sh``). ``vllm-tiny``: the
+    tiny base and the tiny merged model (trained and merged here: ``make tpu-prepare``) through loraflow's
+    evaluate and guard, as on CPU; ``vllm-1b``: a 1.5 B Llama-shaped model's generation throughput at the
+    default evaluation batch (64) and the production specs' (256), loraflow's stage against raw vLLM."""
+    base, merged = ".tpu-inputs/tiny", ".tpu-inputs/vllm/tiny-merged"
+    tiny = [
+        _evaluate("base-float32", base, "float32"),
+        _evaluate("merged-float32", merged, "float32"),
+        _evaluate("merged-bfloat16", merged, "bfloat16"),
+        _evaluate("merged-float32-highest", merged, "float32", matmul_precision="highest"),
+        _evaluate("base-float32-highest", base, "float32", matmul_precision="highest"),
+    ]
+    throughput = [{"kind": "vllm-throughput", "size": "1b", "batch": b, "repeats": 2} for b in (64, 256)]
+    return {"vllm-tiny": tiny, "vllm-1b": [{"kind": "vllm-prepare", "size": "1b"}, *throughput]}
 
 
 def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float) -> dict[str, Any]:
     """One case in its own process; its result, or what went wrong with the tail of its output."""
     case = {**case, "root": str(root)}
     env = dict(os.environ)
-    if case["kind"] == "prepare":
+    if case["kind"] in ("prepare", "vllm-prepare"):
         env["JAX_PLATFORMS"] = "cpu"  # converting needs no chip (and must not hold it)
+    script = SERVE_CASE if case["kind"].startswith("vllm-") else CASE
     t = time.perf_counter()
     with log.open("a") as sink:
         sink.write(f"\n===== {json.dumps(case)}\n")
         sink.flush()
+        proc = subprocess.Popen(
+            [sys.executable, script, json.dumps(case)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        short = _stop_when_memory_runs_short(proc)
         try:
-            proc = subprocess.run(
-                [sys.executable, CASE, json.dumps(case)],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=timeout,
-            )
-            output, rc = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            output, _ = proc.communicate(timeout=timeout)
+            rc: int | str = proc.returncode if not short else f"stopped: {short[0]}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
             rc = "timeout"
         sink.write(output)
     wall = time.perf_counter() - t
@@ -100,6 +131,33 @@ def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float) -> dic
     if rc == 0 and found:
         return {**json.loads(found[-1][len("BENCH_JSON ") :]), "wall_s": wall}
     return {"case": case, "failed": rc, "wall_s": wall, "tail": output[-4000:]}
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _stop_when_memory_runs_short(proc: subprocess.Popen[str]) -> list[str]:
+    """Watch the host's available memory while ``proc`` runs; kill it below ``MIN_AVAILABLE_BYTES`` (the
+    device machine returns nothing at all when the host runs out). The returned list says why, once killed."""
+    why: list[str] = []
+
+    def watch() -> None:
+        while proc.poll() is None:
+            available = _available_bytes()
+            if available < MIN_AVAILABLE_BYTES:
+                why.append(f"host memory ran short ({available / 2**30:.1f} GiB available)")
+                proc.kill()
+                return
+            time.sleep(0.5)
+
+    if os.path.exists("/proc/meminfo"):
+        threading.Thread(target=watch, daemon=True).start()
+    return why
 
 
 def pack_adapters(root: Path, dest: Path) -> None:
@@ -147,13 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[tpu-check] {time.strftime('%H:%M:%S')} {json.dumps(case)} ({left:.0f}s left)", flush=True)
         res = run_case(case, root, args.out / f"tpu-{args.phase}.log", left)
         results.append(res)
-        brief = {k: res.get(k) for k in ("failed", "wall_s", "tokens_per_s", "step_s_median", "peak_bytes_in_use")}
+        shown = ("failed", "skipped", "wall_s", "tokens_per_s", "step_s_median", "summary", "warm_tokens_per_s")
+        brief = {k: res[k] for k in (*shown, "stage_over_raw", "peak_bytes_in_use") if k in res}
         print(f"[tpu-check] -> {json.dumps(brief, default=str)}", flush=True)
         so_far = earlier + results
         kept.write_text(json.dumps(so_far))
         done = {"phase": args.phase, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "results": so_far}
         (args.out / f"tpu-{args.phase}.json").write_text(json.dumps(done, indent=1))
-        if case["kind"] == "prepare" and "failed" in res and case["size"] != "8b":
+        if case["kind"] in ("prepare", "vllm-prepare") and "failed" in res and case["size"] != "8b":
             break  # nothing to train
     if args.phase == "tiny":
         pack_adapters(root, args.out / "tpu-tiny-adapters.tar.gz")
