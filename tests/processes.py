@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -11,11 +12,30 @@ def _stat(pid: int) -> list[str]:
 
 
 def alive(pid: int) -> bool:
-    """Running (a zombie waiting for its parent is not)."""
+    """Running (a zombie waiting for its parent is not). Only for a process this test holds (its child):
+    another's pid may be reused once it ends; compare ``identities`` then."""
     try:
         return _stat(pid)[0] != "Z"
     except OSError:
         return False
+
+
+def identities(pids: Iterable[int]) -> set[tuple[int, int]]:
+    """Each running process as (pid, start time): that very process, whatever later reuses its pid."""
+    found = set()
+    for pid in pids:
+        try:
+            stat = _stat(pid)
+        except OSError:
+            continue
+        if stat[0] != "Z":
+            found.add((pid, int(stat[19])))
+    return found
+
+
+def still_running(processes: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Which of these processes (``identities``) run still."""
+    return processes & identities(pid for pid, _ in processes)
 
 
 def children_of(pid: int) -> list[int]:

@@ -495,7 +495,7 @@ class LocalAirflow:
 
     def fail_leftover_runs(self, started_at: datetime) -> list[str]:
         """Mark failed the runs an earlier stack left queued or running (stack_guard.leftover_runs): their
-        processes are gone; as they were, the scheduler would slowly resume them beside new runs. One line each."""
+        processes are gone, and a new run should not share the stack with what is left of them. One line each."""
         status, body = self.call("GET", "/dags/~/dagRuns?state=queued&state=running&limit=100")
         if status != 200 or not isinstance(body, dict):
             return [f"could not list the runs an earlier stack may have left (HTTP {status}: {body})"]

@@ -83,12 +83,17 @@ class Proc:
     marked: bool  # its environment names the stack (a renamed process, setproctitle, may have lost it)
 
 
-def _proc(pid: int, home: Path) -> Proc | None:
+def _stat(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat after "(comm)": state ppid pgrp session ... starttime (the 20th); None once it ended
+    (a zombie waits for its parent to read its status: ended too)."""
     stat = _read(f"/proc/{pid}/stat")
-    if stat is None:
-        return None
-    fields = stat.rsplit(b")", 1)[1].split()  # after "(comm)": state ppid pgrp session ... starttime (20th)
-    if fields[0] == b"Z":  # ended, waiting for its parent to read its status
+    fields = stat.rsplit(b")", 1)[1].split() if stat else None
+    return fields if fields and fields[0] != b"Z" else None
+
+
+def _proc(pid: int, home: Path) -> Proc | None:
+    fields = _stat(pid)
+    if fields is None:
         return None
     return Proc(
         pid, int(fields[1]), int(fields[3]), int(fields[19]), carries_marker(_read(f"/proc/{pid}/environ") or b"", home)
@@ -128,12 +133,27 @@ def _command(pid: int) -> str:
     return " ".join(w for w in words if w)[:80] or f"[{name}]"
 
 
-def stack_processes(home: Path) -> dict[int, str]:
-    """Every live process of the stack on ``home`` (``belonging``): pid -> command."""
+def _stack(home: Path) -> dict[tuple[int, int], str]:
+    """Every live process of the stack on ``home`` (``belonging``): (pid, start time) -> command."""
     if not Path("/proc/self/stat").exists():
         return {}
+    procs = _processes(home)
     _, recorded = read_record(home)
-    return {pid: _command(pid) for pid in sorted(belonging(_processes(home), recorded, os.getpid()))}
+    return {(pid, procs[pid].started): _command(pid) for pid in belonging(procs, recorded, os.getpid())}
+
+
+def stack_processes(home: Path) -> dict[int, str]:
+    """Every live process of the stack on ``home`` (``belonging``): pid -> command."""
+    return {pid: command for (pid, _), command in sorted(_stack(home).items())}
+
+
+def _running(processes: Mapping[tuple[int, int], str]) -> dict[tuple[int, int], str]:
+    """Which of these processes (by pid and start time) still run."""
+    return {
+        (pid, started): command
+        for (pid, started), command in processes.items()
+        if (fields := _stat(pid)) is not None and int(fields[19]) == started
+    }
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
@@ -146,28 +166,31 @@ def _signal(pid: int, sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def _wait_gone(home: Path, seconds: float) -> dict[int, str]:
-    """What is left of the stack once it is all gone, or after ``seconds``."""
+def _wait_gone(home: Path, seen: dict[tuple[int, int], str], seconds: float) -> dict[tuple[int, int], str]:
+    """What still runs of the stack, and of ``seen`` (what was proven the stack's: once its parent or
+    session leader has ended, an orphan may lose every proof), once none does or after ``seconds``."""
     deadline = time.monotonic() + seconds
-    left = stack_processes(home)
-    while left and time.monotonic() < deadline:
+    while True:
+        seen |= _stack(home)  # a process started meanwhile (a worker replaced) is in it too
+        left = _running(seen)
+        if not left or time.monotonic() >= deadline:
+            return left
         time.sleep(0.2)
-        left = stack_processes(home)
-    return left
 
 
 def end_stack_processes(home: Path, grace: float = 10.0) -> dict[int, str]:
     """End every process of the stack on ``home``: SIGTERM (to its group when it leads one), SIGKILL to
     what is left after ``grace`` seconds. Returns what was found; raises if any survives."""
-    found = left = stack_processes(home)
+    seen = left = _stack(home)
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        for pid in left:
+        for pid, _ in left:
             _signal(pid, sig)
-        left = _wait_gone(home, wait)  # a process started meanwhile (a worker replaced) is in it too
+        left = _wait_gone(home, seen, wait)
         if not left:
-            return found
+            return {pid: command for (pid, _), command in sorted(seen.items())}
     raise LoraflowError(
-        f"processes of the local stack on {home} survived SIGKILL ({describe(left)}): stop them "
+        f"processes of the local stack on {home} survived SIGKILL "
+        f"({describe({pid: command for (pid, _), command in left.items()})}): stop them "
         "(another user's? `ps -o user= -p PID`), then run `make clean`"
     )
 
@@ -256,14 +279,14 @@ def _record_path(home: Path) -> Path:
 def parse_record(text: str) -> tuple[int | None, set[tuple[int, int]]]:
     """``stack.pid``: the stack's main process id on the first line, then "PID START_TIME" of each
     process it started. Empty: no stack, or the last one stopped cleanly. Unreadable lines are skipped."""
-    lines = text.splitlines()
-    main = int(lines[0]) if lines and lines[0].strip().isdigit() else None
-    started = set()
-    for line in lines[1:]:
-        words = line.split()
-        if len(words) == 2 and all(w.isdigit() for w in words):
-            started.add((int(words[0]), int(words[1])))
-    return main, started
+    lines = [line.split() for line in text.splitlines()]
+    if not lines or len(lines[0]) != 1 or not lines[0][0].isdigit():
+        return None, _started(lines)
+    return int(lines[0][0]), _started(lines[1:])
+
+
+def _started(lines: list[list[str]]) -> set[tuple[int, int]]:
+    return {(int(w[0]), int(w[1])) for w in lines if len(w) == 2 and all(x.isdigit() for x in w)}
 
 
 def read_record(home: Path) -> tuple[int | None, set[tuple[int, int]]]:

@@ -31,7 +31,7 @@ from loraflow.dev.stack_guard import (
     uninterrupted,
 )
 from loraflow.errors import LoraflowError
-from tests.processes import alive, descendants
+from tests.processes import alive, descendants, identities, still_running
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ class Owner:
         )
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "up"
         assert wait_until(lambda: len(descendants(self.proc.pid)) >= 4)
-        self.stack = descendants(self.proc.pid)  # each sh and its sleep
+        self.stack = identities(descendants(self.proc.pid))  # each sh and its sleep
 
     def stop(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)
@@ -90,9 +90,10 @@ def owners() -> Iterator[list[Owner]]:
     started: list[Owner] = []
     yield started
     for owner in started:  # only what these tests started, by pid
-        for pid in [owner.proc.pid, *owner.stack]:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid, _ in still_running(owner.stack):
+            os.kill(pid, signal.SIGKILL)
+        if owner.proc.poll() is None:
+            owner.proc.kill()
         owner.proc.wait()
 
 
@@ -159,6 +160,7 @@ def test_the_record_names_the_main_process_then_what_it_started() -> None:
     assert parse_record("") == (None, set())
     assert parse_record("123\n456 7890\n457 7891\n") == (123, {(456, 7890), (457, 7891)})
     assert parse_record("x\n456 7890\n456\nnot a line\n1 2 3\n") == (None, {(456, 7890)})
+    assert parse_record("456 7890\n") == (None, {(456, 7890)})  # no main process line
 
 
 def test_a_signal_in_an_uninterrupted_block_stops_at_its_end(tmp_path: Path) -> None:
@@ -301,7 +303,7 @@ def test_a_stop_signal_ends_the_owner_and_every_process_of_its_stack(
     owner.stop(sig)
     out = owner.output()
     assert owner.proc.returncode != 0  # the signal ended it, through the stop
-    assert not [pid for pid in owner.stack if alive(pid)], out  # the unmarked sleep too: its group was ended
+    assert not still_running(owner.stack), out  # the unmarked sleep too: its group was ended
     assert (tmp_path / ".demo" / "stack.pid").read_text() == ""  # stopped cleanly
 
 
@@ -314,7 +316,7 @@ def test_a_second_signal_does_not_cut_the_stop_short(tmp_path: Path, owners: lis
     out = owner.output()
     assert "SIGTERM ignored: the local stack is stopping" in out
     assert "SIGINT ignored" in out
-    assert not [pid for pid in owner.stack if alive(pid)]
+    assert not still_running(owner.stack)
 
 
 def test_a_running_stack_is_refused_naming_its_pid(tmp_path: Path, owners: list[Owner]) -> None:
@@ -324,7 +326,7 @@ def test_a_running_stack_is_refused_naming_its_pid(tmp_path: Path, owners: list[
     ):
         with owned(tmp_path / ".demo"):
             pass
-    assert all(alive(pid) for pid in owner.stack)  # a running stack's processes are not touched
+    assert still_running(owner.stack) == owner.stack  # a running stack's processes are not touched
 
 
 def test_a_start_after_an_abnormal_stop_ends_only_what_the_dead_stack_left(
@@ -336,14 +338,33 @@ def test_a_start_after_an_abnormal_stop_ends_only_what_the_dead_stack_left(
     unmarked = sleeper({})
     owner.stop(signal.SIGKILL)  # no stop at all: its stack is orphaned
     owner.proc.wait()
-    assert all(alive(pid) for pid in owner.stack)
+    assert still_running(owner.stack) == owner.stack
     with owned(home, grace=1.0):
         said = capsys.readouterr().out
-        assert not [pid for pid in owner.stack if alive(pid)]
+        assert not still_running(owner.stack)
     assert f"an earlier stack on {home} did not stop (pid {owner.proc.pid}); ended what it left: " in said
     assert "sh -c" in said
     assert alive(other_home.pid) and alive(unmarked.pid)  # not this home's: never touched
     assert (home / "stack.pid").read_text() == ""
+
+
+def test_a_process_that_loses_its_proof_as_its_leader_ends_is_ended_all_the_same(tmp_path: Path) -> None:
+    """A recorded session leader, and in its session an unmarked child that ignores SIGTERM: once the
+    leader has ended, nothing in /proc ties the child to the stack (the orphaned LocalExecutor worker
+    of a killed stack did so), yet it was the stack's when first seen and is killed after the grace."""
+    home = tmp_path / ".demo"
+    home.mkdir()
+    leader = subprocess.Popen(["sh", "-c", "sh -c 'trap \"\" TERM; exec sleep 300' & wait"], start_new_session=True)
+    try:
+        stack_guard.record(marker_env(home), leader.pid)
+        assert wait_until(lambda: len(descendants(leader.pid)) == 1)
+        child = identities(descendants(leader.pid))
+        ended = stack_guard.end_stack_processes(home, grace=0.5)
+        assert not still_running(child)
+        assert sorted(ended) == sorted([leader.pid, *(pid for pid, _ in child)])
+    finally:
+        leader.kill()
+        leader.wait()
 
 
 def test_a_clean_stop_leaves_nothing_to_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ import pytest
 from loraflow.dev import stack_guard
 from loraflow.dev.demo import LocalAirflow, say
 from loraflow.spec.schema import load_spec
-from tests.processes import alive, descendants
+from tests.processes import descendants, identities, still_running
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 DAG = load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml").name
 # As /proc names them (the API server and the executor's workers rename themselves).
 COMPONENTS = ("api_server", "local_scheduler", "dag-processor", "triggerer", "fake-gcs-server")
+TAKEN = {"running", "success", "failed", "up_for_retry"}  # the states of a task a worker has taken
 
 
 class Demo:
@@ -73,10 +74,12 @@ class Demo:
 @dataclass
 class Story:
     orphans: dict[int, str] = field(default_factory=dict)  # what the SIGKILLed demo left
+    orphan_ids: set[tuple[int, int]] = field(default_factory=set)  # the same as (pid, start time)
     dead_run: str = ""
     second: Demo | None = None
-    tree: list[int] = field(default_factory=list)  # every process below the second demo while it ran
-    stack: dict[int, str] = field(default_factory=dict)  # and every process carrying its marker
+    tree: set[tuple[int, int]] = field(default_factory=set)  # every process below the second demo as it ran
+    stack: dict[int, str] = field(default_factory=dict)  # and every process of its stack
+    stack_ids: set[tuple[int, int]] = field(default_factory=set)
     exit_code: int | None = None
     stop_seconds: float = 0.0
 
@@ -86,33 +89,41 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Story]:
     home = tmp_path_factory.mktemp("demo-stop") / ".demo"
     s = Story()
     began = time.monotonic()
+    demos: list[Demo] = []
     try:
-        first = Demo(home, "first")
+        demos.append(first := Demo(home, "first"))
         airflow = first.airflow()
         say(f"first demo up in {time.monotonic() - began:.0f} s")
-        airflow.wait_for_dag(DAG, timeout=600)
+        first.wait_for(r"Airflow UI: ")  # its sources prepared (no tiny model left half-made), its DAG parsed
         s.dead_run = airflow.trigger(DAG)
-        deadline = time.monotonic() + 120
-        while airflow.call("GET", f"/dags/{DAG}/dagRuns/{s.dead_run}")[1].get("state") != "running":
-            assert time.monotonic() < deadline, "the first demo's run never started"
+        deadline = time.monotonic() + 300
+        while not TAKEN & set(airflow.task_states(DAG, s.dead_run).values()):  # a LocalExecutor worker took it
+            assert time.monotonic() < deadline, "the first demo's run never started a task"
             time.sleep(1)
         first.proc.kill()  # no stop at all
         first.proc.wait()
         s.orphans = stack_guard.stack_processes(home)
-        say(f"first demo killed with its run running at {time.monotonic() - began:.0f} s")
+        s.orphan_ids = identities(s.orphans)
+        say(f"first demo killed with its run's first task taken at {time.monotonic() - began:.0f} s")
 
-        s.second = second = Demo(home, "second")
+        demos.append(second := Demo(home, "second"))
+        s.second = second
         second.wait_for(r"marked failed")  # Airflow is up: the demo prepares its sources next
         say(f"second demo up at {time.monotonic() - began:.0f} s")
-        s.tree = descendants(second.proc.pid)
+        s.tree = identities(descendants(second.proc.pid))
         s.stack = stack_guard.stack_processes(home)
+        s.stack_ids = identities(s.stack)
         started = time.monotonic()
         second.proc.send_signal(signal.SIGTERM)
         s.exit_code = second.proc.wait(timeout=120)
         s.stop_seconds = time.monotonic() - started
         yield s
-    finally:
-        stack_guard.end_stack_processes(home, grace=2)  # whatever a failed test left: this home's only
+    finally:  # whatever a failed test left: the demos this test started, their stack (this home's only)
+        for demo in demos:
+            if demo.proc.poll() is None:
+                demo.proc.kill()
+                demo.proc.wait()
+        stack_guard.end_stack_processes(home, grace=2)
 
 
 def test_a_killed_demo_orphans_its_whole_stack(story: Story) -> None:
@@ -126,7 +137,7 @@ def test_the_next_start_ends_what_the_dead_stack_left_and_fails_its_run(story: S
     assert story.second is not None
     out = story.second.text()
     assert re.search(r"an earlier stack on .* did not stop \(pid \d+\); ended what it left: ", out), out
-    assert not [pid for pid in story.orphans if alive(pid)]
+    assert story.orphan_ids and not still_running(story.orphan_ids)
     assert f"run {story.dead_run} of {DAG}, left running by an earlier stack: marked failed" in out
 
 
@@ -135,7 +146,7 @@ def test_sigterm_stops_every_process_of_the_stack_as_ctrl_c_does(story: Story) -
     commands = " ".join(story.stack.values())
     for component in COMPONENTS:
         assert component in commands, story.stack
-    assert not [pid for pid in {*story.tree, *story.stack} if alive(pid)], story.second.text()
+    assert story.stack_ids and not still_running(story.tree | story.stack_ids), story.second.text()
     assert story.exit_code == 128 + signal.SIGTERM, story.second.text()  # stopped as it prepared its sources
     assert "stopped by SIGTERM" in story.second.text()
     assert story.stop_seconds < 60
