@@ -371,7 +371,7 @@ def pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> lis
 def _check_no_header(answer: str, message: Mapping[str, Any], i: int) -> None:
     """A template whose generation prompt is empty must not put a turn header before the answer."""
     content = "" if message.get("content") is None else str(message["content"]).strip()
-    at = answer.find(content) if content else -1
+    at = answer.find(content)  # 0 for an empty answer: nothing before it
     if at > 0 and answer[:at].strip():
         raise ChatTemplateError(
             f"the chat template writes {answer[:at]!r} before the assistant's answer in turn {i} but not as its "

@@ -8,7 +8,9 @@ and through vLLM in tests/serving/test_evaluate.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import locale
 import os
 import re
 import resource
@@ -30,7 +32,15 @@ from loraflow.errors import DataValidationError
 from loraflow.spec.schema import DataSpec
 from loraflow.steps import validate_data
 from tests import chat_cases
-from tests.chat_cases import CHAT_WITH_SYSTEM, CHATML, MULTI_TURN, PROMPT_COMPLETION, RECORDS
+from tests.chat_cases import (
+    CHAT_WITH_SYSTEM,
+    CHATML,
+    MULTI_TURN,
+    PROMPT_COMPLETION,
+    QWEN3_SPECIALS,
+    QWEN3_TEMPLATE,
+    RECORDS,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|end|>"}
@@ -93,17 +103,79 @@ def test_plain_text_is_the_turns_as_written_with_bos_and_eos() -> None:
 # ---------------------------------------------------------------------------- refused templates
 
 
+# What a refusal of a template whose generation prompt adds nothing says after the header it found.
+NO_GENERATION_PROMPT = (
+    "but not as its generation prompt (add_generation_prompt adds nothing): at evaluation the model would have "
+    "to write its own turn header; give a template whose add_generation_prompt branch writes it"
+)
+
+
 def test_a_template_without_a_generation_prompt_is_refused() -> None:
     """ChatML without its add_generation_prompt branch: the model would have to write its own turn header."""
     no_generation = CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "")
-    with pytest.raises(ct.ChatTemplateError, match="generation prompt"):
+    with pytest.raises(ct.ChatTemplateError) as info:
         ct.pieces(template(no_generation), normalised(PROMPT_COMPLETION))
+    assert str(info.value) == (
+        f"the chat template writes '<|im_start|>assistant\\n' before the assistant's answer in turn 1 {NO_GENERATION_PROMPT}"
+    )
+
+
+def test_without_a_generation_prompt_even_a_one_character_header_is_refused() -> None:
+    marked = "{% for m in messages %}{% if m.role == 'assistant' %}>{% endif %}{{ m.content }}\n{% endfor %}"
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.pieces(template(marked), normalised(MULTI_TURN))
+    assert (
+        str(info.value)
+        == f"the chat template writes '>' before the assistant's answer in turn 1 {NO_GENERATION_PROMPT}"
+    )
+
+
+UPPER = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content | upper }}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+SPACED = "{% for m in messages %}{% if m.role == 'assistant' %}{{ ' ' }}{% endif %}{{ m.content }}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    ("source", "messages", "expected"),
+    [
+        # the answer is also inside the EOS token: it is found where it begins, not in the EOS
+        (ct.PLAIN_TEMPLATE, [("user", "The opposite of start:"), ("assistant", "end")], "end<|end|>"),
+        # an answer without content (null or no key): nothing before it
+        (ct.PLAIN_TEMPLATE, [("user", "Q"), ("assistant", None)], "<|end|>"),
+        # the template changes the answer's text: no header can be told apart, none is claimed
+        (UPPER, [("user", "Say yes: "), ("assistant", "yes")], "YES"),
+        # only whitespace before the answer
+        (SPACED, [("user", "Q"), ("assistant", "A")], " A"),
+    ],
+    ids=["answer-in-eos", "no-content", "changed-answer", "whitespace"],
+)
+def test_without_a_generation_prompt_only_text_before_the_answer_is_a_header(
+    source: str, messages: list[tuple[str, str | None]], expected: str
+) -> None:
+    turns = [
+        {"role": role, "content": content} if content is not None else {"role": role} for role, content in messages
+    ]
+    assert ct.pieces(template(source), turns)[1] == (expected, False)
+
+
+def test_a_think_block_after_the_generation_prompt_is_part_of_the_answer() -> None:
+    """Qwen3 writes an empty think block after its generation prompt: text the model learns to write, not a turn
+    header (only a template whose generation prompt adds nothing is searched for one)."""
+    qwen3 = ct.ChatTemplate("inline", "test", QWEN3_TEMPLATE, QWEN3_SPECIALS)
+    assert ct.pieces(qwen3, normalised(PROMPT_COMPLETION)) == [
+        ("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n", True),
+        ("<think>\n\n</think>\n\n5<|im_end|>\n", False),
+    ]
 
 
 def test_a_generation_prompt_that_does_not_begin_the_answer_turn_is_refused() -> None:
     odd = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>model\n{% endif %}")
-    with pytest.raises(ct.ChatTemplateError, match="is not how it begins the assistant's turn"):
+    with pytest.raises(ct.ChatTemplateError) as info:
         ct.pieces(template(odd), normalised(PROMPT_COMPLETION))
+    assert str(info.value) == (
+        "the chat template's generation prompt '...>\\n<|im_start|>user\\nWhat is 2+3?<|im_end|>\\n<|im_start|>model\\n' "
+        "is not how it begins the assistant's turn 1 ('<|im_start|>system\\nYou are helpful.<|im_end|>\\n<|im_start|>us...'); "
+        "evaluation would prompt the model differently from training: fix the template's add_generation_prompt branch"
+    )
 
 
 def test_a_template_that_rewrites_history_is_refused() -> None:
@@ -113,13 +185,40 @@ def test_a_template_that_rewrites_history_is_refused() -> None:
         "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[old]{% endif %}"
         "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     )
-    with pytest.raises(ct.ChatTemplateError, match="renders the turns before turn 3 differently"):
+    with pytest.raises(ct.ChatTemplateError) as info:
         ct.pieces(template(rewrites), normalised(MULTI_TURN))
+    assert str(info.value) == (
+        "the chat template renders the turns before turn 3 differently once turn 3 follows "
+        "(before: '<user>What is 1+1?\\n<assistant>2\\n'; after: '<user>What is 1+1?\\n[old]<assista'); training and "
+        "evaluation would see different prompts: keep one answer per row or use a template that keeps history as written"
+    )
+    # the eval prompt of the second question: its first answer is rendered otherwise than training cut it
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.prompt_pieces(template(rewrites), normalised(MULTI_TURN)[:3])
+    assert str(info.value) == (
+        "the chat template renders the earlier turns of this prompt differently once the last turn follows; "
+        "training and evaluation would see different prompts: use a template that keeps history as written"
+    )
 
 
 def test_a_conversation_without_an_answer_has_nothing_to_train_on() -> None:
-    with pytest.raises(ct.ChatTemplateError, match="no assistant turn"):
+    with pytest.raises(ct.ChatTemplateError) as info:
         ct.pieces(template(TINY_TEMPLATE), [{"role": "user", "content": "hi"}])
+    assert str(info.value) == "the conversation has no assistant turn: nothing to train on; add the answer"
+
+
+def test_a_turn_without_content_renders_as_empty() -> None:
+    """OpenAI-style data writes ``"content": null`` (or leaves it out) on a turn that only calls a tool."""
+    turns = [{"role": "user", "content": None}, {"role": "user"}, {"role": "user", "content": 7}]
+    assert ct.render(template(ct.PLAIN_TEMPLATE), turns, add_generation_prompt=True) == "<|bos|>7"
+
+
+@pytest.mark.parametrize(
+    ("text", "head", "tail"),
+    [("x" * 60, "x" * 60, "x" * 60), ("a" + "x" * 59 + "z", "a" + "x" * 59 + "...", "..." + "x" * 59 + "z")],
+)
+def test_a_refusal_quotes_at_most_60_characters_of_a_piece(text: str, head: str, tail: str) -> None:
+    assert (ct._head(text), ct._tail(text)) == (head, tail)
 
 
 def test_raise_exception_in_a_template_names_its_message() -> None:
@@ -323,28 +422,67 @@ def test_a_forked_process_starts_its_own_renderer() -> None:
     assert template_sandbox._child is parents and parents is not None and parents.alive()
 
 
+def merging(text: str) -> list[int]:
+    """A tokenizer where "ab" is one token and every other character its own."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("ab", i):
+            out.append(1000)
+            i += 2
+        else:
+            out.append(ord(text[i]))
+            i += 1
+    return out
+
+
+def decode(ids: list[int]) -> str:
+    return "".join("ab" if i == 1000 else chr(i) for i in ids)
+
+
 def test_tokenizer_merging_across_the_prompt_and_answer_boundary_is_refused() -> None:
     """A trainer finding the answer as what follows the prompt's tokens needs prompt+answer to tokenize as both."""
-
-    def merging(text: str) -> list[int]:  # "ab" is one token, every other character its own
-        out, i = [], 0
-        while i < len(text):
-            if text.startswith("ab", i):
-                out.append(1000)
-                i += 2
-            else:
-                out.append(ord(text[i]))
-                i += 1
-        return out
-
-    def decode(ids: list[int]) -> str:
-        return "".join("ab" if i == 1000 else chr(i) for i in ids)
-
     assert ct.check_round_tokens(merging, decode, [("x a", True), (" b", False)]) == 5
     with pytest.raises(ct.ChatTemplateError, match="merges the end of the prompt"):
         ct.check_round_tokens(merging, decode, [("xa", True), ("b", False)])
     with pytest.raises(ct.ChatTemplateError, match="does not give back the answer"):
         ct.check_round_tokens(merging, lambda ids: decode(ids).strip(), [("x", True), (" b", False)])
+
+
+def test_every_round_of_a_conversation_is_checked_and_counted() -> None:
+    """Each round pairs its own prompt and answer: the first prompt's "a" meets the first answer's space,
+    not the second answer's "b"."""
+    assert ct.check_round_tokens(merging, decode, [("x a", True), (" b", False), ("y", True), ("b", False)]) == 7
+    with pytest.raises(ct.ChatTemplateError, match=re.escape("the prompt 'y a' with the start of the answer 'b'")):
+        ct.check_round_tokens(merging, decode, [("x ", True), ("b", False), ("y a", True), ("b", False)])
+
+
+def test_a_round_token_refusal_quotes_the_ends_that_meet_and_says_the_fix() -> None:
+    prompt, answer = "p" * 40 + "a", "b" + "q" * 40
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.check_round_tokens(merging, decode, [(prompt, True), (answer, False)])
+    assert str(info.value) == (
+        f"the tokenizer merges the end of the prompt '...{'p' * 29}a' with the start of the answer 'b{'q' * 29}...' "
+        "into other tokens, so training could not keep them apart as evaluation does; end the prompt (or begin the "
+        "answer) with a separator such as a space or newline"
+    )
+
+    def dropping_tabs(ids: list[int]) -> str:
+        return decode(ids).replace("\t", "")
+
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.check_round_tokens(merging, dropping_tabs, [("\t" + "p" * 50, True), ("q", False)])
+    assert str(info.value) == (
+        f"the tokenizer does not give back the prompt '\\t{'p' * 39}...' from its tokens ('{'p' * 40}...'); the text "
+        "changes on its way through training: use a tokenizer that round-trips its text (or remove the characters it drops)"
+    )
+
+
+def test_pieces_are_encoded_one_by_one_as_python_ints() -> None:
+    """Token ids go into JSON (the eval prompts' ids): numpy's integers would not."""
+    import numpy as np
+
+    ids = ct.encode_pieces(lambda text: np.array([ord(c) for c in text], dtype=np.int64), ["ab", "", "c"])
+    assert ids == [97, 98, 99] and {type(i) for i in ids} == {int}
 
 
 # ---------------------------------------------------------------------------- resolving settings
@@ -383,6 +521,143 @@ def test_inline_and_none_settings(tmp_path: Path) -> None:
     assert ct.ChatTemplate.from_record(inline.record()) == inline
 
 
+OWN = "the tokenizer's own"
+PLAIN = "none: plain text, the turns as written"
+NO_TEMPLATE = PLAIN + " (auto: the tokenizer has no chat template)"
+INLINE = "inline in the spec (data.chat_template)"
+TOKENIZERS = {
+    # a template file beside the config's named ones (newer checkpoints)
+    "file": (
+        {
+            "chat_template": [{"name": "tool_use", "template": CHATML}],
+            "bos_token": "<s>",
+            "eos_token": {"content": "</s>"},
+        },
+        {"chat_template.jinja": TINY_TEMPLATE},
+    ),
+    "config": ({"chat_template": TINY_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}}, {}),
+    "bare": ({"bos_token": "<s>", "eos_token": {"content": "</s>"}}, {}),
+}
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "setting", "expected"),
+    [
+        ("file", "auto", ("auto", f"{OWN} (chat_template.jinja)", TINY_TEMPLATE)),
+        ("file", "tokenizer", ("tokenizer", f"{OWN} (chat_template.jinja)", TINY_TEMPLATE)),
+        (
+            "file",
+            "tokenizer:tool_use",
+            ("tokenizer:tool_use", "the tokenizer's template 'tool_use' (tokenizer_config.json)", CHATML),
+        ),
+        ("file", "none", ("none", PLAIN, ct.PLAIN_TEMPLATE)),
+        ("file", CHATML, ("inline", INLINE, CHATML)),
+        ("config", "auto", ("auto", f"{OWN} (tokenizer_config.json)", TINY_TEMPLATE)),
+        ("bare", "auto", ("none", NO_TEMPLATE, ct.PLAIN_TEMPLATE)),
+        ("bare", "none", ("none", PLAIN, ct.PLAIN_TEMPLATE)),
+    ],
+)
+def test_each_setting_resolves_to_the_template_the_report_names(
+    tmp_path: Path, tokenizer: str, setting: str, expected: tuple[str, str, str]
+) -> None:
+    """The recorded setting and origin say which template rendered a run; every setting is given the
+    tokenizer's special tokens."""
+    d = tokenizer_dir(tmp_path, *TOKENIZERS[tokenizer])
+    resolved = ct.resolve(setting, d)
+    assert resolved == ct.ChatTemplate(*expected, {"bos_token": "<s>", "eos_token": "</s>"})
+    assert ct.own_template_digest(d) == ct.resolve("auto", d).digest
+
+
+def test_only_the_special_tokens_the_tokenizer_has_are_given(tmp_path: Path) -> None:
+    config = {
+        "bos_token": "",
+        "eos_token": {"content": "</s>", "special": True},
+        "pad_token": {"content": ""},
+        "unk_token": 0,
+        "sep_token": "<sep>",  # not one a chat template is given
+    }
+    assert ct.resolve("none", tokenizer_dir(tmp_path, config)).specials == {"eos_token": "</s>"}
+
+
+def test_tokenizer_without_its_own_template_names_the_ones_it_has(tmp_path: Path) -> None:
+    named = tokenizer_dir(
+        tmp_path / "named",
+        {"chat_template": [{"name": "tool_use", "template": CHATML}]},
+        {"additional_chat_templates/rag.jinja": CHATML},
+    )
+    bare = tokenizer_dir(tmp_path / "bare", {})
+    fix = "set data.chat_template to none (plain text) or give the template inline"
+    for d, has in ((named, " (it has named ones: rag, tool_use; use tokenizer:NAME)"), (bare, "")):
+        with pytest.raises(ct.ChatTemplateError) as info:
+            ct.resolve("tokenizer", d)
+        assert str(info.value) == f"chat_template: tokenizer, but the tokenizer in {d} has no chat template{has}; {fix}"
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.resolve("tokenizer:rag", bare)
+    assert str(info.value) == (
+        f"chat_template tokenizer:rag: the tokenizer in {bare} has no template named 'rag' (it has: none); "
+        "name one of those, or use tokenizer, none or an inline template"
+    )
+
+
+def test_named_templates_that_are_not_a_name_and_a_template_are_skipped(tmp_path: Path) -> None:
+    entries = ["tool_use", {"name": "rag"}, {"template": CHATML}, {"name": 7, "template": CHATML}]
+    d = tokenizer_dir(tmp_path, {"chat_template": [*entries, {"name": "ok", "template": CHATML}]})
+    with pytest.raises(ct.ChatTemplateError, match=re.escape("no template named 'rag' (it has: ok)")):
+        ct.resolve("tokenizer:rag", d)
+
+
+def test_a_tokenizer_without_tokenizer_config_json_is_read_from_its_template_file(tmp_path: Path) -> None:
+    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    assert ct.resolve("auto", tmp_path) == ct.ChatTemplate("auto", f"{OWN} (chat_template.jinja)", CHATML, {})
+
+
+def test_a_tokenizer_config_that_is_not_an_object_holds_no_template(tmp_path: Path) -> None:
+    """HF would not load such a tokenizer either; the template is plain text, with no special tokens."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(["chat_template", CHATML]))
+    assert ct.resolve("auto", tmp_path) == ct.ChatTemplate("none", NO_TEMPLATE, ct.PLAIN_TEMPLATE, {})
+
+
+def test_a_tokenizer_config_that_is_not_json_is_refused_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.resolve("none", tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'tokenizer_config.json'} is not JSON (Expecting property name")
+    assert message.endswith("); fix the tokenizer files")
+    assert ct.own_template_digest(tmp_path) is None
+
+
+@contextlib.contextmanager
+def ascii_locale() -> Iterator[None]:
+    """A worker started with LC_ALL=C (a bare container): Python's default text encoding is then ASCII."""
+    saved = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, saved)
+
+
+def test_tokenizer_files_and_the_record_are_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    def say(words: str) -> str:
+        return CHATML.replace("You are helpful.", words)
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    config = {"chat_template": [{"name": "fr", "template": say("Réponds en français.")}], "eos_token": "▁</s>"}
+    (tok / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    (tok / "chat_template.jinja").write_text(say("Antworte höflich."), encoding="utf-8")
+    (tok / "additional_chat_templates").mkdir()
+    (tok / "additional_chat_templates" / "ja.jinja").write_text(say("日本語で答えて"), encoding="utf-8")
+    with ascii_locale():
+        assert ct.resolve("tokenizer:fr", tok).source == say("Réponds en français.")
+        assert ct.resolve("tokenizer:ja", tok).source == say("日本語で答えて")
+        own = ct.resolve("tokenizer", tok)
+        assert (own.source, own.specials) == (say("Antworte höflich."), {"eos_token": "▁</s>"})
+        ct.write_record(own, tmp_path)
+        assert ct.read_record(tmp_path) == own
+
+
 def test_the_digest_covers_the_special_tokens() -> None:
     """Equal digests must mean equal text: a template given another BOS or EOS renders other text."""
     base = template(CHATML).digest
@@ -406,6 +681,32 @@ def test_a_tampered_record_is_refused(tmp_path: Path) -> None:
         ct.read_record(tmp_path)
 
 
+def test_the_record_is_written_for_people_and_read_back_whole(tmp_path: Path) -> None:
+    t = ct.ChatTemplate(
+        "tokenizer", f"{OWN} (chat_template.jinja)", CHATML.replace("You are helpful.", "Sei höflich."), SPECIALS
+    )
+    path = ct.write_record(t, tmp_path)
+    assert path == tmp_path / "chat_template.json"
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith('{\n  "setting": "tokenizer",\n') and text.endswith("}\n") and "Sei höflich." in text
+    assert ct.read_record(tmp_path) == t
+    assert t.summary() == {"setting": "tokenizer", "origin": f"{OWN} (chat_template.jinja)", "sha256": t.digest}
+    assert ct.read_record(tmp_path / "elsewhere") is None
+
+
+def test_a_record_that_is_not_one_is_refused_naming_its_file_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / ct.RECORD_FILE
+    path.write_text(json.dumps({"setting": "inline", "origin": "test"}))
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.read_record(tmp_path)
+    assert str(info.value) == f"{path} is not a chat template record ('source'); re-run validate_data to write it"
+    path.write_text("{")
+    with pytest.raises(ct.ChatTemplateError) as info:
+        ct.read_record(tmp_path)
+    assert str(info.value).startswith(f"{path} is not JSON (Expecting property name")
+    assert str(info.value).endswith("); re-run validate_data to write it")
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
@@ -418,6 +719,20 @@ def test_a_tampered_record_is_refused(tmp_path: Path) -> None:
 def test_the_spec_refuses_bad_settings(value: str, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         DataSpec(train="gs://bkt/t.jsonl", eval="gs://bkt/e.jsonl", chat_template=value)
+
+
+def test_a_setting_that_is_none_of_them_is_quoted_up_to_80_characters() -> None:
+    fix = f"is not a setting; use {ct.SETTINGS_HELP}"
+    for setting, shown in (("x" * 80, "x" * 80), ("y" + "x" * 80, "y" + "x" * 79 + "... (81 characters)")):
+        with pytest.raises(ValueError) as info:
+            ct.check_setting(setting)
+        assert str(info.value) == f"chat_template {shown!r} {fix}"
+
+
+def test_a_named_setting_without_its_name_says_what_to_write() -> None:
+    with pytest.raises(ValueError) as info:
+        ct.check_setting("tokenizer:  ")
+    assert str(info.value) == "chat_template tokenizer:NAME needs the name of one of the tokenizer's templates"
 
 
 def test_the_spec_default_is_auto() -> None:
