@@ -213,8 +213,10 @@ def _tokenizer_files(tokenizer_dir: Path) -> tuple[dict[str, Any], dict[str, tup
         cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise ChatTemplateError(f"{cfg_path} is not JSON ({exc}); fix the tokenizer files") from None
+    if not isinstance(cfg, dict):  # not "no template": auto would then drop the template and the EOS token
+        raise ChatTemplateError(f"{cfg_path} is not a JSON object; fix the tokenizer files")
     templates: dict[str, tuple[str, str]] = {}
-    found = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    found = cfg.get("chat_template")
     if isinstance(found, str) and found:
         templates["default"] = ("tokenizer_config.json", found)
     elif isinstance(found, list):
@@ -234,7 +236,7 @@ def _tokenizer_files(tokenizer_dir: Path) -> tuple[dict[str, Any], dict[str, tup
             templates.setdefault(
                 path.stem, (f"additional_chat_templates/{path.name}", path.read_text(encoding="utf-8"))
             )
-    return (cfg if isinstance(cfg, dict) else {}), templates
+    return cfg, templates
 
 
 def specials_of(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:

@@ -611,12 +611,6 @@ def test_a_tokenizer_without_tokenizer_config_json_is_read_from_its_template_fil
     assert ct.resolve("auto", tmp_path) == ct.ChatTemplate("auto", f"{OWN} (chat_template.jinja)", CHATML, {})
 
 
-def test_a_tokenizer_config_that_is_not_an_object_holds_no_template(tmp_path: Path) -> None:
-    """HF would not load such a tokenizer either; the template is plain text, with no special tokens."""
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(["chat_template", CHATML]))
-    assert ct.resolve("auto", tmp_path) == ct.ChatTemplate("none", NO_TEMPLATE, ct.PLAIN_TEMPLATE, {})
-
-
 def test_a_tokenizer_config_that_is_not_json_is_refused_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text("{")
     with pytest.raises(ct.ChatTemplateError) as info:
@@ -625,6 +619,16 @@ def test_a_tokenizer_config_that_is_not_json_is_refused_naming_the_file(tmp_path
     assert message.startswith(f"{tmp_path / 'tokenizer_config.json'} is not JSON (Expecting property name")
     assert message.endswith("); fix the tokenizer files")
     assert ct.own_template_digest(tmp_path) is None
+
+
+@pytest.mark.parametrize("config", [["chat_template", CHATML], CHATML, None])
+def test_a_tokenizer_config_that_is_not_an_object_is_refused(tmp_path: Path, config: object) -> None:
+    """Not taken for a tokenizer without a template: auto would train on plain text without its EOS token."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    for setting in ("auto", "none"):
+        with pytest.raises(ct.ChatTemplateError) as info:
+            ct.resolve(setting, tmp_path)
+        assert str(info.value) == f"{tmp_path / 'tokenizer_config.json'} is not a JSON object; fix the tokenizer files"
 
 
 @contextlib.contextmanager
