@@ -127,7 +127,7 @@ TARGETS: dict[str, Target] = {
             "loraflow.steps._guard.x_continuations__mutmut_*",
             *[
                 f"loraflow.steps.gate.x_{f}__mutmut_*"
-                for f in ("load_guard", "_guard_row", "_guard_check", "with_guard")
+                for f in ("load_guard", "_guard_row", "_guard_check")
             ],
         ],
     ),

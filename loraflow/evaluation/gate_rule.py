@@ -1,6 +1,10 @@
-"""The promotion rule: is the tuned model better than the base model on the same examples?
+"""The promotion rule: is the tuned model better than the base model on the same examples, did it keep what
+the base could do (the regression guard), and does it beat the registry's champion?
 
-Pure and deterministic (numpy only): the gate step reads the two evaluations and calls ``decide``.
+Pure and deterministic (numpy only): the gate step reads the evaluations and the verified champion and
+calls :func:`decide`, :func:`guard_check`, :func:`with_guard` and :func:`against_champion`; every setting
+comes from its config (``loraflow.spec.step_configs.GateConfig``: the spec's ``gate`` section), none has a
+default here.
 """
 
 from __future__ import annotations
@@ -10,6 +14,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.evaluation.metrics import METRICS
+
+#: The whole rule in one sentence (decision.json records it).
+RULE = (
+    "promote iff delta >= min_improvement and the lower bound of the paired bootstrap interval > 0, "
+    "the regression guard (gate.guard) passes when there is one, "
+    "and, when a champion is registered, the tuned metric beats the champion's"
+)
 
 
 class GateError(LoraflowError):
@@ -55,12 +67,12 @@ def decide(
     base: Mapping[str, bool],
     tuned: Mapping[str, bool],
     *,
-    metric: str = "accuracy",
-    min_improvement: float = 0.3,
-    confidence: float = 0.95,
-    bootstrap_samples: int = 2000,
-    seed: int = 0,
-    higher_is_better: bool = True,
+    metric: str,
+    min_improvement: float,
+    confidence: float,
+    bootstrap_samples: int,
+    seed: int,
+    higher_is_better: bool,
 ) -> Decision:
     """Paired comparison of two per-example outcomes on the same example ids.
 
@@ -98,7 +110,7 @@ def paired(
     confidence: float,
     bootstrap_samples: int,
     seed: int,
-    higher_is_better: bool = True,
+    higher_is_better: bool,
 ) -> Paired:
     """The paired comparison both rules decide on (:func:`decide`, :func:`guard_check`): the same ids in
     both (GateError otherwise), the paired bootstrap's percentile interval of the mean gain."""
@@ -211,11 +223,11 @@ def guard_check(
     tuned: Mapping[str, bool],
     *,
     max_drop: float,
-    rule: str = "estimate",
-    guard_set: str = "guard",
-    confidence: float = 0.95,
-    bootstrap_samples: int = 2000,
-    seed: int = 0,
+    rule: str,
+    guard_set: str,
+    confidence: float,
+    bootstrap_samples: int,
+    seed: int,
 ) -> GuardCheck:
     """Did fine-tuning keep what the base model could do? Paired over the guard set's questions.
 
@@ -232,7 +244,9 @@ def guard_check(
         raise GateError(f"unknown guard rule {rule!r}; use one of: {', '.join(GUARD_RULES)}")
     if not 0.0 <= max_drop <= 1.0:
         raise GateError(f"max_drop must lie in [0, 1] (got {max_drop})")
-    p = paired(base, tuned, confidence=confidence, bootstrap_samples=bootstrap_samples, seed=seed)
+    p = paired(
+        base, tuned, confidence=confidence, bootstrap_samples=bootstrap_samples, seed=seed, higher_is_better=True
+    )
     (lo, hi), pct = p.ci, f"{confidence:.0%}"
     scores = f"accuracy {p.base:.3f} -> {p.tuned:.3f} ({p.delta:+.3f}) on {p.n} questions"
     evidence = f"{pct} interval [{lo:+.3f}, {hi:+.3f}]; {p.broken} questions broken, {p.fixed} fixed"
@@ -254,3 +268,103 @@ def guard_check(
         within = "the change and the interval's lower bound within" if rule == "interval" else "within"
         reason = f"guard {guard_set}: {scores}, {within} the allowed drop of {max_drop:.3f}; {evidence}"
     return GuardCheck(**p.evidence(), passed=passed, set=guard_set, max_drop=max_drop, rule=rule, reason=reason)
+
+
+def with_guard(decision: Decision, guard: GuardCheck | None) -> Decision:
+    """The decision once the guard is taken into account: a failed guard refuses promotion, saying by how much."""
+    if guard is None:
+        return decision
+    if guard.passed or not decision.promote:
+        return replace(decision, reason=f"{decision.reason}; {guard.reason}")
+    reason = f"{decision.reason}; but the regression guard failed: {guard.reason}; not promoted"
+    return replace(decision, promote=False, reason=reason)
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The registry's champion as the gate step verified it (``loraflow.registry.store.champion``: its model a
+    committed merge_adapter of this pipeline, its evaluation the committed evaluate_tuned of that model), with
+    the decision's metric measured from that evaluation's predictions."""
+
+    version: int
+    version_uri: str
+    run_id: Any  # as its registry version records it (shown, never trusted)
+    model_fingerprint: str
+    gate_manifest: str
+    evaluation_manifest: str
+    eval_set_fingerprint: str | None
+    measured: float | None  # None: its evaluation has no per-example column for the metric
+    recorded: Any  # what its registry version records for the metric: noted where it differs, never compared
+    recorded_figure: float | None  # ``recorded`` when it is a finite number
+
+
+@dataclass(frozen=True)
+class ChampionComparison:
+    """What :func:`against_champion` found: the decision, what was compared (decision.json's ``champion``) and notes."""
+
+    decision: Decision
+    record: dict[str, Any] | None
+    notes: list[str]
+
+
+def against_champion(
+    decision: Decision, champion: Champion | None, model_fingerprint: str | None, eval_fingerprint: str | None
+) -> ChampionComparison:
+    """The decision once the registry's champion is taken into account.
+
+    ``model_fingerprint``, ``eval_fingerprint``: the tuned model's and its eval set's. Promotion needs the tuned
+    model to beat the champion's measured figure strictly; the champion itself (same model fingerprint) is never
+    promoted again; a champion whose evaluation has no figure for the metric blocks promotion.
+    """
+    if champion is None:
+        return ChampionComparison(decision, None, [])
+    metric = METRICS[decision.metric]
+    record: dict[str, Any] = {
+        "version": champion.version,
+        "version_uri": champion.version_uri,
+        "run_id": champion.run_id,
+        "model_fingerprint": champion.model_fingerprint,
+        "gate_manifest": champion.gate_manifest,
+        "evaluation_manifest": champion.evaluation_manifest,
+        "metric": metric.name,
+        "value": champion.measured,
+    }
+    notes = _recorded_differently(champion, metric.name)
+    if champion.eval_set_fingerprint and eval_fingerprint and champion.eval_set_fingerprint != eval_fingerprint:
+        notes.append(
+            f"the champion (version {champion.version}) was evaluated on another eval set; its {metric.name} is "
+            "compared as measured on that set"
+        )
+    who = f"the champion (version {champion.version}, run {champion.run_id})"
+    measured = champion.measured
+    if model_fingerprint and model_fingerprint == champion.model_fingerprint:
+        verdict, beats = f"the tuned model is {who} itself", False
+    elif measured is None:
+        verdict = f"{who}'s evaluation has no per-example {metric.column!r} column, so it cannot be compared"
+        beats = False
+    elif decision.tuned > measured if metric.higher_is_better else decision.tuned < measured:
+        verdict, beats = f"{metric.name} {decision.tuned:.3f} beats {who}: {measured:.3f}", True
+    else:
+        verdict, beats = f"{metric.name} {decision.tuned:.3f} does not beat {who}: {measured:.3f}", False
+    record["verdict"] = verdict
+    record["beaten"] = beats
+    if not decision.promote:
+        return ChampionComparison(replace(decision, reason=f"{decision.reason} ({verdict})"), record, notes)
+    if beats:
+        return ChampionComparison(replace(decision, reason=f"{decision.reason}; {verdict}"), record, notes)
+    reason = f"{decision.reason}; but {verdict}: not promoted"
+    return ChampionComparison(replace(decision, promote=False, reason=reason), record, notes)
+
+
+def _recorded_differently(champion: Champion, metric: str) -> list[str]:
+    """A note when the champion's version records another figure than its evaluation gives."""
+    if champion.measured is None:
+        return []
+    if champion.recorded_figure is not None and abs(champion.recorded_figure - champion.measured) <= 1e-9:
+        return []
+    shown = repr(champion.recorded)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return [
+        f"the champion's version {champion.version} records {metric} {shown}; measured from its committed "
+        f"evaluation {champion.evaluation_manifest} it is {champion.measured:.6f}, which is what is compared"
+    ]

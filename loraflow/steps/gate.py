@@ -15,18 +15,20 @@ Config (``loraflow.spec.step_configs.GateConfig``; every key optional, defaults 
                                        with registry_uri)
     seed: 0                            internal: the bootstrap's seed
 
-The rule itself lives in loraflow.evaluation.gate_rule.decide (promote iff the gain >= min_improvement and
-the interval's lower bound > 0). With ``guard`` (the spec's ``gate.guard``), both evaluations' guard
-sets (``guard_predictions.jsonl``, the same set by name and sha256) go through
-``gate_rule.guard_check`` too, and a failed guard refuses promotion, its reason saying by how much. When the registry holds a ``champion`` for this pipeline, the
-tuned model must also beat the champion's metric (and not be the champion itself). The champion is
-verified by ``loraflow.registry.store.champion`` (its model a committed merge_adapter of this pipeline,
-its committed evaluate_tuned of that model) and its metric is measured here from that evaluation's
-predictions, each file checked against the manifest: what its registry version records is only
-noted, never compared (a bucket writer's -1 would let any model replace it). A champion that cannot
-be verified fails the step, naming it and the repair. The champion compared against is recorded in
-the decision. Because the champion moves between runs with no input changing, the gate is not
-cached (its plan says ``cacheable=False``).
+The whole rule lives in the pure loraflow.evaluation.gate_rule (``gate_rule.RULE``); this program reads
+what it decides on and hands it over. ``decide``: promote iff the gain >= min_improvement and the
+interval's lower bound > 0. With ``guard`` (the spec's ``gate.guard``), both evaluations' guard sets
+(``guard_predictions.jsonl``, the same set by name and sha256) go through ``guard_check`` and
+``with_guard``: a failed guard refuses promotion, its reason saying by how much. When the registry holds a
+``champion`` for this pipeline, ``against_champion``: the tuned model must also beat the champion's metric
+(and not be the champion itself). The champion is verified by ``loraflow.registry.store.champion`` (its
+model a committed merge_adapter of this pipeline, its committed evaluate_tuned of that model) and its
+metric is measured here from that evaluation's predictions, each file checked against the manifest, then
+handed to the rule as a ``gate_rule.Champion``: what its registry version records is only noted, never
+compared (a bucket writer's -1 would let any model replace it). A champion that cannot be verified fails
+the step, naming it and the repair. The champion compared against is recorded in the decision. Because
+the champion moves between runs with no input changing, the gate is not cached (its plan says
+``cacheable=False``).
 
 Writes ``decision.json`` with the evidence. Not promoting is a result, not a failure: the step
 succeeds either way. It fails on evaluations that cannot be compared (different ids, missing
@@ -36,15 +38,15 @@ example: an adapter that did nothing is a broken training run, never a quiet "no
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.evaluation import gate_rule
 from loraflow.evaluation import guard as guard_sets
-from loraflow.evaluation.gate_rule import Decision, GateError, GuardCheck, decide, guard_check
+from loraflow.evaluation.gate_rule import Champion, ChampionComparison, Decision, GateError, GuardCheck
 from loraflow.evaluation.metrics import METRICS, Metric
 from loraflow.pipeline import json_objects
 from loraflow.registry import store as registry
@@ -52,11 +54,6 @@ from loraflow.spec.step_configs import GateConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
 
 STAGE = "gate"
-RULE = (
-    "promote iff delta >= min_improvement and the lower bound of the paired bootstrap interval > 0, "
-    "the regression guard (gate.guard) passes when there is one, "
-    "and, when a champion is registered, the tuned metric beats the champion's"
-)
 
 
 def resolve_config(raw: dict[str, Any]) -> GateConfig:
@@ -84,77 +81,6 @@ def _input_fingerprint(ctx: StepContext, stage_input: str, name: str) -> str | N
         return None
     value = manifest.data.get("inputs", {}).get(name, {}).get("fingerprint")
     return str(value) if value else None
-
-
-def against_champion(
-    decision: Decision,
-    champion: dict[str, Any] | None,
-    model_fingerprint: str | None,
-    eval_fingerprint: str | None,
-    measured: float | None = None,
-) -> tuple[Decision, dict[str, Any] | None, list[str]]:
-    """The decision once the registry's current champion is taken into account.
-
-    ``champion``: as ``registry.champion`` verified it; ``measured``: its ``decision.metric`` measured
-    from its committed evaluation (None: that evaluation has no column for the metric). Returns
-    (decision, what was compared - recorded in decision.json -, notes). Promotion needs the tuned model
-    to beat the measured figure strictly; the champion itself (same model fingerprint) is never
-    promoted again; a champion whose evaluation has no figure for the metric blocks promotion.
-    """
-    if champion is None:
-        return decision, None, []
-    metric = decision.metric
-    record: dict[str, Any] = {
-        "version": champion.get("version"),
-        "version_uri": champion.get("version_uri"),
-        "run_id": champion.get("run_id"),
-        "model_fingerprint": champion.get("model_fingerprint"),
-        "gate_manifest": champion.get("gate_manifest"),
-        "evaluation_manifest": champion.get("evaluation_manifest"),
-        "metric": metric,
-        "value": measured,
-    }
-    notes = _recorded_differently(champion, metric, measured)
-    champ_eval = champion.get("eval_set_fingerprint")
-    if champ_eval and eval_fingerprint and champ_eval != eval_fingerprint:
-        notes.append(
-            f"the champion (version {record['version']}) was evaluated on another eval set; its {metric} is "
-            "compared as measured on that set"
-        )
-    who = f"the champion (version {record['version']}, run {record['run_id']})"
-    if model_fingerprint and model_fingerprint == champion.get("model_fingerprint"):
-        verdict, beats = f"the tuned model is {who} itself", False
-    elif measured is None:
-        column = METRICS[metric].column
-        verdict, beats = f"{who}'s evaluation has no per-example {column!r} column, so it cannot be compared", False
-    elif decision.tuned > measured if METRICS[metric].higher_is_better else decision.tuned < measured:
-        verdict, beats = f"{metric} {decision.tuned:.3f} beats {who}: {measured:.3f}", True
-    else:
-        verdict, beats = f"{metric} {decision.tuned:.3f} does not beat {who}: {measured:.3f}", False
-    record["verdict"] = verdict
-    record["beaten"] = beats
-    if not decision.promote:
-        return dataclasses.replace(decision, reason=f"{decision.reason} ({verdict})"), record, notes
-    if beats:
-        return dataclasses.replace(decision, reason=f"{decision.reason}; {verdict}"), record, notes
-    reason = f"{decision.reason}; but {verdict}: not promoted"
-    return dataclasses.replace(decision, promote=False, reason=reason), record, notes
-
-
-def _recorded_differently(champion: dict[str, Any], metric: str, measured: float | None) -> list[str]:
-    """A note when the champion's version records another figure than its evaluation gives."""
-    if measured is None:
-        return []
-    recorded = registry.recorded_value(champion, metric)
-    number = registry.recorded_metric(champion, metric)
-    if number is not None and abs(number - measured) <= 1e-9:
-        return []
-    shown = repr(recorded)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return [
-        f"the champion's version {champion.get('version')} records {metric} {shown}; measured from its committed "
-        f"evaluation {champion.get('evaluation_manifest')} it is {measured:.6f}, which is what is compared"
-    ]
 
 
 def champion_figure(champion: dict[str, Any], metric: str, work: Path) -> float | None:
@@ -240,11 +166,12 @@ def run(ctx: StepContext) -> dict[str, Any]:
     ctx.progress(f"base: {len(base)} predictions, tuned: {len(tuned)} predictions; comparing {metric.name}")
     decision = _decide(cfg, metric, base, tuned)
     guard = _guard_check(cfg, ctx.inputs, base_metrics, tuned_metrics)
-    decision = with_guard(decision, guard)
+    decision = gate_rule.with_guard(decision, guard)
     notes = reported_differently(decision, base_metrics, tuned_metrics)
     identical = identical_generations(base_frame, tuned_frame)
-    decision, compared, champion_notes = _against_registry(ctx, cfg, decision)
-    notes += champion_notes
+    judged = _against_registry(ctx, cfg, decision)
+    decision, compared = judged.decision, judged.record
+    notes += judged.notes
     ctx.progress(
         f"champion: {compared['verdict']}" if compared else "champion: none registered yet; compared with the base only"
     )
@@ -260,7 +187,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "tuned_model_fingerprint": _input_fingerprint(ctx, "tuned_eval", "model"),
         "eval_set_fingerprint": _input_fingerprint(ctx, "tuned_eval", "eval_set"),
         "notes": notes,
-        "rule": RULE,
+        "rule": gate_rule.RULE,
     }
     (ctx.out / "decision.json").write_text(json.dumps(evidence, indent=2, sort_keys=True))
     ctx.progress(("PROMOTE: " if decision.promote else "do not promote: ") + decision.reason)
@@ -268,7 +195,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
 
 def _decide(cfg: GateConfig, metric: Metric, base: dict[str, bool], tuned: dict[str, bool]) -> Decision:
-    return decide(
+    return gate_rule.decide(
         base,
         tuned,
         metric=metric.name,
@@ -329,7 +256,7 @@ def _guard_check(
             f"{str(base_set.get('sha256'))[:12]}, tuned {tuned_set.get('set')} sha256 {str(tuned_set.get('sha256'))[:12]}; "
             f"gate.guard.set is {cfg.guard.set}); re-run both evaluations with this spec"
         )
-    return guard_check(
+    return gate_rule.guard_check(
         base,
         tuned,
         max_drop=cfg.guard.max_drop,
@@ -339,16 +266,6 @@ def _guard_check(
         bootstrap_samples=cfg.bootstrap_samples,
         seed=cfg.seed,
     )
-
-
-def with_guard(decision: Decision, guard: GuardCheck | None) -> Decision:
-    """The decision once the guard is taken into account: a failed guard refuses promotion, saying by how much."""
-    if guard is None:
-        return decision
-    if guard.passed or not decision.promote:
-        return dataclasses.replace(decision, reason=f"{decision.reason}; {guard.reason}")
-    reason = f"{decision.reason}; but the regression guard failed: {guard.reason}; not promoted"
-    return dataclasses.replace(decision, promote=False, reason=reason)
 
 
 def reported_differently(decision: Decision, base_metrics: dict[str, Any], tuned_metrics: dict[str, Any]) -> list[str]:
@@ -386,26 +303,41 @@ def identical_generations(base_frame: Any, tuned_frame: Any) -> int | None:
     return identical
 
 
-def _against_registry(
-    ctx: StepContext, cfg: GateConfig, decision: Decision
-) -> tuple[Decision, dict[str, Any] | None, list[str]]:
-    """``against_champion`` with the registry's champion of this pipeline, if any."""
-    champion, measured = None, None
-    if cfg.registry_uri:
-        champion = registry.champion(cfg.registry_uri, str(cfg.pipeline), str(cfg.artifact_root))
-    if champion is not None:
-        measured = champion_figure(champion, decision.metric, ctx.work)
-        ctx.progress(
-            f"champion: version {champion['version']}, promoted by {champion['gate_manifest']}, measured from "
-            f"{champion['evaluation_manifest']} (model {champion['model_manifest']}; all verified)"
-        )
+def _against_registry(ctx: StepContext, cfg: GateConfig, decision: Decision) -> ChampionComparison:
+    """``gate_rule.against_champion`` with the registry's champion of this pipeline, if any."""
     model_fp = _input_fingerprint(ctx, "tuned_eval", "model")
     eval_fp = _input_fingerprint(ctx, "tuned_eval", "eval_set")
-    return against_champion(decision, champion, model_fp, eval_fp, measured)
+    return gate_rule.against_champion(decision, _champion(ctx, cfg, decision.metric), model_fp, eval_fp)
 
 
-def summary(decision: Decision, compared: dict[str, Any] | None, guard: GuardCheck | None = None) -> dict[str, Any]:
-    """The manifest's summary (and the XCom the publish task reads)."""
+def _champion(ctx: StepContext, cfg: GateConfig, metric: str) -> Champion | None:
+    """The registry's champion of this pipeline as ``registry.champion`` verified it, with ``metric`` measured
+    from its committed evaluation (None: nothing registered, or no registry configured)."""
+    entry = registry.champion(cfg.registry_uri, str(cfg.pipeline), str(cfg.artifact_root)) if cfg.registry_uri else None
+    if entry is None:
+        return None
+    measured = champion_figure(entry, metric, ctx.work)
+    ctx.progress(
+        f"champion: version {entry['version']}, promoted by {entry['gate_manifest']}, measured from "
+        f"{entry['evaluation_manifest']} (model {entry['model_manifest']}; all verified)"
+    )
+    return Champion(
+        version=entry["version"],
+        version_uri=entry["version_uri"],
+        run_id=entry.get("run_id"),
+        model_fingerprint=entry["model_fingerprint"],
+        gate_manifest=entry["gate_manifest"],
+        evaluation_manifest=entry["evaluation_manifest"],
+        eval_set_fingerprint=entry["eval_set_fingerprint"],
+        measured=measured,
+        recorded=registry.recorded_value(entry, metric),
+        recorded_figure=registry.recorded_metric(entry, metric),
+    )
+
+
+def summary(decision: Decision, compared: dict[str, Any] | None, guard: GuardCheck | None) -> dict[str, Any]:
+    """The manifest's summary (and the XCom the publish task and the promotion notice read): ``ci`` is the
+    ``confidence`` interval of the gain."""
     guarded = {"guard": {"passed": guard.passed, "delta": round(guard.delta, 6)}} if guard else {}
     return {
         "promote": decision.promote,
@@ -414,6 +346,7 @@ def summary(decision: Decision, compared: dict[str, Any] | None, guard: GuardChe
         "tuned": round(decision.tuned, 6),
         "delta": round(decision.delta, 6),
         "ci": [round(x, 6) for x in decision.ci],
+        "confidence": decision.confidence,
         "reason": decision.reason,
         "champion_version": compared["version"] if compared else None,
         **guarded,

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.evaluation.gate_rule import GateError, decide
+from loraflow.evaluation import gate_rule
+from loraflow.evaluation.gate_rule import GateError, GuardCheck
+from loraflow.evaluation.metrics import Metric
 from loraflow.steps import gate
+from tests.spec_defaults import decide, guard_check
 
 
 def outcomes(pattern: str, prefix: str = "e") -> dict[str, bool]:
@@ -29,10 +32,12 @@ def test_clear_improvement_promotes() -> None:
 
 def test_no_change_does_not_promote() -> None:
     same = outcomes("01" * 100)
-    d = decide(same, dict(same))
+    d = decide(same, dict(same), min_improvement=0.3)
     assert not d.promote
     assert d.delta == 0 and d.ci == (0.0, 0.0) and d.fixed == d.broken == 0
     assert "less than the required" in d.reason
+    at_the_spec_default = decide(same, dict(same))  # gate.min_improvement 0.0: the interval refuses it
+    assert not at_the_spec_default.promote and "reaches 0" in at_the_spec_default.reason
 
 
 def test_gain_below_the_threshold_does_not_promote() -> None:
@@ -92,7 +97,7 @@ def test_the_interval_is_the_paired_percentile_bootstrap(
 
 
 def test_the_decision_records_its_settings() -> None:
-    d = decide(outcomes("0" * 50 + "1" * 50), outcomes("1" * 100))
+    d = decide(outcomes("0" * 50 + "1" * 50), outcomes("1" * 100), min_improvement=0.3)
     assert (d.metric, d.min_improvement, d.confidence, d.bootstrap_samples, d.seed) == ("accuracy", 0.3, 0.95, 2000, 0)
     assert d.promote is True and "95% interval" in d.reason
     assert d.as_dict()["ci"] == list(d.ci)  # a list, as JSON has it
@@ -153,6 +158,124 @@ def test_empty_and_bad_settings_are_refused() -> None:
     with pytest.raises(GateError, match=r"bootstrap_samples must be at least 1 \(got 0\)"):
         decide(outcomes("01"), outcomes("01"), bootstrap_samples=0)
     assert decide(outcomes("01"), outcomes("11"), bootstrap_samples=1).bootstrap_samples == 1
+
+
+# ------------------------------------------------------------------------ the guard and the champion
+
+
+PROMOTED = decide(outcomes("0" * 80 + "1" * 20), outcomes("1" * 95 + "0" * 5), min_improvement=0.3)  # 0.20 -> 0.95
+REFUSED = decide(outcomes("0" * 80 + "1" * 20), outcomes("0" * 70 + "1" * 30), min_improvement=0.3)  # +0.10
+
+
+def guard(passed: bool) -> GuardCheck:
+    """The guard on 100 questions: 0.60 -> 0.58 (passed) or -> 0.45 (failed), at most 0.05 lost."""
+    kept = 58 if passed else 45
+    check = guard_check(outcomes("1" * 60 + "0" * 40), outcomes("1" * kept + "0" * (100 - kept)), max_drop=0.05)
+    assert check.passed is passed
+    return check
+
+
+def test_a_failed_guard_refuses_and_a_passed_one_is_only_reported() -> None:
+    assert gate_rule.with_guard(PROMOTED, None) is PROMOTED
+    passed = gate_rule.with_guard(PROMOTED, guard(True))
+    assert passed.promote is True and passed.reason == f"{PROMOTED.reason}; {guard(True).reason}"
+    failed = gate_rule.with_guard(PROMOTED, guard(False))
+    assert failed.promote is False
+    assert failed.reason == f"{PROMOTED.reason}; but the regression guard failed: {guard(False).reason}; not promoted"
+    already = gate_rule.with_guard(REFUSED, guard(False))
+    assert already.promote is False and already.reason == f"{REFUSED.reason}; {guard(False).reason}"
+    assert failed.delta == PROMOTED.delta and failed.ci == PROMOTED.ci  # the task metric's evidence stays
+
+
+def champion(measured: float | None, **changes: object) -> gate_rule.Champion:
+    """A verified champion, version 2 of run-2, whose registry version records what was measured."""
+    fields: dict = {
+        "version": 2, "version_uri": "gs://r/tiny/versions/0002.json", "run_id": "run-2",
+        "model_fingerprint": "fp-champ", "gate_manifest": "gs://a/tiny/run-2/gate/_MANIFEST.json",
+        "evaluation_manifest": "gs://a/tiny/run-2/evaluate_tuned/_MANIFEST.json", "eval_set_fingerprint": "eval-fp",
+        "measured": measured, "recorded": measured, "recorded_figure": measured,
+    }  # fmt: skip
+    return gate_rule.Champion(**(fields | changes))  # type: ignore[arg-type]
+
+
+def test_without_a_champion_the_decision_stands() -> None:
+    judged = gate_rule.against_champion(PROMOTED, None, "fp-new", "eval-fp")
+    assert (judged.decision, judged.record, judged.notes) == (PROMOTED, None, [])
+
+
+def test_beating_the_champion_promotes_and_records_what_was_compared() -> None:
+    judged = gate_rule.against_champion(PROMOTED, champion(0.5), "fp-new", "eval-fp")
+    assert judged.decision.promote is True and judged.notes == []
+    assert (
+        judged.decision.reason == f"{PROMOTED.reason}; accuracy 0.950 beats the champion (version 2, run run-2): 0.500"
+    )
+    assert judged.record == {
+        "version": 2, "version_uri": "gs://r/tiny/versions/0002.json", "run_id": "run-2",
+        "model_fingerprint": "fp-champ", "gate_manifest": "gs://a/tiny/run-2/gate/_MANIFEST.json",
+        "evaluation_manifest": "gs://a/tiny/run-2/evaluate_tuned/_MANIFEST.json", "metric": "accuracy",
+        "value": 0.5, "verdict": "accuracy 0.950 beats the champion (version 2, run run-2): 0.500", "beaten": True,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("measured", "fingerprint", "verdict"),
+    [
+        (0.95, "fp-new", "accuracy 0.950 does not beat the champion (version 2, run run-2): 0.950"),  # a tie
+        (0.97, "fp-new", "accuracy 0.950 does not beat the champion (version 2, run run-2): 0.970"),
+        (0.5, "fp-champ", "the tuned model is the champion (version 2, run run-2) itself"),
+        (
+            None,
+            "fp-new",
+            "the champion (version 2, run run-2)'s evaluation has no per-example 'correct' column, "
+            "so it cannot be compared",
+        ),
+    ],
+    ids=["tie", "better-champion", "the-champion-itself", "no-figure"],
+)
+def test_a_champion_not_beaten_refuses_promotion(measured: float | None, fingerprint: str, verdict: str) -> None:
+    judged = gate_rule.against_champion(PROMOTED, champion(measured), fingerprint, "eval-fp")
+    assert (
+        judged.decision.promote is False and judged.decision.reason == f"{PROMOTED.reason}; but {verdict}: not promoted"
+    )
+    assert judged.record is not None and judged.record["beaten"] is False and judged.record["verdict"] == verdict
+    refused = gate_rule.against_champion(REFUSED, champion(measured), fingerprint, "eval-fp").decision
+    assert refused.promote is False and refused.reason == f"{REFUSED.reason} ({verdict.replace('0.950 ', '0.300 ')})"
+
+
+def test_a_refused_decision_says_what_the_champion_comparison_found() -> None:
+    judged = gate_rule.against_champion(REFUSED, champion(0.1), "fp-new", "eval-fp")
+    assert judged.decision.promote is False and judged.record is not None and judged.record["beaten"] is True
+    assert (
+        judged.decision.reason == f"{REFUSED.reason} (accuracy 0.300 beats the champion (version 2, run run-2): 0.100)"
+    )
+
+
+def test_where_lower_is_better_the_champion_is_beaten_by_a_lower_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(gate_rule.METRICS, "error_rate", Metric("error_rate", "wrong", "", lambda o: False, False))
+    base, tuned = outcomes("1" * 50 + "0" * 50), outcomes("1" * 20 + "0" * 80)  # 0.50 -> 0.20 wrong
+    d = decide(base, tuned, metric="error_rate", min_improvement=0.2, higher_is_better=False)
+    assert gate_rule.against_champion(d, champion(0.3), "fp-new", None).decision.promote is True
+    lost = gate_rule.against_champion(d, champion(0.1), "fp-new", None).decision
+    assert lost.promote is False and "error_rate 0.200 does not beat the champion" in lost.reason
+
+
+def test_notes_say_where_the_champions_version_or_eval_set_differ() -> None:
+    judged = gate_rule.against_champion(PROMOTED, champion(0.5, recorded=-1, recorded_figure=-1.0), "fp-new", "eval-fp")
+    assert judged.notes == [
+        "the champion's version 2 records accuracy -1; measured from its committed evaluation "
+        "gs://a/tiny/run-2/evaluate_tuned/_MANIFEST.json it is 0.500000, which is what is compared"
+    ]
+    assert judged.decision.promote is True  # what the version records is never compared
+    long = gate_rule.against_champion(PROMOTED, champion(0.5, recorded="x" * 200, recorded_figure=None), "fp", None)
+    assert f"records accuracy '{'x' * 76}...; measured from" in long.notes[0]  # repr cut to 80 characters
+    close = champion(0.5, recorded=0.5 + 1e-10, recorded_figure=0.5 + 1e-10)
+    assert gate_rule.against_champion(PROMOTED, close, "fp-new", "eval-fp").notes == []
+    assert gate_rule.against_champion(PROMOTED, champion(None, recorded=0.9), "fp-new", "eval-fp").notes == []
+    other_set = gate_rule.against_champion(PROMOTED, champion(0.5), "fp-new", "other-eval-fp").notes
+    assert other_set == [
+        "the champion (version 2) was evaluated on another eval set; its accuracy is compared as measured on that set"
+    ]
+    assert gate_rule.against_champion(PROMOTED, champion(0.5, eval_set_fingerprint=None), "fp", "x").notes == []
 
 
 # ------------------------------------------------------------------------------------ the step

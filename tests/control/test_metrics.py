@@ -10,13 +10,13 @@ import pytest
 
 from loraflow.errors import SpecError
 from loraflow.evaluation import metrics
-from loraflow.evaluation.gate_rule import decide
 from loraflow.evaluation.metrics import METRICS
 from loraflow.reporting import report
 from loraflow.spec.reference import render
 from loraflow.spec.schema import load_spec, validate_spec
 from loraflow.spec.step_configs import EvaluateConfig
 from loraflow.steps import gate
+from tests.spec_defaults import decide
 
 SPEC = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"
 

@@ -14,14 +14,15 @@ from loraflow.data import chat_template
 from loraflow.data.chat_template import ChatTemplate
 from loraflow.dev import tinymodel
 from loraflow.errors import LoraflowError, SpecError
-from loraflow.evaluation import guard, guard_data
-from loraflow.evaluation.gate_rule import GateError, decide, guard_check, paired
+from loraflow.evaluation import gate_rule, guard, guard_data
+from loraflow.evaluation.gate_rule import GateError, paired
 from loraflow.models import FAMILIES
 from loraflow.pipeline import plan
 from loraflow.spec.schema import validate_spec
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps import _guard, gate
 from tests.chat_cases import LLAMA31_SPECIALS, LLAMA31_TEMPLATE, QWEN3_SPECIALS, QWEN3_TEMPLATE
+from tests.spec_defaults import decide, guard_check
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "pipelines" / "tiny-llama-lora.yaml"
@@ -54,7 +55,6 @@ def test_a_drop_within_max_drop_passes_and_one_beyond_fails_saying_by_how_much()
                                    "seed")} == {"passed": False, "set": "general-mc-v1", "max_drop": 0.05,
                                                 "rule": "estimate", "n": 100, "confidence": 0.95,
                                                 "bootstrap_samples": 2000, "seed": 0}  # fmt: skip
-    assert guard_check(base, base, max_drop=0.0).set == "guard"  # the name when none is given
 
 
 def test_a_drop_exactly_at_max_drop_passes() -> None:
@@ -511,7 +511,7 @@ def test_the_gate_step_applies_the_interval_rule_with_the_gates_settings(tmp_pat
     assert summary["promote"] is False and summary["guard"] == {"passed": False, "delta": pytest.approx(-0.05)}
     decision = json.loads((ctx.out / "decision.json").read_text())
     ids = [f"general-mc-{i:03d}" for i in range(40)]
-    expected = guard_check(
+    expected = gate_rule.guard_check(
         {q: c == "1" for q, c in zip(ids, base_guard, strict=True)},
         {q: c == "1" for q, c in zip(ids, tuned_guard, strict=True)},
         max_drop=0.1,
