@@ -566,7 +566,7 @@ def local_stack(
     """The GCS emulator + Airflow, started and (always) stopped again, SIGTERM and SIGHUP included; one
     stack per ``home``, and what an earlier one left there ended first (``loraflow.dev.stack_guard``).
     ``database_url``, ``parallelism``, ``celery``: see ``LocalAirflow``."""
-    with stack_guard.owned(home) as shield:
+    with stack_guard.owned(home) as stop_begins:
         started_at = datetime.now(UTC)
         marker = stack_guard.marker_env(home)
         data = None if in_memory else home / "gcs"
@@ -588,7 +588,7 @@ def local_stack(
                 say(line)
             yield airflow
         finally:
-            shield()
+            stop_begins()  # what runs of the stack now is ended last, if stopping its components leaves it
             airflow.stop()
             emulator.stop()
 

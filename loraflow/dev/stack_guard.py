@@ -178,16 +178,20 @@ def _wait_gone(home: Path, seen: dict[tuple[int, int], str], seconds: float) -> 
         time.sleep(0.2)
 
 
-def end_stack_processes(home: Path, grace: float = 10.0) -> dict[int, str]:
-    """End every process of the stack on ``home``: SIGTERM (to its group when it leads one), SIGKILL to
-    what is left after ``grace`` seconds. Returns what was found; raises if any survives."""
-    seen = left = _stack(home)
+def end_stack_processes(home: Path, grace: float = 10.0, seen: Mapping[tuple[int, int], str] = {}) -> dict[int, str]:
+    """End every process of the stack on ``home``, and those of ``seen`` (proven the stack's earlier, by
+    pid and start time) that still run: SIGTERM (to its group when it leads one), SIGKILL to what is left
+    after ``grace`` seconds. Returns what it ended; raises if any survives."""
+    tracked = {**seen, **_stack(home)}
+    known = set(tracked)
+    left = found = _running(tracked)
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         for pid, _ in left:
             _signal(pid, sig)
-        left = _wait_gone(home, seen, wait)
+        left = _wait_gone(home, tracked, wait)
         if not left:
-            return {pid: command for (pid, _), command in sorted(seen.items())}
+            ended = {**found, **{k: v for k, v in tracked.items() if k not in known}}
+            return {pid: command for (pid, _), command in sorted(ended.items())}
     raise LoraflowError(
         f"processes of the local stack on {home} survived SIGKILL "
         f"({describe({pid: command for (pid, _), command in left.items()})}): stop them "
@@ -348,9 +352,11 @@ def _clear_leftovers(home: Path, earlier: int | None, grace: float) -> None:
 @contextmanager
 def owned(home: Path, grace: float = 10.0) -> Iterator[Callable[[], None]]:
     """Own the stack on ``home`` for the body: its lock, the signals, what an earlier stack left ended
-    first, everything carrying the marker ended last. Yields ``shield`` (call it as the stack's stop
-    begins: signals are ignored from then on); ``grace``: seconds between SIGTERM and SIGKILL. Nested in the same process (the Celery demo owns the home
-    around its PostgreSQL and the stack), the inner one only yields the outer one's shield."""
+    first, what is left of the stack ended last. Yields ``stop_begins``: call it as the stack's stop
+    begins (signals are ignored from then on, and what runs of the stack is noted: a task process whose
+    scheduler is stopped can no longer be told from /proc, yet is ended last). ``grace``: seconds between
+    SIGTERM and SIGKILL. Nested in the same process (the Celery demo owns the home around its PostgreSQL
+    and the stack), the inner one only yields the outer one's ``stop_begins``."""
     key = home.resolve()
     if key in _OWNED:
         yield _OWNED[key]
@@ -358,15 +364,21 @@ def owned(home: Path, grace: float = 10.0) -> Iterator[Callable[[], None]]:
     lock, earlier = _lock(home)
     try:
         with _signals_stop() as shield:
-            _OWNED[key] = shield
+            seen: dict[tuple[int, int], str] = {}
+
+            def stop_begins() -> None:
+                shield()
+                seen.update(_stack(home))
+
+            _OWNED[key] = stop_begins
             try:
                 _clear_leftovers(home, earlier, grace)
                 _begin(lock)
-                yield shield
+                yield stop_begins
             finally:
-                shield()
+                stop_begins()
                 del _OWNED[key]
-                left = end_stack_processes(home, grace)
+                left = end_stack_processes(home, grace, seen)
                 if left:
                     say(f"ended what was left of the stack: {describe(left)}")
     finally:

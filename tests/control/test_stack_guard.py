@@ -367,6 +367,32 @@ def test_a_process_that_loses_its_proof_as_its_leader_ends_is_ended_all_the_same
         leader.wait()
 
 
+# A component that starts a process of its own group in its session, as the scheduler's worker does
+# with a task process; no marker anywhere.
+COMPONENT = "import subprocess, time; subprocess.Popen(['sleep', '300'], process_group=0); time.sleep(300)"
+
+
+def test_what_ran_as_the_stop_began_is_ended_though_stopping_its_component_left_it_unprovable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / ".demo"
+    component = subprocess.Popen([sys.executable, "-c", COMPONENT], start_new_session=True)
+    try:
+        with owned(home, grace=0.5) as stop_begins:
+            stack_guard.record(marker_env(home), component.pid)
+            assert wait_until(lambda: len(descendants(component.pid)) == 1)
+            task = identities(descendants(component.pid))
+            stop_begins()
+            os.killpg(component.pid, signal.SIGKILL)  # the component's group: its task is in another
+            component.wait()
+            assert still_running(task) == task
+        assert not still_running(task)
+        assert f"ended what was left of the stack: {next(iter(task))[0]} sleep 300" in capsys.readouterr().out
+    finally:
+        for pid, _ in still_running(task):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_clean_stop_leaves_nothing_to_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with owned(tmp_path / ".demo"):
         assert (tmp_path / ".demo" / "stack.pid").read_text() == f"{os.getpid()}\n"
