@@ -48,7 +48,7 @@ def message_for(event: str, spec: PipelineSpec, context: Context) -> notices.Mes
             return None
         decision = (ti.xcom_pull(task_ids="gate") or {}).get("summary")
         report = gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id), "report", "report.html")
-        return notices.promotion(spec.name, run_id, published, decision, report, spec.gate.confidence)
+        return notices.promotion(spec.name, run_id, published, decision, report)
     if event == "verdict":
         result_uri = (ti.xcom_pull(task_ids=ti.task_id) or {}).get("result")
         document = artifacts.read_json(result_uri) if result_uri else None

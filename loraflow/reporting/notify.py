@@ -176,16 +176,15 @@ def promotion(
     published: dict[str, Any],
     decision: dict[str, Any] | None,
     report: str | None = None,
-    confidence: float = 0.95,
 ) -> Message:
-    """Publish registered ``published['version']``; ``decision`` is the gate's summary (its ``ci``
-    is the ``confidence`` interval of tuned - base)."""
+    """Publish registered ``published['version']``; ``decision`` is the gate's summary (its ``ci`` is the
+    ``confidence`` interval of tuned - base: the level this run's gate used, whatever the DAG's spec says)."""
     decision = decision or {}
     version = published.get("version")
     lines = [f"{pipeline} promoted model version {version} (run {run_id})."]
     if decision.get("base") is not None and decision.get("tuned") is not None:
         ci = decision.get("ci") or []
-        interval = f", {100 * confidence:g}% interval of the gain [{ci[0]:+.3f}, {ci[1]:+.3f}]" if len(ci) == 2 else ""
+        interval = f", {_level(decision)}interval of the gain [{ci[0]:+.3f}, {ci[1]:+.3f}]" if len(ci) == 2 else ""
         lines.append(f"Metric before: {decision['base']:.3f}, after: {decision['tuned']:.3f}{interval}.")
     if decision.get("reason"):
         lines.append(f"Gate: {decision['reason']}")
@@ -207,6 +206,15 @@ def promotion(
             "report": report,
         },
     )
+
+
+def _level(decision: dict[str, Any]) -> str:
+    """ "90% " for a gate summary whose interval is a 90% one; nothing for a summary that does not say (one
+    written before the summary recorded its confidence)."""
+    confidence = decision.get("confidence")
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)):
+        return ""
+    return f"{100 * confidence:g}% "
 
 
 def verdict(result: dict[str, Any], result_uri: str) -> Message:

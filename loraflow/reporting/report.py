@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from loraflow.evaluation.metrics import METRICS
@@ -199,11 +199,12 @@ def loss_svg(rows: Sequence[Sequence[Any]], width: int = 640, height: int = 260)
     return "".join(parts)
 
 
-def interval_svg(delta: float, ci: Sequence[float], min_improvement: float, width: int = 640, height: int = 70) -> str:
-    """The gain with its confidence interval against 0 and the required improvement."""
+def interval_svg(delta: float, ci: Sequence[float], required: float | None, width: int = 640, height: int = 70) -> str:
+    """The gain with its confidence interval against 0 and the required improvement (None: not recorded, not drawn)."""
     lo, hi = float(ci[0]), float(ci[1])
-    a = min(0.0, lo, delta, min_improvement) - 0.05
-    b = max(0.0, hi, delta, min_improvement) + 0.05
+    marks = [0.0, lo, hi, delta] if required is None else [0.0, lo, hi, delta, required]
+    a = min(marks) - 0.05
+    b = max(marks) + 0.05
     left, right = 20, 20
 
     def sx(x: float) -> float:
@@ -215,10 +216,7 @@ def interval_svg(delta: float, ci: Sequence[float], min_improvement: float, widt
         f'role="img" aria-label="gain and its confidence interval" class="plot">'
         f'<line x1="{sx(0):.1f}" x2="{sx(0):.1f}" y1="8" y2="{height - 18}" stroke="#999"/>'
         f'<text x="{sx(0):.1f}" y="{height - 4}" text-anchor="middle" font-size="11">0</text>'
-        f'<line x1="{sx(min_improvement):.1f}" x2="{sx(min_improvement):.1f}" y1="8" y2="{height - 18}" '
-        f'stroke="#e37400" stroke-dasharray="4 3"/>'
-        f'<text x="{sx(min_improvement):.1f}" y="{height - 4}" text-anchor="middle" font-size="11" fill="#e37400">'
-        f"required {min_improvement:+.3f}</text>"
+        f"{_required_mark(required, sx, height)}"
         f'<line x1="{sx(lo):.1f}" x2="{sx(hi):.1f}" y1="{y}" y2="{y}" stroke="#1a73e8" stroke-width="3"/>'
         f'<line x1="{sx(lo):.1f}" x2="{sx(lo):.1f}" y1="{y - 7}" y2="{y + 7}" stroke="#1a73e8" stroke-width="2"/>'
         f'<line x1="{sx(hi):.1f}" x2="{sx(hi):.1f}" y1="{y - 7}" y2="{y + 7}" stroke="#1a73e8" stroke-width="2"/>'
@@ -247,6 +245,30 @@ code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85rem}pre{
 
 def _e(value: Any) -> str:
     return html.escape("" if value is None else str(value))
+
+
+def _required_mark(required: float | None, sx: Callable[[float], float], height: int) -> str:
+    """The dashed line at the required improvement, labelled."""
+    if required is None:
+        return ""
+    return (
+        f'<line x1="{sx(required):.1f}" x2="{sx(required):.1f}" y1="8" y2="{height - 18}" '
+        f'stroke="#e37400" stroke-dasharray="4 3"/>'
+        f'<text x="{sx(required):.1f}" y="{height - 4}" text-anchor="middle" font-size="11" fill="#e37400">'
+        f"required {required:+.3f}</text>"
+    )
+
+
+def _recorded_number(record: Mapping[str, Any], key: str) -> float | None:
+    """``record[key]`` when it is a number; None when the record does not hold one (nothing is shown for it)."""
+    value = record.get(key)
+    return None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+
+
+def _level(record: Mapping[str, Any]) -> str:
+    """ "95% " for a decision or guard check whose interval is a 95% one, as recorded; nothing when not recorded."""
+    confidence = _recorded_number(record, "confidence")
+    return "" if confidence is None else f"{confidence:.0%} "
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -324,12 +346,13 @@ def _metrics_section(data: Mapping[str, Any]) -> str:
         lo, hi = decision["ci"]
         out += (
             f"<p>Paired comparison on the same {_e(decision.get('n'))} examples ({_e(decision.get('metric'))}): "
-            f"gain <b>{float(decision.get('delta', 0)):+.3f}</b>, {float(decision.get('confidence', 0.95)):.0%} "
+            f"gain <b>{float(decision.get('delta', 0)):+.3f}</b>, {_level(decision)}"
             f"bootstrap interval <b>[{float(lo):+.3f}, {float(hi):+.3f}]</b> "
             f"({_e(decision.get('bootstrap_samples'))} resamples); "
             f"{_e(decision.get('fixed'))} examples fixed, {_e(decision.get('broken'))} broken.</p>"
         )
-        out += interval_svg(float(decision.get("delta", 0)), (lo, hi), float(decision.get("min_improvement", 0)))
+        required = _recorded_number(decision, "min_improvement")
+        out += interval_svg(float(decision.get("delta", 0)), (lo, hi), required)
     return out + _guard_paragraph(base, tuned, decision.get("guard")) + _merge_cost_table(data.get("merge_cost"))
 
 
@@ -351,11 +374,12 @@ def _guard_paragraph(base: Mapping[str, Any], tuned: Mapping[str, Any], check: M
     verdict = "passed" if check.get("passed") else "FAILED"
     out += (
         f"<p class='{'ok' if check.get('passed') else 'bad'}'><b>{verdict}</b> (rule {_e(check.get('rule'))}, at most "
-        f"{float(check.get('max_drop', 0)):.3f} lost): change <b>{float(check.get('delta', 0)):+.3f}</b>, "
-        f"{float(check.get('confidence', 0.95)):.0%} interval [{float(lo):+.3f}, {float(hi):+.3f}]; "
+        f"{_num(_recorded_number(check, 'max_drop'))} lost): change <b>{float(check.get('delta', 0)):+.3f}</b>, "
+        f"{_level(check)}interval [{float(lo):+.3f}, {float(hi):+.3f}]; "
         f"{_e(check.get('broken'))} questions broken, {_e(check.get('fixed'))} fixed.</p>"
     )
-    return out + interval_svg(float(check.get("delta", 0)), (lo, hi), -float(check.get("max_drop", 0)))
+    max_drop = _recorded_number(check, "max_drop")
+    return out + interval_svg(float(check.get("delta", 0)), (lo, hi), None if max_drop is None else -max_drop)
 
 
 def _merge_cost_table(cost: Mapping[str, Any] | None) -> str:

@@ -41,13 +41,15 @@ def test_a_long_error_is_shortened_and_a_missing_one_said_so() -> None:
 
 
 def test_a_promotion_notice_gives_the_version_and_the_metric_before_and_after() -> None:
-    decision = {"base": 0.5, "tuned": 0.9125, "ci": [0.36, 0.46], "reason": "gain +0.41 clears 0.30"}
+    decision = {"base": 0.5, "tuned": 0.9125, "ci": [0.36, 0.46], "confidence": 0.9, "reason": "gain +0.41 clears 0.30"}
     published = {"promoted": True, "version": 4, "model_manifest": "gs://a/merge_adapter/_MANIFEST.json"}
-    m = notify.promotion("tiny", RUN, published, decision, "gs://a/report/report.html", confidence=0.9)
+    m = notify.promotion("tiny", RUN, published, decision, "gs://a/report/report.html")
     assert m.subject == "[loraflow] tiny: model version 4 promoted"
     assert "Metric before: 0.500, after: 0.912, 90% interval of the gain [+0.360, +0.460]." in m.text
     assert "Gate: gain +0.41 clears 0.30" in m.text and "Report: gs://a/report/report.html" in m.text
     assert m.data["version"] == 4 and m.data["tuned"] == 0.9125
+    older = notify.promotion("tiny", RUN, published, {k: v for k, v in decision.items() if k != "confidence"})
+    assert "Metric before: 0.500, after: 0.912, interval of the gain [+0.360, +0.460]." in older.text  # no level said
 
 
 def test_a_verdict_notice_lists_the_reasons() -> None:
@@ -135,6 +137,22 @@ def test_a_promotion_notice_is_sent_only_when_publish_promoted(tmp_path: Path) -
     assert notice["event"] == "promotion" and notice["data"]["version"] == 2
     run_prefix = f"{spec['artifact_root']}/{spec['name']}/{artifacts.safe_run_id(RUN)}"
     assert notice["data"]["report"] == f"{run_prefix}/report/report.html"
+
+
+def test_a_promotion_notice_gives_the_level_this_runs_gate_used(tmp_path: Path) -> None:
+    """A run triggered with another gate.confidence (a declared param) was announced with the DAG spec's 95%."""
+    from operators.notifiers import notifiers
+
+    path = tmp_path / "notices.jsonl"
+    spec = notify_spec(tmp_path, kind="file", path=str(path))
+    assert spec["gate"]["confidence"] == 0.95
+    (notifier,) = notifiers(spec, "promotion")
+    gate = {
+        "summary": {"promote": True, "base": 0.5, "tuned": 0.9, "ci": [0.3, 0.5], "confidence": 0.8, "reason": "ok"}
+    }
+    published = {"summary": {"promoted": True, "version": 2, "model_manifest": "gs://m/_MANIFEST.json"}}
+    notifier({"ti": FakeTI("publish", {"publish": published, "gate": gate}), "run_id": RUN})
+    assert "80% interval of the gain [+0.300, +0.500]" in json.loads(path.read_text())["text"]
 
 
 class Receiver(http.server.BaseHTTPRequestHandler):

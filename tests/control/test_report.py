@@ -172,6 +172,22 @@ def test_report_shows_the_regression_guard_beside_the_task_metric() -> None:
     assert "Regression guard" not in report.render(constructed())  # no guard, no section
 
 
+def test_the_interval_level_and_the_required_gain_are_the_recorded_ones() -> None:
+    """The report shows the levels and thresholds the gate recorded, and invents none for a record without them
+    (it said 95% and drew "required +0.000" for any decision that did not say)."""
+    check = {"passed": True, "delta": 0.0, "ci": [-0.01, 0.01], "confidence": 0.8, "max_drop": 0.05, "rule": "estimate"}
+    guarded = constructed() | {"decision": DECISION | {"confidence": 0.8, "min_improvement": 0.25, "guard": check}}
+    page = report.render(guarded)
+    assert "80% bootstrap interval <b>[+0.400, +0.900]</b>" in page and "required +0.250" in page
+    assert "80% interval [-0.010, +0.010]" in page and "required -0.050" in page
+    silent = {k: v for k, v in DECISION.items() if k not in ("confidence", "min_improvement")}
+    unsaid = {k: v for k, v in check.items() if k not in ("confidence", "max_drop")}
+    page = report.render(constructed() | {"decision": silent | {"guard": unsaid}})
+    assert "gain <b>+0.700</b>, bootstrap interval <b>[+0.400, +0.900]</b>" in page
+    assert "change <b>+0.000</b>, interval [-0.010, +0.010]" in page
+    assert "95%" not in page and "required" not in page.split('id="gate"')[0]
+
+
 def test_report_renders_with_nothing_but_the_run() -> None:
     page = report.render({"pipeline": "tiny", "run_id": "r"})
     assert set(SECTIONS) <= set(parse(page).ids)
