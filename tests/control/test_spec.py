@@ -268,3 +268,62 @@ def test_a_multi_host_training_stage_takes_either_checkpoint_storage() -> None:
     assert with_overrides(spec, {"training.checkpoint_storage": "staged"}).training.checkpoint_storage == "staged"
     with pytest.raises(SpecError, match="checkpoint_storage"):
         with_overrides(spec, {"training.checkpoint_storage": "local"})
+
+
+# ------------------------------------------------------------------ numbers, sources (issue 41)
+
+
+def test_a_number_the_number_check_refuses_is_named_once_beside_every_other_problem() -> None:
+    data = tiny_data()
+    data["training"]["steps"] = 10**20  # also breaks no pydantic bound: only the number check refuses it
+    data["evaluation"]["seed"] = 10**20
+    data["lora"]["rank"] = 10**20  # breaks its le=1024 too: said once, by the number check
+    data["training"]["batch_size"] = 0
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert err.value.source == "x.yaml"
+    too_large = "is too large (got 1e+20); a spec's numbers are at most 9007199254740992 (2**53)"
+    assert [(p, m.startswith(too_large)) for p, m in err.value.problems] == [
+        ("lora.rank", True), ("training.steps", True), ("evaluation.seed", True),
+        ("training.batch_size", False),
+    ]  # fmt: skip
+    del data["training"]["batch_size"], data["lora"]["rank"], data["training"]["steps"]
+    with pytest.raises(SpecError) as err:  # valid to pydantic: refused by the number check alone
+        validate_spec(data, "y.yaml")
+    assert err.value.source == "y.yaml" and [p for p, _ in err.value.problems] == ["evaluation.seed"]
+
+
+def test_a_boolean_or_text_for_a_number_says_what_yaml_made_of_it_and_what_to_write() -> None:
+    data = tiny_data()
+    data["lora"]["alpha"], data["training"]["steps"] = True, "200"
+    with pytest.raises(SpecError) as err:
+        validate_spec(data, "x.yaml")
+    assert dict(err.value.problems) == {
+        "lora.alpha": "input should be a valid number (got True): YAML reads true, false, yes, no, on and off as "
+        "booleans; write a number such as 0.05",
+        "training.steps": "input should be a valid integer (got '200'): text is no number; write a whole number "
+        "such as 100, without quotes",
+    }
+
+
+def test_overrides_are_refused_as_trigger_parameters_and_read_as_json_schema_does() -> None:
+    spec = load_spec(TINY)
+    with pytest.raises(SpecError) as err:
+        with_overrides(spec, {"training.steps": 0})
+    assert err.value.source == "trigger parameters"
+    assert with_overrides(spec, {"training.steps": 300.0}).training.steps == 300  # an integer to JSON Schema
+    assert with_overrides(spec, {"lora.alpha": 8.0}).lora.alpha == 8.0
+    with pytest.raises(SpecError, match=r"training\.steps"):
+        with_overrides(spec, {"training.steps": 300.5})
+
+
+def test_a_spec_file_is_named_in_its_errors() -> None:
+    from loraflow.spec.schema import parse_spec
+
+    with pytest.raises(SpecError) as err:
+        parse_spec(TINY.read_bytes(), Path("pipelines/other.yaml"))
+    assert err.value.source == "pipelines/other.yaml"
+    assert err.value.problems == [("name", "is 'tiny-llama-lora' but the file is other.yaml; make them match")]
+    with pytest.raises(SpecError) as err:
+        parse_spec(b"name: [", Path("pipelines/broken.yaml"))
+    assert err.value.source == "pipelines/broken.yaml"
