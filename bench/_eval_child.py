@@ -154,7 +154,7 @@ def run_hf(model: Path, eval_file: Path, out: Path) -> dict:
     import torch
     import transformers
 
-    from loraflow.evaluation import metrics, scoring
+    from loraflow.evaluation import metrics
     from loraflow.steps import evaluate as ev
 
     t = time.perf_counter()
@@ -164,10 +164,9 @@ def run_hf(model: Path, eval_file: Path, out: Path) -> dict:
     _, ids = ev.render_prompts(tok, examples)
 
     spec_s, spec_n, texts = _hf_generate(tok, lm, ids, SPEC_EVAL["max_new_tokens"], False, 100)
-    scored = metrics.score_all(
-        texts, [e.reference for e in examples], scoring.compile_pattern(SPEC_EVAL["answer_pattern"])
-    )
-    acc = metrics.aggregate(scored)["accuracy"]
+    settings = metrics.Scoring.of(ev.resolve_config(SPEC_EVAL))  # as the evaluate step scores
+    scored = metrics.score_all(texts, [e.reference for e in examples], settings)
+    acc = metrics.aggregate(scored, settings.metrics)["accuracy"]
     long_s, long_n, _ = _hf_generate(tok, lm, ids, LONG, True, 100)
     return {
         "startup_s": startup,

@@ -15,30 +15,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loraflow.evaluation import metrics as metric_table
-from loraflow.evaluation import scoring
-
-
-def scoring_of(config: Mapping[str, Any]) -> metric_table.Scoring:
-    """The scoring settings an evaluate stage recorded in its metrics.json ``config``."""
-    return metric_table.Scoring(
-        tuple(config.get("metrics") or metric_table.DEFAULT_METRICS),
-        config.get("answer_pattern"),
-        str(config.get("answer_format", "pattern")),
-        float(config.get("relative_tolerance", scoring.DEFAULT_RELATIVE_TOLERANCE)),
-    )
 
 
 def compare(
-    quantized: Sequence[Mapping[str, Any]], merged: Sequence[Mapping[str, Any]], config: Mapping[str, Any]
+    quantized: Sequence[Mapping[str, Any]], merged: Sequence[Mapping[str, Any]], settings: metric_table.Scoring
 ) -> dict[str, Any] | None:
     """Per metric, the quantized model's rate, the merged model's and ``change`` (merged - quantized), over the
-    examples both answered (``n``); None when they share none."""
+    examples both answered (``n``); None when they share none. ``settings``: evaluate_tuned's, as its
+    metrics.json records them (``metric_table.Scoring.recorded``)."""
     by_id = {str(row["id"]): row for row in merged}
     pairs = [(row, by_id[str(row["id"])]) for row in quantized if str(row["id"]) in by_id]
     if not pairs:
         return None
-    settings = scoring_of(config)
-    scored = [metric_table.score(str(q["output"]), str(m["reference"]), settings=settings) for q, m in pairs]
+    scored = [metric_table.score(str(q["output"]), str(m["reference"]), settings) for q, m in pairs]
     rows = []
     for metric in settings.chosen:
         trained = sum(s.outcomes[metric.column] for s in scored) / len(pairs)

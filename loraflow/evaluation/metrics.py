@@ -9,9 +9,9 @@ A metric is the share of eval examples its scorer counts. Each row of :data:`MET
 * ``scorer``: how one example is scored from its outputs (:class:`loraflow.evaluation.scoring.Outputs`);
 * ``higher_is_better``: whether the gate promotes on a rise (True) or a fall.
 
-The spec schema takes the allowed ``gate.metric`` and ``evaluation.metrics`` values from here, the
-evaluate step scores the metrics the spec chooses (:class:`Scoring`: ``evaluation.metrics`` and
-``gate.metric``; :data:`DEFAULT_METRICS` when it names none), the gate reads the metric's column,
+The spec schema takes the allowed ``gate.metric`` and ``evaluation.metrics`` values from here (and
+writes the default choice itself), the evaluate step scores the metrics the spec chooses
+(:class:`Scoring`, built once from its config: ``evaluation.metrics`` and ``gate.metric``), the gate reads the metric's column,
 the run report shows every metric an evaluation scored. A new metric is a scorer in ``scoring.py``
 and a row here (docs/architecture.md, "Adding a metric").
 
@@ -21,10 +21,12 @@ Standard library only: the spec schema imports it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Any
 
+from loraflow.errors import ArtifactError
 from loraflow.evaluation import scoring
 
 
@@ -75,9 +77,6 @@ METRICS: dict[str, Metric] = {
     )
 }
 
-#: What an evaluation scores when nothing chooses (``evaluation.metrics``' default).
-DEFAULT_METRICS: tuple[str, ...] = ("accuracy", "format_rate")
-
 
 def check_name(name: str) -> str:
     """``name`` when it is a metric of the table; else a ValueError naming the allowed ones."""
@@ -101,19 +100,26 @@ def check_names(names: Sequence[str]) -> list[str]:
     return list(names)
 
 
+def chosen(names: Iterable[str]) -> list[Metric]:
+    """The metrics of ``names``, in table order."""
+    wanted = set(names)
+    return [m for m in METRICS.values() if m.name in wanted]
+
+
 @dataclass(frozen=True)
 class Scoring:
     """How an evaluation scores: which metrics, where the answer comes from, the numeric tolerance.
 
     ``metrics``: names of the table, scored in table order; ``answer_pattern``: the regex of
-    ``answer_format="pattern"``; ``answer_format``: ``"pattern"`` or ``"tagged"`` (the ``<answer>``
-    tags); ``relative_tolerance``: :func:`loraflow.evaluation.scoring.numeric_close`'s.
+    ``answer_format="pattern"`` (compiled here, once); ``answer_format``: ``"pattern"`` or ``"tagged"`` (the
+    ``<answer>`` tags); ``relative_tolerance``: :func:`loraflow.evaluation.scoring.numeric_close`'s. No field
+    has a default: build it from a config (:meth:`of`) or from what an evaluation recorded (:meth:`recorded`).
     """
 
-    metrics: tuple[str, ...] = DEFAULT_METRICS
-    answer_pattern: str | re.Pattern[str] | None = None
-    answer_format: str = "pattern"
-    relative_tolerance: float = scoring.DEFAULT_RELATIVE_TOLERANCE
+    metrics: tuple[str, ...]
+    answer_pattern: str | re.Pattern[str]
+    answer_format: str
+    relative_tolerance: float
 
     def __post_init__(self) -> None:
         check_names(self.metrics)
@@ -127,18 +133,32 @@ class Scoring:
 
     @classmethod
     def of(cls, config: Any) -> Scoring:
-        """The settings of an evaluate config (``loraflow.spec.step_configs.EvaluateConfig``)."""
+        """The settings of an evaluate config (``loraflow.spec.step_configs.EvaluateConfig``, or the spec's
+        ``evaluation`` section)."""
         return cls(tuple(config.metrics), config.answer_pattern, config.answer_format, float(config.relative_tolerance))
+
+    @classmethod
+    def recorded(cls, config: Mapping[str, Any], where: str) -> Scoring:
+        """The settings an evaluation recorded: its metrics.json ``config`` (the evaluate config as it ran), read
+        from ``where``; a config that lacks one is refused naming it."""
+        missing = [name for name in SETTINGS if name not in config]
+        if missing:
+            raise ArtifactError(f"{where} records no {', '.join(missing)} in its config; re-run the evaluate stage")
+        return cls.of(SimpleNamespace(**{name: config[name] for name in SETTINGS}))
 
     @property
     def chosen(self) -> list[Metric]:
         """The metrics scored, in table order."""
-        return [m for m in METRICS.values() if m.name in self.metrics]
+        return chosen(self.metrics)
 
     def outputs(self, generation: str, reference: str) -> scoring.Outputs:
         return scoring.Outputs.of(
             generation, reference, self.answer_pattern, self.answer_format, self.relative_tolerance
         )
+
+
+#: The evaluate config's keys a :class:`Scoring` is built from (its fields).
+SETTINGS = tuple(f.name for f in fields(Scoring))
 
 
 @dataclass(frozen=True)
@@ -149,57 +169,31 @@ class ScoredExample:
     outcomes: dict[str, bool]
 
 
-def _settings(pattern: str | re.Pattern[str] | None, settings: Scoring | None) -> Scoring:
-    if settings is None:
-        return Scoring(answer_pattern=pattern)
-    if pattern is not None:
-        raise ValueError("give the answer pattern in the Scoring settings, not beside them")
-    return settings
+def score(generation: str, reference: str, settings: Scoring) -> ScoredExample:
+    """Score one generation against its reference with the scorer of every metric ``settings`` chooses."""
+    outputs = settings.outputs(generation, reference)
+    return ScoredExample(outputs.answer, {m.column: bool(m.scorer(outputs)) for m in settings.chosen})
 
 
-def score(
-    generation: str,
-    reference: str,
-    pattern: str | re.Pattern[str] | None = None,
-    *,
-    settings: Scoring | None = None,
-) -> ScoredExample:
-    """Score one generation against its reference with the scorer of every chosen metric.
-
-    ``settings`` chooses the metrics and the answer's source; without them, :data:`DEFAULT_METRICS`
-    with ``pattern`` (``None``: the default pattern).
-    """
-    chosen = _settings(pattern, settings)
-    outputs = chosen.outputs(generation, reference)
-    return ScoredExample(outputs.answer, {m.column: bool(m.scorer(outputs)) for m in chosen.chosen})
-
-
-def score_all(
-    generations: Sequence[str],
-    references: Sequence[str],
-    pattern: str | re.Pattern[str] | None = None,
-    *,
-    settings: Scoring | None = None,
-) -> list[ScoredExample]:
+def score_all(generations: Sequence[str], references: Sequence[str], settings: Scoring) -> list[ScoredExample]:
     """Score generations against references pairwise (the sequences must have the same length)."""
     if len(generations) != len(references):
         raise ValueError(f"{len(generations)} generations but {len(references)} references")
-    chosen = _settings(pattern, settings)
-    return [score(g, r, settings=chosen) for g, r in zip(generations, references, strict=True)]
+    return [score(g, r, settings) for g, r in zip(generations, references, strict=True)]
 
 
-def aggregate(scored: Iterable[ScoredExample], metrics: Sequence[str] | None = None) -> dict[str, Any]:
-    """The chosen metrics (``None``: :data:`DEFAULT_METRICS`) over the scored examples, in input order.
+def aggregate(scored: Iterable[ScoredExample], metrics: Sequence[str]) -> dict[str, Any]:
+    """The metrics named in ``metrics`` over the scored examples, in input order.
 
     Returns ``n`` and, per metric, ``n_<column>`` (how many examples count), ``<name>``
     (``n_<column> / n``, 0.0 when ``n == 0``; format failures count as wrong) and ``<column>`` (the
     per-example bools, for paired comparisons): ``n, n_correct, n_format_ok, accuracy, format_rate,
-    correct, format_ok`` by default.
+    correct, format_ok`` for accuracy and format_rate.
     """
     items = list(scored)
     n = len(items)
-    chosen = Scoring(tuple(DEFAULT_METRICS if metrics is None else metrics)).chosen
-    columns = {m.column: [bool(s.outcomes[m.column]) for s in items] for m in chosen}
+    named = chosen(check_names(metrics))
+    columns = {m.column: [bool(s.outcomes[m.column]) for s in items] for m in named}
     counts = {f"n_{column}": sum(values) for column, values in columns.items()}
-    rates = {m.name: counts[f"n_{m.column}"] / n if n else 0.0 for m in chosen}
+    rates = {m.name: counts[f"n_{m.column}"] / n if n else 0.0 for m in named}
     return {"n": n, **counts, **rates, **columns}

@@ -28,6 +28,10 @@ The numeric scorers read the *last number* of the answer and of the reference
 A scorer (:func:`exact_match`, :func:`answer_found`, :func:`numeric_match`, :func:`numeric_close`,
 :func:`tagged_format_ok`) takes an example's :class:`Outputs` and says whether the example counts
 for its metric.
+
+The settings (the pattern, the answer's source, the tolerance) have no defaults here: they come from the
+spec's ``evaluation`` section (loraflow/spec/schema.py, where each default is written), through the
+evaluate step's config and :class:`loraflow.evaluation.metrics.Scoring`.
 """
 
 from __future__ import annotations
@@ -42,17 +46,11 @@ from typing import Any, Literal
 
 from loraflow.errors import LoraflowError
 
-#: First "word-ish" token of the generation: everything up to whitespace or a ``<`` (the start of
-#: a special token such as ``<|end|>`` if it was not stripped).
-DEFAULT_ANSWER_PATTERN = r"^\s*([^\s<]+)"
-
 _ASCII_PUNCT = frozenset(string.punctuation)
 
 #: Where the answer comes from: ``answer_pattern``'s group 1, or the ``<answer>`` tags.
 AnswerFormat = Literal["pattern", "tagged"]
 ANSWER_FORMATS: tuple[str, ...] = ("pattern", "tagged")
-#: The numeric tolerance of :func:`numeric_close` when none is given (the tutorial's 10%).
-DEFAULT_RELATIVE_TOLERANCE = 0.1
 
 # A number: an optional sign (not glued to a word or number before it: "10-3" holds 10 and 3), digits
 # not glued to a digit or point before them, with optional thousands commas (groups of three only)
@@ -76,13 +74,11 @@ class AnswerPatternTimeout(LoraflowError):
     """``answer_pattern`` took longer than :data:`PATTERN_TIME_LIMIT_S` on one generation."""
 
 
-def compile_pattern(pattern: str | re.Pattern[str] | None = None) -> re.Pattern[str]:
-    """Compile ``pattern`` (``None`` -> :data:`DEFAULT_ANSWER_PATTERN`).
+def compile_pattern(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
+    """Compile ``pattern`` (a compiled one is returned as it is).
 
     Raises :class:`ValueError` with the reason when the pattern is not a valid regular expression.
     """
-    if pattern is None:
-        pattern = DEFAULT_ANSWER_PATTERN
     if isinstance(pattern, re.Pattern):
         return pattern
     try:
@@ -125,7 +121,7 @@ def _timed(pattern: str, flags: int) -> Any:
         raise ValueError(f"answer_pattern {pattern!r} is not a valid regular expression ({exc})") from None
 
 
-def extract_answer(generation: str, pattern: str | re.Pattern[str] | None = None) -> str | None:
+def extract_answer(generation: str, pattern: str | re.Pattern[str]) -> str | None:
     """The raw answer the pattern finds in ``generation`` (group 1, else the whole match), or ``None``.
 
     ``None`` means a format failure: no match, or an empty capture. The answer is returned as
@@ -206,8 +202,8 @@ class Outputs:
     generation: str
     reference: str
     answer: str | None  # as extracted (not normalised); None: none found (a format failure)
-    reference_answer: str | None = None  # the reference's <answer> content (tagged format); None: the reference
-    relative_tolerance: float = DEFAULT_RELATIVE_TOLERANCE
+    reference_answer: str | None  # the reference's <answer> content (tagged format); None: the reference
+    relative_tolerance: float
 
     @property
     def expected(self) -> str:
@@ -219,9 +215,9 @@ class Outputs:
         cls,
         generation: str,
         reference: str,
-        pattern: str | re.Pattern[str] | None = None,
-        answer_format: str = "pattern",
-        relative_tolerance: float = DEFAULT_RELATIVE_TOLERANCE,
+        pattern: str | re.Pattern[str],
+        answer_format: str,
+        relative_tolerance: float,
     ) -> Outputs:
         """Extract the answer (``answer_format``: ``"pattern"`` or ``"tagged"``) and keep the settings."""
         if answer_format == "pattern":

@@ -268,7 +268,7 @@ class EvaluationSpec(_Model):
         description="approx_accuracy's tolerance: |answer - reference| <= this * |reference| (last numbers)",
     )
     metrics: list[Annotated[str, AfterValidator(metric_table.check_name)]] = Field(
-        default_factory=lambda: list(metric_table.DEFAULT_METRICS),
+        default_factory=lambda: ["accuracy", "format_rate"],
         min_length=1,
         description="the metrics the evaluate stages score (gate.metric is always scored too), of: "
         + ", ".join(metric_table.METRICS),

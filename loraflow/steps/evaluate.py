@@ -61,7 +61,7 @@ from typing import Any
 
 from loraflow.data.chat_template import ChatTemplate
 from loraflow.errors import LoraflowError
-from loraflow.evaluation import guard, scoring
+from loraflow.evaluation import guard
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation.examples import Example, eval_template, find_eval_file, load_examples, render_prompts
 from loraflow.spec.step_configs import EvaluateConfig, parse
@@ -316,15 +316,14 @@ def _evaluate(
     guard_seqs = _guard.sequences(engine, cfg, template, guard_set) if guard_set is not None else []
     gen = _generate(ctx, engine, sampling, prompt_ids, cfg.batch_size)
 
-    pattern = scoring.compile_pattern(cfg.answer_pattern)
     settings = metric_table.Scoring.of(cfg)  # the metrics the spec chooses, the answer's source, the tolerance
-    scored = metric_table.score_all(gen.texts, [ex.reference for ex in examples], settings=settings)
+    scored = metric_table.score_all(gen.texts, [ex.reference for ex in examples], settings)
     metrics = metric_table.aggregate(scored, settings.metrics)
     rates = {m.name: metrics[m.name] for m in settings.chosen}
 
     written = _write_predictions(ctx.out, examples, texts, gen.texts, scored, gen.tokens, gen.finish)
     report = _metrics_report(
-        ctx.stage, cfg, engine, examples, metrics, settings.chosen, pattern.pattern, _timing(engine, gen, prompt_ids)
+        ctx.stage, cfg, engine, examples, metrics, settings.chosen, _timing(engine, gen, prompt_ids)
     )
     report["chat_template"] = template.summary()
     if guard_set is not None:
@@ -436,16 +435,15 @@ def _metrics_report(
     examples: list[Example],
     metrics: dict[str, Any],
     chosen: Sequence[metric_table.Metric],
-    answer_pattern: str,
     timing: dict[str, Any],
 ) -> dict[str, Any]:
-    """metrics.json, less its ``files``: the scores, the per-example lists, timings and settings."""
+    """metrics.json, less its ``files``: the scores, the per-example lists, timings and settings (the scoring
+    settings once, in ``config``, as the stage ran them)."""
     return {
         "stage": stage,
         **{m.name: metrics[m.name] for m in chosen},
         "n": metrics["n"],
         **{f"n_{m.column}": metrics[f"n_{m.column}"] for m in chosen},
-        "answer_pattern": answer_pattern,
         "ids": [ex.id for ex in examples],
         **{m.column: metrics[m.column] for m in chosen},
         "timing": timing,

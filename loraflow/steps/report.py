@@ -37,7 +37,7 @@ from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.evaluation import merge_cost
-from loraflow.evaluation.metrics import METRICS
+from loraflow.evaluation.metrics import METRICS, Scoring
 from loraflow.pipeline import artifacts, gcs, json_objects
 from loraflow.reporting import report
 from loraflow.spec.step_configs import ReportConfig, parse
@@ -187,7 +187,8 @@ def _merge_cost(local: dict[str, Path]) -> dict[str, Any] | None:
     metrics = _read_json(local["evaluate_tuned"] / "metrics.json") or {}
     if not answers or "config" not in metrics:
         return None
-    return merge_cost.compare(answers, _predictions(local, "evaluate_tuned"), metrics["config"])
+    settings = Scoring.recorded(metrics["config"], "evaluate_tuned's metrics.json")
+    return merge_cost.compare(answers, _predictions(local, "evaluate_tuned"), settings)
 
 
 def _decision(local: dict[str, Path]) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import pytest
 from loraflow.errors import LoraflowError
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import scoring
+from tests.spec_defaults import scoring as spec_scoring
 
 REPO = Path(__file__).resolve().parents[2]
 CATASTROPHIC = r"((a|aa)+)+b"  # with Python's re: 81 s on 20 characters, about 1.6 times longer per character more
@@ -51,7 +52,7 @@ def test_a_catastrophic_pattern_is_stopped_at_the_time_limit_naming_itself_and_t
 
 def test_the_evaluation_fails_as_a_refusal_not_a_crash() -> None:
     """A LoraflowError: the step program exits 2 with the message, and Airflow does not retry it."""
-    settings = metric_table.Scoring(answer_pattern=CATASTROPHIC)
+    settings = spec_scoring(answer_pattern=CATASTROPHIC)
     started = time.monotonic()
     with pytest.raises(LoraflowError, match=re.escape(CATASTROPHIC)):
         metric_table.score_all(["the answer is 4", "a" * 40], ["4", "4"], settings=settings)

@@ -13,6 +13,7 @@ from loraflow.evaluation import metrics, scoring
 from loraflow.spec.schema import load_spec
 from loraflow.steps import validate_data
 from tests.control.conftest import task_inputs, write_tokenizer
+from tests.spec_defaults import scoring as spec_scoring
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "pipelines" / "data" / "arithmetic"
@@ -62,7 +63,7 @@ def test_every_problem_is_counted_once_and_too_many_rows_are_refused() -> None:
 
 
 def test_every_completion_is_tagged_right_and_scores_against_itself() -> None:
-    settings = metrics.Scoring(tuple(metrics.METRICS), answer_format="tagged")
+    settings = spec_scoring(metrics=list(metrics.METRICS), answer_format="tagged")
     for row in _rows(DATA / "eval.jsonl") + _rows(DATA / "train.jsonl")[:200]:
         completion = row["completion"]
         scored = metrics.score(completion, completion, settings=settings)

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from loraflow.errors import ArtifactError
 from loraflow.evaluation import merge_cost
+from loraflow.evaluation.metrics import Scoring
 from loraflow.reporting import report
 
-CONFIG = {"metrics": ["numeric_accuracy", "tagged_format_rate"], "answer_format": "tagged", "relative_tolerance": 0.1}
+# What evaluate_tuned's metrics.json records of its config (the scoring settings among the rest).
+CONFIG = {
+    "metrics": ["numeric_accuracy", "tagged_format_rate"],
+    "answer_pattern": r"^\s*([^\s<]+)",
+    "answer_format": "tagged",
+    "relative_tolerance": 0.1,
+    "max_new_tokens": 64,
+}
+SETTINGS = Scoring.recorded(CONFIG, "evaluate_tuned's metrics.json")
 
 
 def _tagged(n: int) -> str:
@@ -36,7 +46,7 @@ def test_scores_the_trainers_answers_with_the_evaluations_settings_on_the_shared
         {"id": "1", "output": _tagged(5)},  # right where merged was wrong
         {"id": "2", "output": "<answer>7"},  # right number, broken format
     ]
-    cost = merge_cost.compare(quantized, merged, CONFIG)
+    cost = merge_cost.compare(quantized, merged, SETTINGS)
     assert cost is not None and cost["n"] == 3 and cost["identical_outputs"] == 1
     rows = {r["metric"]: r for r in cost["metrics"]}
     assert list(rows) == ["numeric_accuracy", "tagged_format_rate"]
@@ -48,7 +58,18 @@ def test_scores_the_trainers_answers_with_the_evaluations_settings_on_the_shared
 
 
 def test_no_shared_examples_is_no_comparison() -> None:
-    assert merge_cost.compare([{"id": "9", "output": "x"}], [_merged_row(0, 1, "1", True, True)], CONFIG) is None
+    assert merge_cost.compare([{"id": "9", "output": "x"}], [_merged_row(0, 1, "1", True, True)], SETTINGS) is None
+
+
+def test_the_settings_are_the_recorded_ones_and_a_missing_one_is_refused_not_guessed() -> None:
+    """They were read with fallbacks of their own (the default metrics, "pattern", 0.1): a metrics.json that
+    did not record a setting was scored with a value the evaluation never used."""
+    assert SETTINGS == Scoring(("numeric_accuracy", "tagged_format_rate"), r"^\s*([^\s<]+)", "tagged", 0.1)
+    assert Scoring.recorded(CONFIG | {"relative_tolerance": 0.5}, "x").relative_tolerance == 0.5
+    partial = {k: v for k, v in CONFIG.items() if k not in ("answer_format", "relative_tolerance")}
+    with pytest.raises(ArtifactError, match=r"^evaluate_tuned's metrics.json records no answer_format, "
+                       r"relative_tolerance in its config; re-run the evaluate stage$"):  # fmt: skip
+        Scoring.recorded(partial, "evaluate_tuned's metrics.json")
 
 
 def test_the_report_shows_the_comparison_under_before_and_after() -> None:

@@ -17,6 +17,7 @@ from loraflow.spec.schema import load_spec, validate_spec
 from loraflow.spec.step_configs import EvaluateConfig
 from loraflow.steps import gate
 from tests.spec_defaults import decide
+from tests.spec_defaults import scoring as spec_scoring
 
 SPEC = Path(__file__).resolve().parents[2] / "pipelines" / "tiny-llama-lora.yaml"
 
@@ -45,7 +46,7 @@ def test_the_spec_reference_lists_every_metric_with_what_it_measures() -> None:
 
 def test_an_evaluation_scores_every_metric_of_the_table() -> None:
     # Every row can be scored and aggregated (an evaluation scores the ones its spec chooses).
-    everything = metrics.Scoring(tuple(METRICS))
+    everything = spec_scoring(metrics=list(METRICS))
     scored = metrics.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"], settings=everything)
     aggregated = metrics.aggregate(scored, everything.metrics)
     for m in METRICS.values():
@@ -116,7 +117,7 @@ def test_the_report_shows_every_metric_of_the_table() -> None:
 
 def test_the_scoring_keys_default_to_the_old_behaviour() -> None:
     evaluation = load_spec(SPEC).evaluation
-    assert evaluation.metrics == ["accuracy", "format_rate"] == list(metrics.DEFAULT_METRICS)
+    assert evaluation.metrics == ["accuracy", "format_rate"]
     assert evaluation.answer_format == "pattern" and evaluation.relative_tolerance == 0.1
 
 
@@ -173,7 +174,7 @@ def test_the_report_samples_are_fixed_or_broken_by_the_gated_metric(metric: metr
     assert [s["id"] for s in samples["fixed"]] == ["e0"] and [s["id"] for s in samples["broken"]] == ["e1"]
 
 
-TAGGED = metrics.Scoring(("tagged_format_rate", "approx_accuracy"), answer_format="tagged")
+TAGGED = spec_scoring(metrics=["tagged_format_rate", "approx_accuracy"], answer_format="tagged")
 
 
 @pytest.mark.parametrize(

@@ -301,6 +301,8 @@ def test_outputs_and_metrics_shape(baseline: tuple[dict[str, Any], Path]) -> Non
     assert metrics["timing"]["startup_s"] > 0
     assert metrics["engine"]["distributed_executor_backend"] == "uni"
     assert metrics["stage"] == "evaluate_base"
+    # the scoring settings are recorded once: in the config the stage ran (it also wrote answer_pattern beside it)
+    assert "answer_pattern" not in metrics and metrics["config"]["answer_pattern"] == r"^\s*([^\s<]+)"
 
     preds = read_predictions(out)
     assert len(preds) == N_ROWS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -11,6 +12,11 @@ import pytest
 
 from loraflow.evaluation import metrics, scoring
 from loraflow.evaluation.metrics import ScoredExample
+from loraflow.spec.schema import EvaluationSpec
+from tests.spec_defaults import scoring as spec_scoring
+
+SPEC = spec_scoring()  # a spec's evaluation section without scoring keys: accuracy and format_rate
+PATTERN = EvaluationSpec().answer_pattern
 
 
 @pytest.mark.parametrize(
@@ -27,7 +33,7 @@ from loraflow.evaluation.metrics import ScoredExample
     ],
 )
 def test_extract_default_pattern(generation: str, expected: str | None) -> None:
-    assert scoring.extract_answer(generation) == expected
+    assert scoring.extract_answer(generation, PATTERN) == expected
 
 
 def test_extract_custom_pattern_group_one() -> None:
@@ -73,29 +79,29 @@ def test_normalize(text: str, expected: str) -> None:
 
 
 def test_score_correct_wrong_and_format_failure() -> None:
-    assert metrics.score(" Even.", "even") == ScoredExample("Even.", {"correct": True, "format_ok": True})
-    assert metrics.score("odd", "even") == ScoredExample("odd", {"correct": False, "format_ok": True})
-    assert metrics.score("", "even") == ScoredExample(None, {"correct": False, "format_ok": False})
+    assert metrics.score(" Even.", "even", SPEC) == ScoredExample("Even.", {"correct": True, "format_ok": True})
+    assert metrics.score("odd", "even", SPEC) == ScoredExample("odd", {"correct": False, "format_ok": True})
+    assert metrics.score("", "even", SPEC) == ScoredExample(None, {"correct": False, "format_ok": False})
     # an answer that normalises to nothing is a format failure too
-    assert metrics.score("?!", "even") == ScoredExample("?!", {"correct": False, "format_ok": False})
+    assert metrics.score("?!", "even", SPEC) == ScoredExample("?!", {"correct": False, "format_ok": False})
 
 
 def test_score_normalises_reference() -> None:
-    assert metrics.score("even", "  EVEN. ").outcomes["correct"]
+    assert metrics.score("even", "  EVEN. ", SPEC).outcomes["correct"]
 
 
 def test_score_exact_match_not_prefix() -> None:
-    assert not metrics.score("evenly", "even").outcomes["correct"]
+    assert not metrics.score("evenly", "even", SPEC).outcomes["correct"]
 
 
 def test_score_all_length_mismatch() -> None:
     with pytest.raises(ValueError, match="2 generations but 1 references"):
-        metrics.score_all(["a", "b"], ["a"])
+        metrics.score_all(["a", "b"], ["a"], SPEC)
 
 
 def test_aggregate() -> None:
-    scored = metrics.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"])
-    m = metrics.aggregate(scored)
+    scored = metrics.score_all(["even", "odd", "", "Odd."], ["even", "even", "odd", "odd"], SPEC)
+    m = metrics.aggregate(scored, SPEC.metrics)
     assert m["n"] == 4
     assert m["n_correct"] == 2
     assert m["n_format_ok"] == 3
@@ -106,7 +112,7 @@ def test_aggregate() -> None:
 
 
 def test_aggregate_empty() -> None:
-    m = metrics.aggregate([])
+    m = metrics.aggregate([], SPEC.metrics)
     assert m == {
         "n": 0,
         "n_correct": 0,
@@ -121,7 +127,7 @@ def test_aggregate_empty() -> None:
 def test_aggregate_is_json_serialisable() -> None:
     import json
 
-    json.dumps(metrics.aggregate(metrics.score_all(["even"], ["even"])))
+    json.dumps(metrics.aggregate(metrics.score_all(["even"], ["even"], SPEC), SPEC.metrics))
 
 
 def test_scoring_imports_no_heavy_modules() -> None:
@@ -207,7 +213,7 @@ def test_tagged_answer(text: str, expected: str | None) -> None:
     ],
 )
 def test_tagged_format_ok(generation: str, ok: bool) -> None:
-    assert scoring.tagged_format_ok(scoring.Outputs.of(generation, "7")) is ok
+    assert scoring.tagged_format_ok(scoring.Outputs.of(generation, "7", PATTERN, "pattern", 0.1)) is ok
 
 
 def _numeric(generation: str, reference: str, tolerance: float = 0.1, fmt: str = "pattern") -> tuple[bool, bool]:
@@ -249,25 +255,25 @@ def test_numeric_close_tolerance() -> None:
 def test_tagged_answer_is_the_source_and_the_reference_is_unwrapped() -> None:
     reference = "<reasoning>3 + 4 = 7</reasoning><answer>7</answer>"
     outputs = scoring.Outputs.of(
-        "<reasoning>3 + 4 is 7</reasoning><answer>7 apples</answer>", reference, None, "tagged"
+        "<reasoning>3 + 4 is 7</reasoning><answer>7 apples</answer>", reference, PATTERN, "tagged", 0.1
     )
     assert outputs.answer == "7 apples" and outputs.expected == "7"
     assert scoring.numeric_match(outputs) and not scoring.exact_match(outputs)
     # A plain reference stays as it is.
-    assert scoring.Outputs.of("<answer>7</answer>", "7", None, "tagged").expected == "7"
+    assert scoring.Outputs.of("<answer>7</answer>", "7", PATTERN, "tagged", 0.1).expected == "7"
     # Untagged generation: no answer, every answer metric wrong.
-    missing = scoring.Outputs.of("7", reference, None, "tagged")
+    missing = scoring.Outputs.of("7", reference, PATTERN, "tagged", 0.1)
     assert missing.answer is None and not scoring.answer_found(missing) and not scoring.numeric_match(missing)
 
 
 def test_unknown_answer_format_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown answer_format 'xml'"):
-        scoring.Outputs.of("a", "a", None, "xml")
+        scoring.Outputs.of("a", "a", PATTERN, "xml", 0.1)
 
 
 def test_score_with_settings_scores_the_chosen_metrics() -> None:
-    settings = metrics.Scoring(
-        ("accuracy", "numeric_accuracy", "approx_accuracy", "tagged_format_rate"), answer_format="tagged"
+    settings = spec_scoring(
+        metrics=["accuracy", "numeric_accuracy", "approx_accuracy", "tagged_format_rate"], answer_format="tagged"
     )
     got = metrics.score(
         "<reasoning>2 + 3 = 5</reasoning><answer>5.0</answer>",
@@ -281,7 +287,7 @@ def test_score_with_settings_scores_the_chosen_metrics() -> None:
 
 def test_aggregate_chosen_metrics() -> None:
     chosen = ("numeric_accuracy", "approx_accuracy")
-    settings = metrics.Scoring(chosen, relative_tolerance=0.5)
+    settings = spec_scoring(metrics=list(chosen), relative_tolerance=0.5)
     scored = metrics.score_all(["10", "14", "x", "-2"], ["10", "10", "10", "-1"], settings=settings)
     m = metrics.aggregate(scored, chosen)
     assert m == {
@@ -307,9 +313,4 @@ def test_aggregate_chosen_metrics() -> None:
 )
 def test_scoring_settings_are_checked(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        metrics.Scoring(**kwargs)
-
-
-def test_pattern_and_settings_together_are_refused() -> None:
-    with pytest.raises(ValueError, match="not beside them"):
-        metrics.score("a", "a", r"(a)", settings=metrics.Scoring())
+        dataclasses.replace(SPEC, **kwargs)
