@@ -21,6 +21,8 @@ from loraflow.reporting.report import browser_url, data_docs_uri, site_url
 from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:
+    from airflow.providers.openlineage.extractors import OperatorLineage
+
     from loraflow.launchers.base import Launcher, Workload
     from loraflow.launchers.local import KillSwitch
     from loraflow.pipeline import runner
@@ -73,6 +75,7 @@ class LoraflowStageOperator(BaseOperator):
     operator_extra_links: tuple[BaseOperatorLink, ...]
     spec: dict[str, Any]  # the pipeline spec as JSON data, attached by for_spec()
     _kill_switch: KillSwitch | None = None  # made in execute(): operators get deep-copied
+    _finished: dict[str, Any] | None = None  # the XCom value of this try's execute: its lineage (done())
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A stage's operator (a subclass that sets ``stage``) takes its traits from the stage table."""
@@ -142,7 +145,8 @@ class LoraflowStageOperator(BaseOperator):
         prefix = result.manifest.rsplit("/", 1)[0]
         url = artifacts_url(prefix, os.environ.get("STORAGE_EMULATOR_HOST"))
         context["ti"].xcom_push(key=ArtifactsLink().xcom_key, value=url)
-        return result.to_xcom()
+        self._finished = result.to_xcom()
+        return self._finished
 
     def declare_lineage(self, spec: PipelineSpec, upstream: dict[str, str], manifest: str) -> None:
         """Inlets: the stage's inputs (sources, upstream stages' prefixes); outlet: its committed prefix."""
@@ -155,6 +159,27 @@ class LoraflowStageOperator(BaseOperator):
         uris = [uri.rsplit("/", 1)[0] if uri.endswith("/" + artifacts.MANIFEST) else uri for uri in inputs.values()]
         self.inlets = [Asset(uri) for uri in dict.fromkeys(uris)]
         self.outlets = [Asset(manifest.rsplit("/", 1)[0])]
+
+    def get_openlineage_facets_on_start(self) -> OperatorLineage:
+        """No datasets yet (the OpenLineage provider's hook, called only when ``[openlineage]`` is configured):
+        execute resolves the run's inputs (trigger params, the hand-off version, the upstream commits) and
+        the output exists once committed; the COMPLETE event reports both."""
+        from airflow.providers.openlineage.extractors import OperatorLineage
+
+        return OperatorLineage()
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> OperatorLineage:
+        """What this try's commit read and wrote, with its facets (operators/lineage.py), from its manifest;
+        no datasets when execute did not reach a commit (the FAIL event of a stage that failed calls this too)."""
+        from airflow.providers.openlineage.extractors import OperatorLineage
+
+        from operators.lineage import finished_stage
+
+        if self._finished is None:
+            return OperatorLineage()
+        manifest = artifacts.read_manifest(self._finished["manifest"])
+        handoff_prefix = (self.spec.get("handoff") or {}).get("prefix")
+        return finished_stage(manifest.data, bool(self._finished["cached"]), handoff_prefix)
 
     def defer_to_triggerer(
         self, context: Context, prepared: runner.PreparedStage, launcher: Launcher

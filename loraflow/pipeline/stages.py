@@ -62,6 +62,8 @@ class Stage:
     ui_color: str = "#e8f0fe"
     trigger_rule: TriggerRule = "all_success"
     links: tuple[Link, ...] = ("workload", "artifacts")
+    # What its output carries in OpenLineage (loraflow/pipeline/lineage.py): its summary, as facet loraflow_<this>.
+    lineage_facet: str = "summary"
 
     @property
     def operator_name(self) -> str:
@@ -96,6 +98,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         },
         "ValidateDataConfig",
         links=("data_docs", "workload", "artifacts"),
+        lineage_facet="data_contract",
     ),
     Stage(
         "convert_checkpoint",
@@ -112,6 +115,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         "loraflow.steps.evaluate",
         lambda spec: _evaluate_inputs(spec, Source(spec.base_model.hf_checkpoint)),
         "EvaluateConfig",
+        lineage_facet="evaluation",
     ),
     Stage(
         "lora_sft",
@@ -124,6 +128,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         },
         "LoraSftConfig",
         ui_color="#fce8e6",
+        lineage_facet="training",
     ),
     Stage(
         "merge_adapter",
@@ -138,6 +143,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         "loraflow.steps.evaluate",
         lambda spec: _evaluate_inputs(spec, Upstream("merge_adapter")),
         "EvaluateConfig",
+        lineage_facet="evaluation",
     ),
     Stage(
         "gate",
@@ -148,6 +154,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         # It also compares with the registry's current champion, which moves between runs
         # without any input changing: a cached decision could promote a model the champion beats.
         cacheable=False,
+        lineage_facet="gate_decision",
     ),
     Stage(
         "publish",
@@ -159,6 +166,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         # The report reads the publish outcome from the run's prefix: publish is skipped when the
         # gate does not promote, and a skipped upstream is no input.
         reported=False,
+        lineage_facet="publication",
     ),
     Stage(
         "report",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
 from loraflow.launchers.local import FORKED_NOTE
 from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline.stages import STAGES
 from loraflow.spec.schema import load_spec
 from tests.bad_datasets import broken_dataset
 
@@ -55,7 +57,20 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory):
+def lineage_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """OpenLineage on for this module's Airflow, as a user turns it on: the provider's [openlineage]
+    transport, here its file transport (one JSON file per event in the folder yielded)."""
+    folder = tmp_path_factory.mktemp("lineage")
+    with pytest.MonkeyPatch.context() as env:  # the stack's processes take the test's environment
+        env.setenv("AIRFLOW__OPENLINEAGE__TRANSPORT", json.dumps({"type": "file", "log_file_path": str(folder / "ol")}))
+        # The listener emits from a child of the task, killed after this many seconds (default 10: a loaded
+        # 2-core machine can take longer to read the manifest and write the event).
+        env.setenv("AIRFLOW__OPENLINEAGE__EXECUTION_TIMEOUT", "60")
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, lineage_events: Path):
     home = tmp_path_factory.mktemp("stack")
     pipelines = home / "pipelines"
     pipelines.mkdir()
@@ -309,3 +324,64 @@ def test_day_two_operations_through_rest_and_the_cli(
     model = runs.results["first_verdict"]["artifacts"] + "/merge_adapter"
     assert cli.main(["verify", model]) == 0
     assert capsys.readouterr().out.startswith("ok: ")
+
+
+def completed_tasks(folder: Path, dag_id: str, run_id: str) -> dict[str, dict[str, Any]]:
+    """The OpenLineage COMPLETE event of each task of a run, as the file transport wrote them."""
+    found = {}
+    for path in sorted(folder.iterdir()):
+        event = json.loads(path.read_text())
+        dag_run = event["run"]["facets"].get("airflow", {}).get("dagRun", {})
+        dag, _, task = event["job"]["name"].rpartition(".")
+        if event["eventType"] == "COMPLETE" and dag == dag_id and dag_run.get("run_id") == run_id:
+            found[task] = event
+    return found
+
+
+def by_name(datasets: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {f"{d['namespace']}/{d['name']}": d for d in datasets}
+
+
+def test_openlineage_follows_the_dataset_to_the_published_model_version(runs: Runs, lineage_events: Path) -> None:
+    """With the provider's transport set, every stage reports what it read and wrote: each input that
+    is a stage's artifact is that stage's output at the same version, and the chain runs from the
+    training data through validate_data, lora_sft and merge_adapter to the registry's version, with
+    the facts a user looks for on the way."""
+    spec, run = load_spec(TINY), runs.results["first"]
+    events = completed_tasks(lineage_events, spec.name, run)
+    assert set(events) == set(STAGES), sorted(events)
+    outputs = {task: by_name(e["outputs"]) for task, e in events.items()}
+    made_by = {uri: task for task, out in outputs.items() for uri in out}
+    artifact_root = spec.artifact_root + "/"
+    for task, event in events.items():
+        for uri, dataset in by_name(event["inputs"]).items():
+            if uri.startswith(artifact_root):  # another stage's artifact: reported by it, same version
+                upstream = outputs[made_by[uri]][uri]
+                assert dataset["facets"]["version"] == upstream["facets"]["version"], (task, uri)
+
+    def upstream_of(task: str, name: str) -> str:
+        [uri] = [u for u in by_name(events[task]["inputs"]) if u.endswith("/" + name)]
+        return made_by[uri]
+
+    assert upstream_of("publish", "merge_adapter") == "merge_adapter"
+    assert upstream_of("merge_adapter", "lora_sft") == "lora_sft"
+    assert upstream_of("lora_sft", "validate_data") == "validate_data"
+    data = by_name(events["validate_data"]["inputs"])[spec.data.train]
+    [contract] = outputs["validate_data"].values()
+    rows = contract["facets"]["loraflow_data_contract"]["summary"]["train_rows"]
+    assert data["inputFacets"]["dataQualityMetrics"]["rowCount"] == rows > 0
+    v = runs.results["first_verdict"]
+    [tuned] = outputs["evaluate_tuned"].values()
+    assert tuned["facets"]["loraflow_evaluation"]["summary"]["accuracy"] == v["tuned"]["accuracy"]
+    [gate] = outputs["gate"].values()
+    assert gate["facets"]["loraflow_gate_decision"]["summary"]["promote"] is True
+    version = next(d for d in outputs["publish"].values() if "loraflow_model_version" in d["facets"])
+    assert version["namespace"] + "/" + version["name"] == (
+        f"{spec.registry_uri}/{spec.name}/versions/{v['published']['version']:04d}.json"
+    )
+    model = version["facets"]["loraflow_model_version"]
+    assert made_by[model["model"]] == "merge_adapter"
+    manifest = artifacts.read_manifest(runs.airflow.xcom(spec.name, run, "merge_adapter")["manifest"])
+    assert model["model_fingerprint"] == manifest.fingerprint
+    files = outputs["merge_adapter"][model["model"]]["facets"]["loraflow_manifest"]["files"]
+    assert {f["name"]: f["crc32c"] for f in files} == {name: f["crc32c"] for name, f in manifest.files.items()}
