@@ -241,6 +241,19 @@ TARGETS: dict[str, Target] = {
             ],
         ],
     ),
+    # What a spec may put into a step's environment (env_rules) and into MaxText's arguments (override_rules):
+    # the allow-lists' checks, through the tests that hold them to what a spec author writes.
+    "spec_rules": Target(
+        "control",
+        ["loraflow/spec/env_rules.py", "loraflow/spec/override_rules.py"],
+        [
+            "tests/control/test_env_rules.py",
+            "tests/control/test_override_allow_list.py",
+            "tests/control/test_spec.py::test_model_overrides_off_the_allow_list_or_of_another_value_are_refused",
+            "tests/control/test_spec.py::test_plain_model_overrides_pass",
+            "tests/control/test_hostile_specs.py::test_a_hostile_value_is_refused_naming_its_key_and_the_rule",
+        ],
+    ),
     # Last: the longest list of test files.
     "spec": Target(
         "control",
@@ -250,6 +263,18 @@ TARGETS: dict[str, Target] = {
             "tests/control/test_spec_corpus.py",
             "tests/control/test_plan_and_cli.py",
             "tests/control/test_trigger_params.py",
+            # the spec author's lane: each hostile value and file, every number setting, cron expressions
+            *[
+                f"tests/control/test_hostile_specs.py::{t}"
+                for t in (
+                    "test_a_hostile_value_is_refused_naming_its_key_and_the_rule",
+                    "test_a_hostile_file_is_refused_before_it_is_validated",
+                    "test_every_number_of_the_schema_is_finite_and_bounded",
+                    "test_every_number_of_the_schema_is_a_number_never_a_boolean_or_text",
+                    "test_a_yaml_boolean_or_quoted_share_is_no_max_drop",
+                    "test_a_cron_expression_the_schema_accepts_is_one_airflow_takes_and_that_fires",
+                )
+            ],
         ],
         # parses the DAG folder with the whole hostile corpus (5 s); each spec of it is validated in test_spec_corpus
         deselect=[

@@ -327,3 +327,8 @@ def test_a_spec_file_is_named_in_its_errors() -> None:
     with pytest.raises(SpecError) as err:
         parse_spec(b"name: [", Path("pipelines/broken.yaml"))
     assert err.value.source == "pipelines/broken.yaml"
+    with pytest.raises(SpecError) as err:
+        parse_spec(TINY.read_bytes().replace(b"steps: 200", b"steps: 0"), Path("pipelines/tiny-llama-lora.yaml"))
+    assert err.value.source == "pipelines/tiny-llama-lora.yaml" and [p for p, _ in err.value.problems] == [
+        "training.steps"
+    ]
