@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import gcs
 
 #: Deepest nesting accepted: what loraflow writes is a few levels deep (a manifest's file table is 3).
 MAX_DEPTH = 64
@@ -80,6 +79,8 @@ def read_json_object(uri: str, *, max_bytes: int = SMALL_MAX_BYTES, blob: Any = 
     downloaded and anything but one JSON object is refused (``JsonObjectError``). ``blob``: the object
     already looked up (publish holds it for its generation); it is read as it is."""
     from google.api_core.exceptions import NotFound, RequestRangeNotSatisfiable
+
+    from loraflow.pipeline import gcs  # here: the spec schema imports this module (guard sets) but no storage
 
     if blob is None:
         bucket, path = gcs.split_uri(uri)
