@@ -137,3 +137,19 @@ tpu-prepare: $(VENVS)/trainer/.synced  ## make what bench/tpu/check.py needs on 
 	bash bench/tpu/wheels.sh
 	$(TRAINER) -c "from pathlib import Path; from loraflow.dev import tinymodel; \
 		tinymodel.create(Path('.tpu-inputs/tiny'), [Path('pipelines/data/parity/train.jsonl')])"
+
+# The images (docs/production.md, "Building the images here"), built with buildah (Debian's package,
+# installed when missing) and smoke-run on the tiny model: before every release, not in CI. Where no
+# container registry answers, their bases are made from Debian's packages (mmdebstrap) and the
+# interpreters above (docker/local-base.sh); IMAGE_BASES=public pulls python:3.1x-slim-bookworm instead.
+BUILDAH ?= /usr/bin/buildah
+MMDEBSTRAP ?= /usr/bin/mmdebstrap
+IMAGE_BASES ?= local
+
+$(BUILDAH) $(MMDEBSTRAP):
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(notdir $@) || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(notdir $@))
+
+.PHONY: images
+images: $(VENVS)/control/.synced $(VENVS)/trainer/.synced $(BUILDAH) $(if $(filter local,$(IMAGE_BASES)),$(MMDEBSTRAP))  ## build the control, trainer and CPU serving images (buildah) and smoke-run each on the tiny model (~40 min on 2 cores; run before every release, not in CI)
+	$(CONTROL) tools/images.py --bases $(IMAGE_BASES) --python3.12 "$(PY312)" --python3.11 "$(PY311)" --torch-wheels $(TORCH_WHEELS)

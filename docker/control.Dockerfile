@@ -1,7 +1,12 @@
 # control: Airflow (scheduler, API server, workers) + the light loraflow steps.
 # Build from the repository root:  docker build -f docker/control.Dockerfile -t loraflow/control .
 # Same recipe as `make envs`: the environment is exactly envs/control.lock.
-FROM python:3.12-slim
+# PYTHON312_IMAGE: the base, python:3.12-slim-bookworm unless given (`make images` passes a local one
+# made from Debian's packages where no registry can be reached: docker/local-base.sh).
+ARG PYTHON312_IMAGE=python:3.12-slim-bookworm
+FROM ${PYTHON312_IMAGE}
+# No uv cache in the image (it would double the environment's layer); copies, not hard links, across layers.
+ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow
 COPY envs/control.lock envs/control.lock
@@ -20,4 +25,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     LORAFLOW_ENVS_DIR=/opt
 # The local launcher finds this environment's interpreter at $LORAFLOW_ENVS_DIR/control/bin/python.
 RUN ln -s /opt/venv /opt/control
+# Airflow runs as uid 50000 (gid 0), as in Airflow's own image: a home, and AIRFLOW_HOME writable for its
+# logs and config (the DAG and spec folders stay root's, read-only).
+RUN useradd --uid 50000 --gid 0 --create-home --home-dir /home/airflow airflow && chown airflow:0 /opt/airflow
+ENV AIRFLOW_HOME=/opt/airflow
 USER 50000

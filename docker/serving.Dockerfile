@@ -8,15 +8,21 @@
 #   tpu   envs/serving-tpu.lock   Python 3.12  vllm-tpu + tpu-inference (JAX, libtpu), for TPU hosts
 #   cuda  envs/serving-cuda.lock  Python 3.12  vllm + its CUDA torch, for NVIDIA GPU machines
 # A spec says which build its evaluate image is with compute.<stage>.serving_build (docs/production.md).
+# PYTHON311_IMAGE / PYTHON312_IMAGE: the bases, python:3.1x-slim-bookworm unless given (`make images` passes
+# local ones made from Debian's packages where no registry can be reached: docker/local-base.sh).
 ARG SERVING_BUILD=cpu
-FROM python:3.11-slim AS base-cpu
-FROM python:3.12-slim AS base-tpu
-FROM python:3.12-slim AS base-cuda
+ARG PYTHON311_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON312_IMAGE=python:3.12-slim-bookworm
+FROM ${PYTHON311_IMAGE} AS base-cpu
+FROM ${PYTHON312_IMAGE} AS base-tpu
+FROM ${PYTHON312_IMAGE} AS base-cuda
 # Triton (vLLM's CUDA kernels) compiles a small C launcher on the machine the first time it runs.
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 FROM base-${SERVING_BUILD}
 ARG SERVING_BUILD
+# No uv cache in the image (it would double the environment's layer); copies, not hard links, across layers.
+ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow
 COPY envs/serving.lock envs/serving-tpu.lock envs/serving-cuda.lock envs/

@@ -2,7 +2,12 @@
 # Build from the repository root:  docker build -f docker/trainer.Dockerfile -t loraflow/trainer .
 # Same recipe as `make envs`: the environment is exactly envs/trainer.lock (maxtext[tpu] brings libtpu).
 # Vertex AI / GKE run: python -m loraflow.steps.<stage> --output gs://... --input NAME=gs://... (see `loraflow plan`).
-FROM python:3.12-slim
+# PYTHON312_IMAGE: the base, python:3.12-slim-bookworm unless given (`make images` passes a local one
+# made from Debian's packages where no registry can be reached: docker/local-base.sh).
+ARG PYTHON312_IMAGE=python:3.12-slim-bookworm
+FROM ${PYTHON312_IMAGE}
+# No uv cache in the image (it would double the environment's layer); copies, not hard links, across layers.
+ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow
 COPY envs/trainer.lock envs/trainer.lock

@@ -242,7 +242,8 @@ def test_make_lock_resolves_every_lock_and_the_dockerfile_installs_each_build() 
     dockerfile = (REPO / "docker/serving.Dockerfile").read_text()
     assert "ARG SERVING_BUILD=cpu" in dockerfile  # the CPU build stays the default
     for build in machines.SERVING_BUILDS:
-        assert f"FROM python:{'3.11' if build == 'cpu' else '3.12'}-slim AS base-{build}" in dockerfile
+        base = "PYTHON311_IMAGE" if build == "cpu" else "PYTHON312_IMAGE"  # python:3.1x-slim-bookworm (test_images.py)
+        assert f"FROM ${{{base}}} AS base-{build}" in dockerfile
 
 
 def test_the_accelerator_builds_install_what_loraflows_evaluate_step_needs() -> None:
