@@ -1,14 +1,18 @@
 """``compute.<stage>``: where one stage runs. One config class per launcher, told apart by ``launcher``.
 
 Each class holds exactly the keys its launcher reads (``loraflow/launchers/<name>.py``), so a Vertex AI
-key under a GKE stage is refused as unknown instead of being silently ignored. A new launcher adds
-its class here and to ``ComputeSpec``; ``loraflow/launchers/registry.py`` maps the name to its code.
+key under a GKE stage is refused as unknown instead of being silently ignored. A class's ``launcher``
+``Literal`` is the one place its name is written: a new launcher adds its class here and to
+``AnyCompute``; the names, the tagged union the schema validates and its error follow from them
+(``loraflow/launchers/registry.py`` maps each class to its code).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Mapping
-from typing import Annotated, Any, Literal
+from functools import reduce
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
@@ -16,9 +20,11 @@ from loraflow.spec import env_rules, machines
 from loraflow.spec import resource_names as rn
 from loraflow.spec.fields import EnvValue, Image, Region, SpecModel, StepEnvName
 
+_LAUNCHER_HELP = "where the stage runs; each launcher takes only its own keys, below"
+
 
 class _Compute(SpecModel):
-    launcher: str = Field("local", description="where the stage runs: local, vertex or gke")
+    launcher: str = Field(description=_LAUNCHER_HELP)
     hosts: int = Field(1, ge=1, description="processes (TPU hosts) the stage runs on")
     env: Annotated[dict[StepEnvName, EnvValue], AfterValidator(env_rules.check_step_env)] = Field(
         default_factory=dict,
@@ -31,7 +37,7 @@ class _Compute(SpecModel):
 class LocalCompute(_Compute):
     """The step program runs as a child process of the Airflow worker, in its environment's interpreter."""
 
-    launcher: Literal["local"] = Field("local", description="where the stage runs: local, vertex or gke")
+    launcher: Literal["local"] = Field("local", description=_LAUNCHER_HELP)
 
     @model_validator(mode="after")
     def _one_process(self) -> LocalCompute:
@@ -74,7 +80,7 @@ class _RemoteCompute(_Compute):
 class VertexCompute(_RemoteCompute):
     """A Vertex AI CustomJob (loraflow/launchers/vertex.py)."""
 
-    launcher: Literal["vertex"] = Field(description="where the stage runs: local, vertex or gke")
+    launcher: Literal["vertex"] = Field(description=_LAUNCHER_HELP)
     region: Region | None = Field(None, description="Google Cloud region of the job, e.g. us-central1")
     network: Annotated[str, AfterValidator(rn.check_network)] | None = Field(
         None, description="VPC network to peer the job with, projects/PROJECT_NUMBER/global/networks/NAME"
@@ -99,7 +105,7 @@ class VertexCompute(_RemoteCompute):
 class GkeCompute(_RemoteCompute):
     """A JobSet on a GKE cluster (loraflow/launchers/gke.py)."""
 
-    launcher: Literal["gke"] = Field(description="where the stage runs: local, vertex or gke")
+    launcher: Literal["gke"] = Field(description=_LAUNCHER_HELP)
     namespace: Annotated[str, AfterValidator(rn.check_k8s_label)] | None = Field(
         None, description="Kubernetes namespace of the JobSet (default: default)"
     )
@@ -111,31 +117,48 @@ class GkeCompute(_RemoteCompute):
     )
 
 
-COMPUTE_CLASSES: tuple[type[_Compute], ...] = (LocalCompute, VertexCompute, GkeCompute)
-LAUNCHER_NAMES = (
-    "local",
-    "vertex",
-    "gke",
-)  # the tags of ComputeSpec, in the order the docs list them (and the error above)
+RemoteCompute = VertexCompute | GkeCompute
+AnyCompute = LocalCompute | VertexCompute | GkeCompute  # every launcher's config, in the order the docs list them
+COMPUTE_CLASSES: tuple[type[_Compute], ...] = get_args(AnyCompute)
+
+
+def launcher_name(config: type[_Compute]) -> str:
+    """The ``launcher`` value that picks ``config``: the one value of its ``Literal``."""
+    (name,) = get_args(config.model_fields["launcher"].annotation)
+    return str(name)
+
+
+LAUNCHER_NAMES = tuple(launcher_name(config) for config in COMPUTE_CLASSES)
+DEFAULT_LAUNCHER = str(LocalCompute.model_fields["launcher"].default)
 
 
 def _launcher_of(value: Any) -> str:
     """The tag of a compute entry: its ``launcher`` (default local). An unknown name is left to pydantic,
     whose error lists the known ones."""
-    launcher = value.get("launcher", "local") if isinstance(value, dict) else getattr(value, "launcher", "local")
+    launcher = (
+        value.get("launcher", DEFAULT_LAUNCHER)
+        if isinstance(value, dict)
+        else getattr(value, "launcher", DEFAULT_LAUNCHER)
+    )
     return str(launcher)
 
 
-ComputeSpec = Annotated[
-    Annotated[LocalCompute, Tag("local")] | Annotated[VertexCompute, Tag("vertex")] | Annotated[GkeCompute, Tag("gke")],
-    Discriminator(
-        _launcher_of,
-        custom_error_type="unknown_launcher",
-        custom_error_message="unknown launcher; use 'local', 'vertex' or 'gke'",
-    ),
-]
-RemoteCompute = VertexCompute | GkeCompute
-AnyCompute = LocalCompute | VertexCompute | GkeCompute
+def _quoted_choice(names: tuple[str, ...]) -> str:
+    quoted = [repr(name) for name in names]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+if TYPE_CHECKING:
+    ComputeSpec = AnyCompute
+else:  # each config tagged with its launcher's name, told apart by ``_launcher_of``
+    ComputeSpec = Annotated[
+        reduce(operator.or_, (Annotated[config, Tag(launcher_name(config))] for config in COMPUTE_CLASSES)),
+        Discriminator(
+            _launcher_of,
+            custom_error_type="unknown_launcher",
+            custom_error_message=f"unknown launcher; use {_quoted_choice(LAUNCHER_NAMES)}",
+        ),
+    ]
 
 
 def tagged_build(image: str) -> machines.ServingBuild | None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from loraflow.spec.compute import COMPUTE_CLASSES, LAUNCHER_NAMES
+from loraflow.spec.compute import COMPUTE_CLASSES, DEFAULT_LAUNCHER, LAUNCHER_NAMES, launcher_name
 from loraflow.spec.schema import STAGES, ParamSpec, PipelineSpec
 
 HEADER = """# Pipeline spec reference
@@ -110,9 +110,9 @@ def _sections(model: type[BaseModel], prefix: str) -> list[str]:
 
 def _launcher_tables() -> list[str]:
     out: list[str] = []
-    for name, model in zip(LAUNCHER_NAMES, COMPUTE_CLASSES, strict=True):
+    for model in COMPUTE_CLASSES:
         doc = (model.__doc__ or "").strip().splitlines()
-        out += ["", f"### `launcher: {name}`", *([doc[0], ""] if doc else []), *_table(model, "")]
+        out += ["", f"### `launcher: {launcher_name(model)}`", *([doc[0], ""] if doc else []), *_table(model, "")]
     return out
 
 
@@ -122,8 +122,8 @@ def render() -> str:
         "",
         "## `compute.<stage>`",
         f"Keys: `default` or a stage: {', '.join(f'`{s}`' for s in STAGES)}. A stage without an entry uses `default`.",
-        "Its `launcher` decides which keys it takes: each launcher has its own below, and a key of another",
-        "launcher is refused.",
+        f"Its `launcher` ({', '.join(f'`{name}`' for name in LAUNCHER_NAMES)}; default `{DEFAULT_LAUNCHER}`) decides "
+        "which keys it takes: each launcher has its own below, and a key of another launcher is refused.",
         *_launcher_tables(),
         "",
         "## `params[]`",
