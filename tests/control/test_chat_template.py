@@ -223,8 +223,10 @@ def test_a_refusal_quotes_at_most_60_characters_of_a_piece(text: str, head: str,
 
 def test_raise_exception_in_a_template_names_its_message() -> None:
     strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}" + CHATML
-    with pytest.raises(ct.ChatTemplateError, match="refused the conversation: no system turns"):
+    with pytest.raises(ct.ChatTemplateError, match="refused the conversation: no system turns") as info:
         ct.pieces(template(strict), normalised(CHAT_WITH_SYSTEM))
+    # not a broken bound (TemplateBoundError): validate_data goes on and names every row the template refuses
+    assert type(info.value) is ct.ChatTemplateError
 
 
 @pytest.mark.parametrize(
