@@ -254,6 +254,14 @@ TARGETS: dict[str, Target] = {
             "tests/control/test_hostile_specs.py::test_a_hostile_value_is_refused_naming_its_key_and_the_rule",
         ],
     ),
+    # What each stage reports to OpenLineage (the stage operators' hooks send it through operators/lineage.py).
+    "lineage": Target(
+        "control",
+        ["loraflow/pipeline/lineage.py"],
+        ["tests/control/test_lineage.py"],
+        # two Airflow imports in child processes (seconds); it pins the provider's switch, not this module
+        deselect=["tests/control/test_lineage.py::test_lineage_is_off_until_the_openlineage_provider_is_configured"],
+    ),
     # Last: the longest list of test files.
     "spec": Target(
         "control",

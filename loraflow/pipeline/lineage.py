@@ -152,14 +152,14 @@ def _registry_version(manifest: Mapping[str, Any], summary: Mapping[str, Any]) -
     config = manifest["config"]
     uri = store.version_uri(str(config["registry_uri"]), str(config["pipeline"]), number)
     namespace, path = dataset_id(uri)
-    model = dict(manifest["inputs"]).get("model") or {}
+    model = str(summary["model_manifest"])  # the model input's, or (a publish by hand) its config's
     facet = {
         "version": number,
         "pipeline": config["pipeline"],
         "registry": config["registry_uri"],
-        "model": dataset_uri(str(model["uri"])) if model else None,
-        "model_manifest": summary.get("model_manifest"),
-        "model_fingerprint": model.get("fingerprint"),
+        "model": dataset_uri(model),
+        "model_manifest": model,
+        "model_fingerprint": (dict(manifest["inputs"]).get("model") or {}).get("fingerprint"),
         "vertex_model": summary.get("vertex_model"),
     }
     return Dataset(namespace, path, version=str(number), facets={"model_version": facet})

@@ -68,7 +68,7 @@ def validate_data_manifest(**more: Any) -> dict[str, Any]:
         "eval": source("gs://lake/datasets/parity/eval.jsonl"),
         "tokenizer": source("gs://lake/sources/tiny/"),
     }
-    return manifest("validate_data", inputs, **more)
+    return manifest("validate_data", inputs, **{"config": {"max_seq_len": 256}, **more})
 
 
 def publish_manifest(summary: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -86,6 +86,7 @@ def publish_manifest(summary: dict[str, Any] | None = None) -> dict[str, Any]:
 def test_a_dataset_is_named_by_its_bucket_and_object_path_and_a_manifest_by_its_artifact() -> None:
     assert lineage.dataset_id("gs://lake/datasets/parity/train.jsonl") == ("gs://lake", "datasets/parity/train.jsonl")
     assert lineage.dataset_id("gs://lake/sources/tiny/") == ("gs://lake", "sources/tiny")
+    assert lineage.dataset_id("gs://lake/sources/tinyX/") == ("gs://lake", "sources/tinyX")
     assert lineage.dataset_id(f"{RUN}/lora_sft/_MANIFEST.json") == ("gs://lake", "artifacts/tiny/run-1/lora_sft")
     assert lineage.dataset_uri(f"{RUN}/lora_sft/_MANIFEST.json") == f"{RUN}/lora_sft"
     with pytest.raises(ArtifactError, match="not a gs:// URI"):
@@ -130,7 +131,7 @@ def test_an_output_carries_its_fingerprint_size_and_every_files_checksum() -> No
         "cached": True,
         "cache_key": "key-validate_data",
         "lock_version": "lock16",
-        "config": {},
+        "config": {"max_seq_len": 256},
     }
 
 
@@ -191,6 +192,13 @@ def test_publish_reports_the_registry_version_it_registered_and_the_model_it_is(
     assert vertex.outputs[1].facets["model_version"]["vertex_model"] == "m@2"
 
 
+def test_a_publish_by_hand_names_the_model_its_config_gave() -> None:
+    """``loraflow`` run by hand: publish's model comes from its config (``model_manifest``), not an input."""
+    by_hand = {**publish_manifest(), "inputs": {"decision": {"uri": f"{RUN}/gate/_MANIFEST.json", "fingerprint": "g"}}}
+    facet = lineage.stage_lineage(by_hand, cached=False).outputs[1].facets["model_version"]
+    assert (facet["model"], facet["model_fingerprint"]) == (f"{RUN}/merge_adapter", None)
+
+
 @pytest.mark.parametrize(
     "summary",
     [{"promoted": False, "reason": "not better"}, {"promoted": True}, {"promoted": True, "version": True}],
@@ -218,6 +226,8 @@ def test_a_handoff_dataset_version_is_named_on_the_inputs_that_lie_in_it() -> No
     [
         ("gs://lake/handoff/v7/train.jsonl", "gs://lake/handoff", "v7"),
         ("gs://lake/handoff/v7/train.jsonl", "gs://lake/handoff/", "v7"),
+        ("gs://lake/handoff/v7/train/part-0.jsonl", "gs://lake/handoff", "v7"),
+        ("gs://lake/handoffX/v7/train.jsonl", "gs://lake/handoffX", "v7"),
         ("gs://lake/handoff/train.jsonl", "gs://lake/handoff", None),  # no version folder
         ("gs://lake/handoff//train.jsonl", "gs://lake/handoff", None),
         ("gs://lake/handoff-old/v7/train.jsonl", "gs://lake/handoff", None),
@@ -263,7 +273,9 @@ def committed(gcs_bucket: str) -> dict[str, artifacts.Manifest]:
             config=config,
             lock_version="lock16",
             cache_key=f"key-{stage}",
-            summary=SUMMARIES[stage],
+            summary={**SUMMARIES[stage], "model_manifest": done["merge_adapter"].uri}
+            if stage == "publish"
+            else SUMMARIES[stage],
         )
     return done
 
@@ -290,7 +302,7 @@ def test_each_stage_operator_reports_what_its_commit_read_and_wrote(
     out = names(got.outputs)[commit.prefix]
     assert out.facets["version"].datasetVersion == commit.fingerprint
     summary = out.facets[f"loraflow_{BY_NAME[stage].lineage_facet}"]
-    assert (summary.stage, summary.summary) == (stage, SUMMARIES[stage])
+    assert (summary.stage, summary.summary) == (stage, commit.summary)
     assert {f["name"]: {"size": f["size"], "crc32c": f["crc32c"]} for f in out.facets["loraflow_manifest"].files} == (
         commit.files
     )
