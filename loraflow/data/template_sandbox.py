@@ -87,7 +87,7 @@ class _Child:
             self.proc.stdin.write(_HEADER.pack(len(data)) + data)
             self.proc.stdin.flush()
         except OSError:  # it ended
-            self.stop()
+            self.stop(kill=False)
             return None
         if not self.started:  # the first answer also waits for the interpreter and jinja2 to start
             limit_s += START_LIMIT_S
@@ -104,7 +104,7 @@ class _Child:
         self.stop(kill=header is None)
         return None
 
-    def stop(self, kill: bool = False) -> None:
+    def stop(self, *, kill: bool) -> None:
         """End the child: at once (``kill``: it ran over its time), else by closing its input."""
         if kill:
             self.proc.kill()
@@ -162,9 +162,7 @@ def _ask(request: dict[str, Any], what: str, limit_s: float) -> dict[str, Any]:
         from loraflow.data import template_worker
 
         kind = str(answer["error"])
-        message = _MESSAGES[kind].format(
-            detail=answer.get("detail", ""), limit=template_worker.MEMORY_HEADROOM // 2**20
-        )
+        message = _MESSAGES[kind].format(detail=answer["detail"], limit=template_worker.MEMORY_HEADROOM // 2**20)
         raise SandboxError(message, kind)
     return answer
 

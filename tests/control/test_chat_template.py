@@ -274,10 +274,8 @@ def test_a_template_bomb_is_refused_by_the_spec_within_seconds(name: str) -> Non
     """Jinja folds constants while it compiles; the spec check compiles and tries each inline template in a
     child capped in memory and time, so a hostile spec is refused instead of holding the DAG processor."""
     source, words = BOMBS[name]
-    started = time.monotonic()
-    with pytest.raises(ValidationError, match=re.escape(words)):
+    with pytest.raises(ValidationError, match=re.escape(words)):  # its own refusal, not the time bound's
         DataSpec(train="gs://bkt/t.jsonl", eval="gs://bkt/e.jsonl", chat_template=source)
-    assert time.monotonic() - started < 4.0  # the 5 s bound never had to act
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(ct.TemplateBoundError, match=re.escape(words)):
         ct.render(template(source), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
@@ -292,12 +290,13 @@ def test_nested_loops_beyond_what_python_compiles_are_refused_in_one_line() -> N
 
 
 def test_a_slow_template_with_little_output_is_stopped_by_the_time_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    ct.render(template(CHATML), normalised(PROMPT_COMPLETION), add_generation_prompt=True)  # started
     monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 1.0)
     slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
     started = time.monotonic()
     with pytest.raises(ct.TemplateBoundError, match="took more than 1 s to render one conversation"):
         ct.render(template(slow), normalised(PROMPT_COMPLETION), add_generation_prompt=True)
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 20.0  # the loop alone runs for hours
     # the next conversation gets a fresh child and renders as before
     assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), add_generation_prompt=True).startswith("<|im_")
 
@@ -320,7 +319,7 @@ def test_whatever_a_template_raises_while_rendering_is_the_templates_failure(sou
 def fresh_renderer() -> Iterator[None]:
     """The next request starts a new child (each test's bounds then apply from its start)."""
     if template_sandbox._child is not None:
-        template_sandbox._child.stop()
+        template_sandbox._child.stop(kill=False)
     template_sandbox._child = None
     yield
 
@@ -341,14 +340,41 @@ def test_the_renderer_is_given_no_environment(monkeypatch: pytest.MonkeyPatch, f
 
 
 def test_the_time_bound_counts_from_a_started_renderer(monkeypatch: pytest.MonkeyPatch, fresh_renderer: None) -> None:
-    """The interpreter's start is not the template's time; once started, a quick template meets a tight bound."""
+    """The interpreter's start is not the template's time: the first answer may take both bounds."""
     monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 0.0)
     monkeypatch.setattr(template_sandbox, "START_LIMIT_S", 60.0)
     assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
-    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 30.0)
+    template_sandbox._child.stop(kill=False)  # type: ignore[union-attr]
+    template_sandbox._child = None
+    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 60.0)
     monkeypatch.setattr(template_sandbox, "START_LIMIT_S", 0.0)
-    for _ in range(3):
-        assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
+    assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
+
+
+@pytest.mark.parametrize(("what", "call"), [("compile", "compile"), ("render one conversation", "render")])
+def test_an_answer_past_the_bound_is_refused_naming_what_took_too_long(
+    monkeypatch: pytest.MonkeyPatch, what: str, call: str
+) -> None:
+    """With no time left the answer is never waited for (deterministic: no clock race in the test)."""
+    ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True)  # started
+    monkeypatch.setattr(template_sandbox, "TIME_LIMIT_S", 0.0)
+    with pytest.raises(template_sandbox.SandboxError) as info:
+        if call == "compile":
+            template_sandbox.compile_check(CHATML + " ", ct.MAX_RENDER_CHARS)
+        else:
+            template_sandbox.render_many(CHATML, {}, [(normalised(PROMPT_COMPLETION), True)], ct.MAX_RENDER_CHARS)
+    assert str(info.value) == (
+        f"the chat template took more than 0 s to {what}; a chat template writes the turns it is given, "
+        "not loops or computations of its own"
+    )
+    assert info.value.kind == "time"
+
+
+def test_a_long_answer_crosses_the_pipe_whole() -> None:
+    """Answers longer than a pipe's buffer arrive in pieces; all of them make the text."""
+    long = "".join(f"{i:07d}" for i in range(400_000))  # 2.8 MB
+    text = ct.render(template("{{ messages[0]['content'] }}"), [{"role": "user", "content": long}], True)
+    assert text == long
 
 
 def test_a_warm_renderer_answers_within_a_tight_bound(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,9 +400,12 @@ def test_a_renderer_that_ends_is_named_and_the_next_request_gets_a_new_one(
     child = template_sandbox._child
     assert child is not None
     threading.Timer(0.5, os.kill, (child.proc.pid, signal.SIGTERM)).start()
-    with pytest.raises(ct.TemplateBoundError, match=r"ended the process rendering it \(exit -15\)") as info:
+    with pytest.raises(ct.TemplateBoundError) as info:
         ct.render(template(slow), normalised(PROMPT_COMPLETION), True)
-    assert "took more than" not in str(info.value)
+    assert str(info.value) == (
+        "the chat template ended the process rendering it (exit -15) when asked to render one conversation; "
+        "a chat template writes the turns it is given: simplify it"
+    )
     assert ct.render(template(CHATML), normalised(PROMPT_COMPLETION), True).startswith("<|im_")
     assert template_sandbox._child is not child
 
