@@ -46,10 +46,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from loraflow.launchers.registry import LAUNCHERS
     from loraflow.pipeline.plan import describe
     from loraflow.spec.schema import load_spec
 
     plan = describe(load_spec(args.spec), args.run_id)
+    requests = [launcher.plan_request for launcher in LAUNCHERS.values() if launcher.plan_request]
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
@@ -59,14 +61,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\n{s['stage']}  (after: {after}; env: {s['environment']}; launcher: {s['launcher']})")
         print(f"  output: {s['output']}/")
         print("  argv:   " + " ".join(_quote(a) for a in s["argv"]))
-        if "vertex_create_request" in s:
-            request = json.dumps(s["vertex_create_request"], indent=2).replace("\n", "\n  ")
-            print("  Vertex AI CustomJob create request (not sent; CACHE_KEY and LOCK are filled in at run time):")
-            print("  " + request)
-        if "gke_jobset" in s:
-            jobset = json.dumps(s["gke_jobset"], indent=2).replace("\n", "\n  ")
-            print("  GKE JobSet (not sent; CACHE_KEY and LOCK are filled in at run time):")
-            print("  " + jobset)
+        for request in (r for r in requests if r.key in s):
+            print(f"  {request.title} (not sent; CACHE_KEY and LOCK are filled in at run time):")
+            print("  " + json.dumps(s[request.key], indent=2).replace("\n", "\n  "))
     return 0
 
 

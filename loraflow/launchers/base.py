@@ -5,7 +5,8 @@ JobSet) with the same argv, streams or points at its output, and can be killed. 
 can also hand its job to Airflow's triggerer: ``submit`` starts (or reattaches to) the job and says
 what the trigger must watch; ``failure`` turns the trigger's event into the job's own error.
 Nobody outside ``loraflow/launchers/`` branches on a launcher's name: they ask the launcher
-(``loraflow/launchers/registry.py`` maps ``compute.<stage>.launcher`` to its class).
+(``loraflow/launchers/registry.py`` maps ``compute.<stage>.launcher`` to its class). A launcher class
+names its config class (and so its name), its trigger and the request ``loraflow plan`` shows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from loraflow.errors import LoraflowError, StepError
+from loraflow.spec.compute import launcher_name
 
 if TYPE_CHECKING:
     from loraflow.launchers.environments import Environment
@@ -58,6 +60,14 @@ class WorkloadFailure:
     users: bool
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """The request a remote launcher would send, as ``loraflow plan`` shows it (not sent)."""
+
+    key: str  # its key in a stage of ``loraflow plan --json``
+    title: str  # how ``loraflow plan`` titles it
+
+
 WorkloadSink = Callable[[Workload], None]
 
 
@@ -68,8 +78,16 @@ def ignore_workload(_: Workload) -> None:
 class Launcher(ABC):
     """Runs one stage's step program; one subclass per ``compute.<stage>.launcher``."""
 
-    name: ClassVar[str]  # the spec's launcher name
+    config: ClassVar[type[AnyCompute]]  # its ``compute.<stage>`` class (loraflow/spec/compute.py)
+    name: ClassVar[str]  # the spec's launcher name: its config's ``launcher``
     where: ClassVar[str]  # how the task log names the place: "on Vertex AI"
+    trigger: ClassVar[str | None] = None  # the class path of the Airflow trigger that watches its job
+    plan_request: ClassVar[PlanRequest | None] = None  # what ``loraflow plan`` shows of its request
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "config" in vars(cls):
+            cls.name = launcher_name(cls.config)
 
     def __init__(self, compute: AnyCompute, identity: JobIdentity, output_prefix: str) -> None:
         self.compute = compute
@@ -126,8 +144,12 @@ class Launcher(ABC):
         return WorkloadFailure(StepError(str(event.get("message") or "the job failed")), users=False)
 
     def describe(self, argv: Sequence[str]) -> dict[str, Any]:
-        """What ``loraflow plan`` shows of the request this launcher would send, keyed by what it is."""
-        return {}
+        """What ``loraflow plan`` shows of the request this launcher would send, under ``plan_request.key``."""
+        return {self.plan_request.key: self.request(argv)} if self.plan_request else {}
+
+    def request(self, argv: Sequence[str]) -> dict[str, Any]:
+        """The request ``plan_request`` names, as it would be sent for ``argv``."""
+        raise LoraflowError(f"the {self.name} launcher sends no request")
 
 
 class RemoteLauncher(Launcher):

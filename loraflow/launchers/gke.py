@@ -27,7 +27,7 @@ from typing import Any
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launchers import gke_jobset as gke
 from loraflow.launchers import vertex_job as vertex
-from loraflow.launchers.base import LineSink, RemoteLauncher, Workload, WorkloadFailure
+from loraflow.launchers.base import LineSink, PlanRequest, RemoteLauncher, Workload, WorkloadFailure
 from loraflow.launchers.identity import JobIdentity
 from loraflow.spec.compute import GkeCompute
 
@@ -57,8 +57,10 @@ def poll_backoff(exc: BaseException, errors: int, poll_seconds: float, api_error
 class GkeLauncher(RemoteLauncher):
     """Runs one stage as a JobSet on a GKE cluster."""
 
-    name = "gke"
+    config = GkeCompute
     where = "on GKE"
+    trigger = "operators.triggers.gke.GkeJobSetTrigger"
+    plan_request = PlanRequest("gke_jobset", "GKE JobSet")
     compute: GkeCompute
 
     def __init__(
@@ -145,8 +147,8 @@ class GkeLauncher(RemoteLauncher):
             error = self.explain("read", code if isinstance(code, int) else None, message)
         return WorkloadFailure(error, users=code in USERS_STATUSES)
 
-    def describe(self, argv: Sequence[str]) -> dict[str, Any]:
-        return {"gke_jobset": gke.jobset(self.compute, self.identity, argv, self.compute.env)}
+    def request(self, argv: Sequence[str]) -> dict[str, Any]:
+        return gke.jobset(self.compute, self.identity, argv, self.compute.env)
 
     def _create_or_reattach(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str]) -> str:
         """Create the JobSet, or reattach to the one this run and stage created before (pending, running

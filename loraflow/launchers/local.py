@@ -27,6 +27,7 @@ from loraflow.launchers.base import STEP_ENV, Launcher, LineSink, WorkloadSink, 
 from loraflow.launchers.credentials import Redactor
 from loraflow.launchers.environments import REPO_ROOT
 from loraflow.launchers.forked_step import ForkedStep, fork_target
+from loraflow.spec.compute import LocalCompute
 
 if TYPE_CHECKING:
     from loraflow.launchers.environments import Environment
@@ -110,14 +111,13 @@ class LocalLauncher(Launcher):
     a lost worker, the OOM killer), the step and everything it started are killed with SIGKILL
     (``loraflow/launchers/step_supervisor.py``), so a retry never runs beside a step of the try before."""
 
-    name = "local"
+    config = LocalCompute
     where = "locally"
 
     def __init__(
         self, compute: AnyCompute | None = None, identity: JobIdentity | None = None, output_prefix: str = ""
     ) -> None:
         from loraflow.launchers.identity import JobIdentity
-        from loraflow.spec.compute import LocalCompute
 
         super().__init__(compute or LocalCompute(), identity or JobIdentity("", "", "", ""), output_prefix)
         self._proc: subprocess.Popen[str] | ForkedStep | None = None

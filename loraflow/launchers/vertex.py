@@ -26,7 +26,7 @@ from typing import Any
 from loraflow.errors import LoraflowError, StepError
 from loraflow.launchers import vertex_errors
 from loraflow.launchers import vertex_job as vertex
-from loraflow.launchers.base import LineSink, RemoteLauncher, Workload, WorkloadFailure
+from loraflow.launchers.base import LineSink, PlanRequest, RemoteLauncher, Workload, WorkloadFailure
 from loraflow.launchers.identity import JobIdentity
 from loraflow.spec.compute import VertexCompute
 from loraflow.spec.resource_names import vertex_api_host
@@ -48,8 +48,10 @@ def state_name(state: Any) -> str:
 class VertexLauncher(RemoteLauncher):
     """Runs one stage as a Vertex AI CustomJob."""
 
-    name = "vertex"
+    config = VertexCompute
     where = "on Vertex AI"
+    trigger = "operators.triggers.vertex.VertexJobTrigger"
+    plan_request = PlanRequest("vertex_create_request", "Vertex AI CustomJob create request")
     compute: VertexCompute
 
     def __init__(
@@ -127,11 +129,8 @@ class VertexLauncher(RemoteLauncher):
         error = StepError(self.job_failure(name, state, code, message))
         return WorkloadFailure(error, users=vertex_errors.classify(code, message, job_failed=True).users)
 
-    def describe(self, argv: Sequence[str]) -> dict[str, Any]:
-        env = self.compute.env
-        return {
-            "vertex_create_request": vertex.create_request(self.compute, self.identity, argv, self.output_prefix, env)
-        }
+    def request(self, argv: Sequence[str]) -> dict[str, Any]:
+        return vertex.create_request(self.compute, self.identity, argv, self.output_prefix, self.compute.env)
 
     def _submit_or_reattach(self, argv: Sequence[str], sink: LineSink, extra_env: Mapping[str, str]) -> Any:
         """Reattach to this stage's live or succeeded job, else submit one; the job (SDK message)."""

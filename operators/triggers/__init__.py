@@ -8,8 +8,8 @@ deferred task failed or succeeded, or clears it, Airflow calls ``on_kill`` and t
 workload keeps running and the trigger resumes polling it wherever it is re-created from
 ``serialize()``.
 
-``TRIGGERS`` maps a launcher's name to its trigger class; the launcher's ``submit`` says what to watch
-(``loraflow.launchers.base.Workload.trigger``). A trigger's class path is stored in the triggerer's
+A launcher class names its trigger's class path (``loraflow.launchers.base.Launcher.trigger``) and its
+``submit`` says what to watch (``loraflow.launchers.base.Workload.trigger``). A trigger's class path is stored in the triggerer's
 database while a task is deferred: every path a released version wrote keeps importing here
 (``operators.triggers.VertexJobTrigger`` and ``operators.triggers.GkeJobSetTrigger`` from before the
 split into modules), so an upgrade does not strand a running job.
@@ -17,8 +17,10 @@ split into modules), so an upgrade does not strand a running job.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
+from loraflow.launchers.registry import LAUNCHERS
 from operators.triggers.gke import GkeJobSetTrigger
 from operators.triggers.vertex import VertexJobTrigger
 
@@ -27,11 +29,19 @@ if TYPE_CHECKING:
 
     from loraflow.launchers.base import Workload
 
-__all__ = ["TRIGGERS", "GkeJobSetTrigger", "VertexJobTrigger", "trigger_for"]
+__all__ = ["GkeJobSetTrigger", "VertexJobTrigger", "trigger_class", "trigger_for"]
 
-TRIGGERS: dict[str, type[BaseTrigger]] = {"vertex": VertexJobTrigger, "gke": GkeJobSetTrigger}
+
+def trigger_class(launcher: str) -> type[BaseTrigger]:
+    """The trigger class the launcher ``launcher`` names (its class path, as the triggerer stores it)."""
+    path = LAUNCHERS[launcher].trigger
+    if path is None:
+        raise TypeError(f"the {launcher} launcher has no trigger: its tasks cannot defer")
+    module, _, name = path.rpartition(".")
+    cls: type[BaseTrigger] = getattr(importlib.import_module(module), name)
+    return cls
 
 
 def trigger_for(launcher: str, workload: Workload) -> BaseTrigger:
     """The trigger that watches ``workload``, a job the launcher ``launcher`` submitted."""
-    return TRIGGERS[launcher](**workload.trigger, poll_seconds=workload.poll_seconds)
+    return trigger_class(launcher)(**workload.trigger, poll_seconds=workload.poll_seconds)
