@@ -193,11 +193,11 @@ import sys, time
 from pathlib import Path
 from airflow.dag_processing.dagbag import DagBag
 DagBag(dag_folder=sys.argv[1])
-t = time.perf_counter(); from loraflow import spec_cache as C; from operators import dag_factory as F
+t = time.perf_counter(); from loraflow.spec import cache as C; from operators import dag_factory as F
 imports = time.perf_counter() - t
 files = C.discover(sys.argv[2])
 t = time.perf_counter(); cached = [C.compiled(p) for p in files]; read = time.perf_counter() - t
-t = time.perf_counter(); from loraflow import plan, spec; imports_validation = time.perf_counter() - t
+t = time.perf_counter(); from loraflow.pipeline import plan; from loraflow.spec import schema; imports_validation = time.perf_counter() - t
 texts = [p.read_bytes() for p in files]
 t = time.perf_counter(); fresh = [C.compile_spec(x, p) for x, p in zip(texts, files)]; validate = time.perf_counter() - t
 assert fresh == cached

@@ -156,6 +156,11 @@ def _dag_breakdown(bd: dict) -> list[str]:
     """Where the 52-spec parse's time goes, piece by piece (none when the run did not measure it)."""
     if not bd:
         return []
+    if "specs" not in bd:  # the breakdown's own process failed: say so rather than print empty cells
+        return [
+            f"Where the 52-spec parse goes: not measured in this run (the breakdown script exited {bd.get('rc')}).",
+            "",
+        ]
     return [
         "Where the 52-spec parse goes (one control-env process, no profiler, after the warm-up):",
         "",
