@@ -125,10 +125,7 @@ TARGETS: dict[str, Target] = {
             "loraflow.evaluation.guard.*",
             "loraflow.steps._guard.x_load__mutmut_*",
             "loraflow.steps._guard.x_continuations__mutmut_*",
-            *[
-                f"loraflow.steps.gate.x_{f}__mutmut_*"
-                for f in ("load_guard", "_guard_row", "_guard_check")
-            ],
+            *[f"loraflow.steps.gate.x_{f}__mutmut_*" for f in ("load_guard", "_guard_row", "_guard_check")],
         ],
     ),
     # The planning half of the merge; the numerics (merge_lora, the kernel) have their own reference tests.
@@ -194,6 +191,26 @@ TARGETS: dict[str, Target] = {
         ["tests/control/test_dags.py::test_trigger_values_reach_the_resolved_spec"],
         ["operators.stages.x_resolve_spec__mutmut_*"],
     ),
+    # Chat templates: the renderer's rules (train == eval pieces) and the bounded sandbox's parent side
+    # (template_worker.py runs isolated in a child, out of mutmut's reach: its bounds are pinned by behaviour).
+    "chat_template": Target(
+        "control",
+        ["loraflow/data/chat_template.py", "loraflow/data/template_sandbox.py"],
+        ["tests/control/test_chat_template.py"],
+        deselect=[
+            # each runs validate_data (GX, a tokenizer: seconds each); the refusals they reach are pinned above
+            *[
+                f"tests/control/test_chat_template.py::{t}"
+                for t in (
+                    "test_validate_data_hands_the_resolved_template_on",
+                    "test_validate_data_names_the_rows_a_template_refuses",
+                    "test_validate_data_stops_at_the_first_row_a_template_breaks_a_bound_on",
+                    "test_validate_data_refuses_a_named_template_the_tokenizer_lacks",
+                    "test_the_renderer_dies_with_the_process_that_started_it",
+                )
+            ],
+        ],
+    ),
     # Which vLLM build an evaluate stage's image must be (compute.<stage>.serving_build) for what its machine
     # carries, and the lock its cache key holds; the rest of compute.py (each launcher's keys) is test_spec's.
     "serving_builds": Target(
@@ -219,26 +236,6 @@ TARGETS: dict[str, Target] = {
                 "test_make_lock_resolves_every_lock_and_the_dockerfile_installs_each_build",
                 "test_the_environments_ci_and_the_demo_install_only_the_cpu_serving_lock",
             )
-        ],
-    ),
-    # Chat templates: the renderer's rules (train == eval pieces) and the bounded sandbox's parent side
-    # (template_worker.py runs isolated in a child, out of mutmut's reach: its bounds are pinned by behaviour).
-    "chat_template": Target(
-        "control",
-        ["loraflow/data/chat_template.py", "loraflow/data/template_sandbox.py"],
-        ["tests/control/test_chat_template.py"],
-        deselect=[
-            # each runs validate_data (GX, a tokenizer: seconds each); the refusals they reach are pinned above
-            *[
-                f"tests/control/test_chat_template.py::{t}"
-                for t in (
-                    "test_validate_data_hands_the_resolved_template_on",
-                    "test_validate_data_names_the_rows_a_template_refuses",
-                    "test_validate_data_stops_at_the_first_row_a_template_breaks_a_bound_on",
-                    "test_validate_data_refuses_a_named_template_the_tokenizer_lacks",
-                    "test_the_renderer_dies_with_the_process_that_started_it",
-                )
-            ],
         ],
     ),
     # What a spec may put into a step's environment (env_rules) and into MaxText's arguments (override_rules):
