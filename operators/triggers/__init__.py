@@ -1,4 +1,5 @@
-"""Triggers: what a deferred stage waits on in Airflow's triggerer, one module per launcher that can defer.
+"""Triggers: what a deferred stage waits on in Airflow's triggerer, one module per launcher that can defer,
+each a ``WorkloadTrigger`` (``operators/triggers/base.py``: the event, serialization, on_kill) with only its watch.
 
 ``VertexJobTrigger`` polls one Vertex AI CustomJob (``loraflow.launchers.vertex.watch_job``, async REST),
 ``GkeJobSetTrigger`` one JobSet (``loraflow.launchers.gke.watch_jobset``, kubernetes_asyncio), until it

@@ -3,68 +3,36 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
-
 from loraflow.launchers import vertex as launch_vertex
+from operators.triggers.base import Ending, WorkloadTrigger
 
 
-class VertexJobTrigger(BaseTrigger):
+class VertexJobTrigger(WorkloadTrigger):
     """Fires once, when the CustomJob ``job_name`` reaches a terminal state (or cannot be polled)."""
 
+    kind = "Vertex AI job"
+    named_by = ("job_name", "endpoint")
+
     def __init__(self, *, job_name: str, endpoint: str, stage: str, poll_seconds: float = 30.0) -> None:
-        super().__init__()
+        super().__init__(stage=stage, poll_seconds=poll_seconds)
         self.job_name = job_name
         self.endpoint = endpoint
-        self.stage = stage
-        self.poll_seconds = float(poll_seconds)
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            "operators.triggers.vertex.VertexJobTrigger",
-            {
-                "job_name": self.job_name,
-                "endpoint": self.endpoint,
-                "stage": self.stage,
-                "poll_seconds": self.poll_seconds,
-            },
-        )
+    def workload(self) -> str:
+        return self.job_name
 
     def _client(self) -> launch_vertex.AsyncJobClient:
         return launch_vertex.AsyncJobClient(self.endpoint)
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        base = {"job_name": self.job_name, "stage": self.stage}
-        try:
-            job = await launch_vertex.watch_job(self._client(), self.job_name, self.poll_seconds, self.log.info)
-        except Exception as exc:
-            diagnosis = launch_vertex.diagnose(exc)
-            yield TriggerEvent(
-                base
-                | {
-                    "status": "error",
-                    "state": "",
-                    "code": diagnosis.status,
-                    "message": f"polling the job failed: {type(exc).__name__}: {exc}",
-                }
-            )
-            return
-        state = str(job.get("state", ""))
-        error = job.get("error") or {}
-        yield TriggerEvent(
-            base
-            | {
-                "status": "success" if state == launch_vertex.SUCCEEDED else "failed",
-                "state": state,
-                "code": error.get("code"),
-                "message": str(error.get("message", "")),
-            }
-        )
+    async def watch(self) -> Ending:
+        job = await launch_vertex.watch_job(self._client(), self.job_name, self.poll_seconds, self.log.info)
+        state, error = str(job.get("state", "")), job.get("error") or {}
+        return Ending(state, state == launch_vertex.SUCCEEDED, error.get("code"), str(error.get("message", "")))
 
-    async def on_kill(self) -> None:
-        """The user acted on the deferred task: cancel the job (not called on a triggerer restart)."""
-        self.log.info("task cancelled by a user action: cancelling Vertex AI job %s", self.job_name)
+    def unreadable(self, exc: Exception) -> tuple[Any, str]:
+        return launch_vertex.diagnose(exc).status, f"polling the job failed: {type(exc).__name__}: {exc}"
+
+    async def stop(self) -> None:
         await self._client().cancel(self.job_name)
-        self.log.info("cancel requested for %s", self.job_name)

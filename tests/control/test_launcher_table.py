@@ -3,8 +3,10 @@ names that config, its trigger and what ``loraflow plan`` shows (``loraflow/laun
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -67,3 +69,30 @@ def test_plan_prints_each_remote_request_under_its_title(
     assert main(["plan", str(tmp_path / "llama31-8b-lora.yaml"), "--json"]) == 0
     [entry] = [s for s in json.loads(capsys.readouterr().out)["stages"] if s["stage"] == "lora_sft"]
     assert entry["launcher"]["launcher"] == name and isinstance(entry[request.key], dict)
+
+
+UNREACHABLE = {
+    "vertex": {"job_name": "projects/p/locations/us-central1/customJobs/1", "endpoint": "http://127.0.0.1:1"},
+    "gke": {"namespace": "ml", "name": "lf-x", "endpoint": "http://127.0.0.1:1"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNREACHABLE))
+def test_a_trigger_is_only_its_watch_and_fires_one_event_when_its_job_cannot_be_read(name: str) -> None:
+    from operators.triggers import trigger_class
+    from operators.triggers.base import WorkloadTrigger
+
+    cls = trigger_class(name)
+    assert issubclass(cls, WorkloadTrigger) and {"run", "serialize", "on_kill"}.isdisjoint(vars(cls))
+    trigger = cls(**UNREACHABLE[name], stage="lora_sft", poll_seconds=0.01)
+
+    async def events() -> list[dict[str, Any]]:
+        return [dict(event.payload) async for event in trigger.run()]
+
+    [event] = asyncio.run(events())
+    assert event["status"] == "error" and event["state"] == "" and event["stage"] == "lora_sft"
+    assert event["job_name"] == trigger.workload() and "failed" in event["message"]
+    assert trigger.serialize() == (
+        LAUNCHERS[name].trigger,
+        {**UNREACHABLE[name], "stage": "lora_sft", "poll_seconds": 0.01},
+    )
