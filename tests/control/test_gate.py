@@ -243,8 +243,9 @@ def test_a_champion_not_beaten_refuses_promotion(measured: float | None, fingerp
 
 
 def test_a_refused_decision_says_what_the_champion_comparison_found() -> None:
-    judged = gate_rule.against_champion(REFUSED, champion(0.1), "fp-new", "eval-fp")
+    judged = gate_rule.against_champion(REFUSED, champion(0.1, recorded=0.2, recorded_figure=0.2), "fp-new", "x")
     assert judged.decision.promote is False and judged.record is not None and judged.record["beaten"] is True
+    assert len(judged.notes) == 2  # what it records and its other eval set are noted whatever the verdict
     assert (
         judged.decision.reason == f"{REFUSED.reason} (accuracy 0.300 beats the champion (version 2, run run-2): 0.100)"
     )
@@ -257,6 +258,8 @@ def test_where_lower_is_better_the_champion_is_beaten_by_a_lower_figure(monkeypa
     assert gate_rule.against_champion(d, champion(0.3), "fp-new", None).decision.promote is True
     lost = gate_rule.against_champion(d, champion(0.1), "fp-new", None).decision
     assert lost.promote is False and "error_rate 0.200 does not beat the champion" in lost.reason
+    tie = gate_rule.against_champion(d, champion(0.2), "fp-new", None).decision
+    assert tie.promote is False and "does not beat" in tie.reason  # a tie is no win either way
 
 
 def test_notes_say_where_the_champions_version_or_eval_set_differ() -> None:
@@ -268,8 +271,12 @@ def test_notes_say_where_the_champions_version_or_eval_set_differ() -> None:
     assert judged.decision.promote is True  # what the version records is never compared
     long = gate_rule.against_champion(PROMOTED, champion(0.5, recorded="x" * 200, recorded_figure=None), "fp", None)
     assert f"records accuracy '{'x' * 76}...; measured from" in long.notes[0]  # repr cut to 80 characters
-    close = champion(0.5, recorded=0.5 + 1e-10, recorded_figure=0.5 + 1e-10)
-    assert gate_rule.against_champion(PROMOTED, close, "fp-new", "eval-fp").notes == []
+    for text, shown in (("x" * 78, repr("x" * 78)), ("x" * 79, f"'{'x' * 76}...")):  # a repr of 80, of 81
+        note = gate_rule.against_champion(PROMOTED, champion(0.5, recorded=text, recorded_figure=None), "fp", None)
+        assert f"records accuracy {shown}; measured from" in note.notes[0]
+    for measured, recorded, noted in ((0.5, 0.5 + 1e-10, False), (0.0, 1e-9, False), (0.5, 0.9, True)):
+        differing = champion(measured, recorded=recorded, recorded_figure=recorded)  # within 1e-9 is the same
+        assert bool(gate_rule.against_champion(PROMOTED, differing, "fp-new", "eval-fp").notes) is noted
     assert gate_rule.against_champion(PROMOTED, champion(None, recorded=0.9), "fp-new", "eval-fp").notes == []
     other_set = gate_rule.against_champion(PROMOTED, champion(0.5), "fp-new", "other-eval-fp").notes
     assert other_set == [
