@@ -1,8 +1,8 @@
 """Which code runs ``compute.<stage>.launcher``: the one table from launcher name to launcher class.
 
-A new launcher: its config class in ``loraflow/spec/compute.py``, its module here beside the others
-(a ``Launcher`` subclass, ``loraflow/launchers/base.py``), one entry below, and, if its tasks may wait
-in Airflow's triggerer, its trigger in ``operators/triggers/`` (docs/architecture.md).
+A new launcher: its config class in ``loraflow/spec/compute.py``, then its module here beside the
+others (a ``Launcher`` subclass naming that config, its trigger and plan request,
+``loraflow/launchers/base.py``) and one entry below (docs/architecture.md, "Adding a launcher").
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ def test_a_remote_launcher_names_its_trigger_by_the_path_the_triggerer_stores(na
 
     path = LAUNCHERS[name].trigger
     assert path is not None and trigger_class(name).__module__ == f"operators.triggers.{name}"
+    assert LAUNCHERS[name].plan_request is not None
     assert f"{trigger_class(name).__module__}.{trigger_class(name).__qualname__}" == path
 
 
