@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from loraflow import cli
-from loraflow.airflow_rest import AirflowClient
-from loraflow.dag_params import conf_from
+from loraflow.cli.airflow_rest import AirflowClient
+from loraflow.cli.dag_params import conf_from
 from loraflow.dev.local_gcs import free_port
 from loraflow.errors import LoraflowError
 from loraflow.pipeline import gcs

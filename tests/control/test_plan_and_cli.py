@@ -72,3 +72,17 @@ def test_spec_reference_doc_matches_the_schema() -> None:
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"
     assert doc.read_text() == render(), "regenerate: loraflow spec-reference > docs/spec-reference.md"
+
+
+def test_the_command_is_one_package_run_as_python_m_or_its_script() -> None:
+    import subprocess
+    import sys
+    import tomllib
+
+    root = PIPELINES.parent
+    loose = sorted(p.name for p in (root / "loraflow").glob("*.py") if p.name not in ("__init__.py", "errors.py"))
+    assert loose == [], f"{loose} lie loose at the top of loraflow/: the command's modules belong in loraflow/cli/"
+    script = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["loraflow"]
+    assert script == "loraflow.cli:main"
+    ran = subprocess.run([sys.executable, "-m", "loraflow.cli", "--help"], capture_output=True, text=True, cwd=root)
+    assert ran.returncode == 0 and "validate,plan,spec-reference,seed,registry,runs,trigger,verify" in ran.stdout

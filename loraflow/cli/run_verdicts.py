@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraflow.airflow_rest import AirflowClient
+from loraflow.cli.airflow_rest import AirflowClient
 
 FAILED = {"failed", "upstream_failed"}
 

@@ -1,7 +1,7 @@
 """The ``loraflow`` commands for daily work: ``registry``, ``runs``, ``trigger``, ``verify``.
 
 ``registry`` and ``verify`` talk to GCS (the emulator when ``STORAGE_EMULATOR_HOST`` is set);
-``runs`` and ``trigger`` to Airflow's REST API (loraflow/airflow_rest.py says how to point them at it).
+``runs`` and ``trigger`` to Airflow's REST API (loraflow/cli/airflow_rest.py says how to point them at it).
 Each prints one line naming what could not be reached and what to set, and exits 1, when it cannot
 reach them.
 """
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loraflow import airflow_rest
+from loraflow.cli import airflow_rest
 from loraflow.errors import LoraflowError, excerpt
 from loraflow.spec.locate import PIPELINES_ENV, pipelines_dir
 
@@ -155,7 +155,7 @@ def _client(args: argparse.Namespace) -> airflow_rest.AirflowClient:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from loraflow.run_verdicts import recent
+    from loraflow.cli.run_verdicts import recent
 
     client = _client(args)
     runs = recent(client, args.pipeline, args.limit)
@@ -172,7 +172,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_trigger(args: argparse.Namespace) -> int:
-    from loraflow.dag_params import conf_from
+    from loraflow.cli.dag_params import conf_from
 
     client = _client(args)
     details = client.dag(args.pipeline)

@@ -1,5 +1,5 @@
 """The ``loraflow`` command: validate and plan pipeline specs, make the tiny model, seed the emulator;
-the daily work beside them (registry, runs, trigger, verify) is in loraflow/daily_commands.py."""
+the daily work beside them (registry, runs, trigger, verify) is in loraflow/cli/daily.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from loraflow.daily_commands import add_commands
+from loraflow.cli.daily import add_commands
 from loraflow.errors import LoraflowError, SpecError
 from loraflow.launchers.environments import REPO_ROOT
 
@@ -124,7 +124,3 @@ def main(argv: list[str] | None = None) -> int:
     except LoraflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
