@@ -5,14 +5,10 @@ the DAGs of all valid specs still load. Parsing imports no ML library; its only 
 spec files and the spec cache (loraflow/spec/cache.py: an unchanged spec is not validated again).
 """
 
-import os
-from pathlib import Path
-
 from airflow.sdk import DAG
 
+from loraflow.spec.locate import pipelines_dir
 from operators.dag_factory import load_pipelines
 
-PIPELINES_DIR = Path(os.environ.get("LORAFLOW_PIPELINES_DIR", Path(__file__).resolve().parents[1] / "pipelines"))
-
-pipelines: dict[str, DAG] = load_pipelines(PIPELINES_DIR)
+pipelines: dict[str, DAG] = load_pipelines(pipelines_dir())
 globals().update(pipelines)

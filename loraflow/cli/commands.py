@@ -10,16 +10,14 @@ from pathlib import Path
 
 from loraflow.cli.daily import add_commands
 from loraflow.errors import LoraflowError, SpecError
-from loraflow.launchers.environments import REPO_ROOT
-
-DEFAULT_DIR = REPO_ROOT / "pipelines"
+from loraflow.spec.locate import PIPELINES_DEFAULT, pipelines_dir
 
 
 def _specs(paths: list[Path]) -> list[Path]:
     from loraflow.spec.cache import discover
 
     if not paths:
-        return discover(DEFAULT_DIR)
+        return discover(pipelines_dir())
     out: list[Path] = []
     for p in paths:
         out += discover(p) if p.is_dir() else [p]
@@ -97,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check pipeline specs; print every problem; exit 1 if any is invalid")
-    v.add_argument("specs", nargs="*", type=Path, help=f"spec files or folders (default: {DEFAULT_DIR})")
+    v.add_argument(
+        "specs",
+        nargs="*",
+        type=Path,
+        help=f"spec files or folders (default: {PIPELINES_DEFAULT})",
+    )
     v.set_defaults(fn=cmd_validate)
     pl = sub.add_parser("plan", help="print the resolved plan of a spec: stages, environments, argv, URIs")
     pl.add_argument("spec", type=Path)

@@ -22,7 +22,7 @@ from typing import Any
 
 from loraflow.cli import airflow_rest
 from loraflow.errors import LoraflowError, excerpt
-from loraflow.spec.locate import PIPELINES_ENV, pipelines_dir
+from loraflow.spec.locate import PIPELINES_DEFAULT, pipelines_dir
 
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 
@@ -195,7 +195,7 @@ def add_commands(sub: Any) -> None:
         "--pipelines",
         type=Path,
         default=pipelines_dir(),
-        help=f"folder of the pipeline specs (default: ${PIPELINES_ENV} or the repository's pipelines/)",
+        help=f"folder of the pipeline specs (default: {PIPELINES_DEFAULT})",
     )
     where.add_argument("--json", action="store_true", help="print JSON")
     who = argparse.ArgumentParser(add_help=False)

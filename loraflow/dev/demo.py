@@ -41,6 +41,7 @@ from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting.report import browser_url
 from loraflow.spec.cache import CACHE_ENV
+from loraflow.spec.locate import PIPELINES_ENV
 from loraflow.spec.schema import PipelineSpec, load_spec
 
 DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
@@ -226,7 +227,7 @@ class LocalAirflow:
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(local_gcs.free_port()),
         }
         if pipelines_dir is not None:
-            self.env["LORAFLOW_PIPELINES_DIR"] = str(pipelines_dir)
+            self.env[PIPELINES_ENV] = str(pipelines_dir)
         self.celery = celery
         self.broker: Broker | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}

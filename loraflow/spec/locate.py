@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec
 
 PIPELINES_ENV = "LORAFLOW_PIPELINES_DIR"
+PIPELINES_DEFAULT = f"${PIPELINES_ENV} or the repository's pipelines/"  # what a command's help says
 _REPO_PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 
 

@@ -86,3 +86,17 @@ def test_the_command_is_one_package_run_as_python_m_or_its_script() -> None:
     assert script == "loraflow.cli:main"
     ran = subprocess.run([sys.executable, "-m", "loraflow.cli", "--help"], capture_output=True, text=True, cwd=root)
     assert ran.returncode == 0 and "validate,plan,spec-reference,seed,registry,runs,trigger,verify" in ran.stdout
+
+
+def test_validate_without_specs_reads_the_pipelines_folder_the_environment_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "tiny-llama-lora.yaml").write_text((PIPELINES / "tiny-llama-lora.yaml").read_text())
+    (folder / "broken.yaml").write_text("name: broken\n")
+    monkeypatch.setenv("LORAFLOW_PIPELINES_DIR", str(folder))
+    assert main(["validate"]) == 1
+    captured = capsys.readouterr()
+    assert f"ok       {folder / 'tiny-llama-lora.yaml'}" in captured.out and "1 valid, 1 invalid" in captured.out
+    assert str(folder / "broken.yaml") in captured.err
