@@ -17,7 +17,7 @@ from airflow.sdk import Asset, BaseOperator, Context
 from loraflow.data import handoff
 from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting import notify
-from loraflow.reporting.report import browser_url
+from loraflow.reporting.urls import browser_url
 
 if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec

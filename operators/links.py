@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from airflow.sdk import BaseOperator, BaseOperatorLink
 
 from loraflow.pipeline import artifacts, gcs
-from loraflow.reporting.report import browser_url
+from loraflow.reporting.urls import browser_url
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey

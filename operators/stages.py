@@ -17,7 +17,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from loraflow.data import handoff
 from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.stages import BY_NAME, STAGE_TABLE, Link
-from loraflow.reporting.report import browser_url, data_docs_uri, site_url
+from loraflow.reporting.urls import browser_url, data_docs_uri, site_url
 from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ from loraflow.errors import LoraflowError
 from loraflow.evaluation.metrics import METRICS
 from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
 from loraflow.pipeline import artifacts, gcs
-from loraflow.reporting.report import browser_url
+from loraflow.reporting.urls import browser_url
 from loraflow.spec.cache import CACHE_ENV
 from loraflow.spec.locate import PIPELINES_ENV
 from loraflow.spec.schema import PipelineSpec, load_spec

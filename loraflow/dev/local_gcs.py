@@ -135,7 +135,7 @@ def start(
         chosen = port or free_port()
         host = f"http://127.0.0.1:{chosen}"
         address = f"127.0.0.1:{chosen}"
-        # -public-host: the browser route /BUCKET/PATH (report.site_url) answers on this address too.
+        # -public-host: the browser route /BUCKET/PATH (urls.site_url) answers on this address too.
         argv = [str(exe), "-scheme", "http", "-host", "127.0.0.1", "-port", str(chosen), "-external-url", host]
         argv += ["-public-host", address]
         out = open(log, "ab") if log else subprocess.DEVNULL

@@ -39,7 +39,7 @@ from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.evaluation import merge_cost
 from loraflow.evaluation.metrics import METRICS, Scoring
 from loraflow.pipeline import artifacts, gcs, json_objects
-from loraflow.reporting import report
+from loraflow.reporting import report, urls
 from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
 
@@ -111,7 +111,7 @@ def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
         "decision": _decision(local),
         "data_report": data_report,
         "data_docs": docs,
-        "data_docs_url": report.site_url(docs, os.environ.get("STORAGE_EMULATOR_HOST")) if docs else None,
+        "data_docs_url": urls.site_url(docs, os.environ.get("STORAGE_EMULATOR_HOST")) if docs else None,
         "failure": failure(table, rejected_report),
         "samples": report.sample_outputs(
             _predictions(local, "evaluate_base"), _predictions(local, "evaluate_tuned"), column=_gated_column(local)
@@ -138,7 +138,7 @@ def _rejected_report(ctx: StepContext, run_prefix: str) -> dict[str, Any] | None
     """validate_data's evidence when it rejected the dataset (no committed output, a data report beside it)."""
     if "validate_data" in ctx.input_manifests:
         return None
-    return artifacts.read_json(gcs.join(run_prefix, "validate_data", report.REJECTED, "data_report.json"))
+    return artifacts.read_json(gcs.join(run_prefix, "validate_data", urls.REJECTED, "data_report.json"))
 
 
 def stage_rows(
@@ -212,8 +212,8 @@ def _data_docs(ctx: StepContext, run_prefix: str, data_report: dict[str, Any] | 
         return None
     data_manifest = ctx.input_manifests.get("validate_data")
     if data_manifest is not None:
-        return report.data_docs_uri(data_manifest.prefix)
-    return report.data_docs_uri(gcs.join(run_prefix, "validate_data"), rejected=True)
+        return urls.data_docs_uri(data_manifest.prefix)
+    return urls.data_docs_uri(gcs.join(run_prefix, "validate_data"), rejected=True)
 
 
 def _publish_entry(ctx: StepContext, run_prefix: str) -> dict[str, Any] | None:

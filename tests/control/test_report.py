@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.plan import REPORTED
-from loraflow.reporting import report
+from loraflow.reporting import report, urls
 from loraflow.steps import report as report_step
 
 SECTIONS = ["verdict", "metrics", "gate", "training", "data", "samples", "stages"]
@@ -266,13 +266,13 @@ def test_the_loss_curve_keeps_its_scale_at_the_ends_of_the_range() -> None:
 
 def test_browser_urls() -> None:
     uri = "gs://bucket/arts/tiny/manual__2026-01-01T00:00:00+00:00/report/report.html"
-    local = report.browser_url(uri, "http://127.0.0.1:9023")
+    local = urls.browser_url(uri, "http://127.0.0.1:9023")
     assert local == (
         "http://127.0.0.1:9023/download/storage/v1/b/bucket/o/"
         "arts%2Ftiny%2Fmanual__2026-01-01T00%3A00%3A00%2B00%3A00%2Freport%2Freport.html?alt=media"
     )
-    assert report.browser_url(uri, "127.0.0.1:9023").startswith("http://127.0.0.1:9023/download/")
-    assert report.browser_url(uri) == (
+    assert urls.browser_url(uri, "127.0.0.1:9023").startswith("http://127.0.0.1:9023/download/")
+    assert urls.browser_url(uri) == (
         "https://storage.cloud.google.com/bucket/arts/tiny/manual__2026-01-01T00%3A00%3A00%2B00%3A00/report/report.html"
     )
 
@@ -442,12 +442,12 @@ def test_report_step_on_a_run_where_training_failed(
 
 
 def test_data_docs_urls_keep_the_path_for_relative_links() -> None:
-    uri = report.data_docs_uri("gs://bucket/arts/tiny/run-1/validate_data", rejected=True)
+    uri = urls.data_docs_uri("gs://bucket/arts/tiny/run-1/validate_data", rejected=True)
     assert uri == "gs://bucket/arts/tiny/run-1/validate_data/_rejected/data_docs/index.html"
-    assert report.site_url(uri, "127.0.0.1:9023") == (
+    assert urls.site_url(uri, "127.0.0.1:9023") == (
         "http://127.0.0.1:9023/bucket/arts/tiny/run-1/validate_data/_rejected/data_docs/index.html"
     )
-    assert report.site_url(uri) == report.browser_url(uri)
+    assert urls.site_url(uri) == urls.browser_url(uri)
 
 
 def test_only_the_report_runs_without_its_upstream_outputs() -> None:

@@ -430,7 +430,7 @@ def test_the_task_links_the_data_docs_of_the_accepted_or_the_rejected_data(
 
     from loraflow.pipeline import artifacts, gcs
     from loraflow.pipeline.plan import output_prefix
-    from loraflow.reporting import report
+    from loraflow.reporting import urls
     from loraflow.spec.schema import validate_spec
     from operators.links import DataDocsLink
     from operators.stages import ValidateDataOperator
@@ -447,7 +447,7 @@ def test_the_task_links_the_data_docs_of_the_accepted_or_the_rejected_data(
     assert DataDocsLink().xcom_key not in ti.pushed
     artifacts.write_json(gcs.join(rejected, "data_docs", "index.html"), {})  # stands in for GX's page
     op.link_data_docs(context, committed=None)
-    assert ti.pushed[DataDocsLink().xcom_key] == report.site_url(gcs.join(rejected, "data_docs", "index.html"), host)
+    assert ti.pushed[DataDocsLink().xcom_key] == urls.site_url(gcs.join(rejected, "data_docs", "index.html"), host)
     op.link_data_docs(context, committed=f"{gcs_bucket}/tiny-llama-lora/run-0/validate_data")  # a cache hit
     assert ti.pushed[DataDocsLink().xcom_key] == (
         f"{host.rstrip('/')}/{gcs.split_uri(gcs_bucket)[0]}/{gcs.split_uri(gcs_bucket)[1]}"

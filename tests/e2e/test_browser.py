@@ -150,19 +150,19 @@ def test_script_in_a_dataset_never_runs_in_its_data_docs(tmp_path: Path, gcs_buc
 
     from loraflow.errors import LoraflowError
     from loraflow.pipeline import artifacts, gcs, runner
-    from loraflow.reporting import report
+    from loraflow.reporting.urls import data_docs_uri, site_url
 
     assert CHROMIUM.exists(), f"{CHROMIUM} is missing: install Chromium with `apt-get install -y chromium`"
     spec = _spec_on(script_payload_dataset(tmp_path / "data"), tmp_path, gcs_bucket)
     with pytest.raises(LoraflowError, match="the data contract is broken"):
         runner.run_stage(spec, "validate_data", "run-xss", {}, print)
     stage = artifacts.stage_prefix(spec.artifact_root, spec.name, "run-xss", "validate_data")
-    docs = report.data_docs_uri(stage, rejected=True).rsplit("/", 1)[0]
+    docs = data_docs_uri(stage, rejected=True).rsplit("/", 1)[0]
     bucket, base = gcs.split_uri(docs)
     names = sorted(b.name for b in gcs.client().list_blobs(bucket, prefix=f"{base}/") if b.name.endswith(".html"))
     assert len(names) == 5, names  # the index, both suites, both validation results
     host = os.environ["STORAGE_EMULATOR_HOST"]
-    urls = [report.site_url(f"gs://{bucket}/{name}", host) for name in names]
+    urls = [site_url(f"gs://{bucket}/{name}", host) for name in names]
     shutil.rmtree(DOCS_SHOTS, ignore_errors=True)
     DOCS_SHOTS.mkdir(parents=True)
     with sync_playwright() as pw:
