@@ -17,11 +17,8 @@ def browser_url(uri: str, emulator_host: str | None = None) -> str:
     """
     bucket, path = gcs.split_uri(uri)
     if emulator_host:
-        host = emulator_host.rstrip("/")
-        if "://" not in host:
-            host = "http://" + host
         quoted = urllib.parse.quote(path, safe="")
-        return f"{host}/download/storage/v1/b/{bucket}/o/{quoted}?alt=media"
+        return f"{_emulator_url(emulator_host)}/download/storage/v1/b/{bucket}/o/{quoted}?alt=media"
     return f"https://storage.cloud.google.com/{bucket}/{urllib.parse.quote(path)}"
 
 
@@ -35,10 +32,13 @@ def site_url(uri: str, emulator_host: str | None = None) -> str:
     if not emulator_host:
         return browser_url(uri)
     bucket, path = gcs.split_uri(uri)
+    return f"{_emulator_url(emulator_host)}/{bucket}/{urllib.parse.quote(path)}"
+
+
+def _emulator_url(emulator_host: str) -> str:
+    """The emulator's base URL: ``STORAGE_EMULATOR_HOST`` (``HOST:PORT`` means http://HOST:PORT)."""
     host = emulator_host.rstrip("/")
-    if "://" not in host:
-        host = "http://" + host
-    return f"{host}/{bucket}/{urllib.parse.quote(path)}"
+    return host if "://" in host else f"http://{host}"
 
 
 # Where validate_data keeps Great Expectations' data docs, under its stage prefix: with the committed
