@@ -42,7 +42,8 @@ class LocalCompute(_Compute):
     @model_validator(mode="after")
     def _one_process(self) -> LocalCompute:
         if self.hosts != 1:
-            raise ValueError("the local launcher runs one process; set hosts: 1 or use launcher vertex/gke")
+            remote = "/".join(launcher_name(config) for config in COMPUTE_CLASSES if issubclass(config, _RemoteCompute))
+            raise ValueError(f"the local launcher runs one process; set hosts: 1 or use launcher {remote}")
         return self
 
 

@@ -97,3 +97,8 @@ def test_a_trigger_is_only_its_watch_and_fires_one_event_when_its_job_cannot_be_
         LAUNCHERS[name].trigger,
         {**UNREACHABLE[name], "stage": "lora_sft", "poll_seconds": 0.01},
     )
+
+
+def test_a_local_entry_on_several_hosts_is_told_the_remote_launchers() -> None:
+    with pytest.raises(ValueError, match="set hosts: 1 or use launcher vertex/gke"):
+        compute_from(launcher="local", hosts=2)
