@@ -36,8 +36,16 @@ FACET_PREFIX = "loraflow_"
 SCHEMA = "urn:loraflow:openlineage:{}:1"
 
 
+class _Named:
+    """A loraflow facet: its schema URI names its class."""
+
+    @classmethod
+    def _get_schema(cls) -> str:
+        return SCHEMA.format(cls.__name__)
+
+
 @attr.define
-class ManifestDatasetFacet(DatasetFacet):
+class ManifestDatasetFacet(_Named, DatasetFacet):
     """The committed manifest of a stage's output: where, what fingerprint, each file's size and crc32c."""
 
     uri: str
@@ -50,26 +58,18 @@ class ManifestDatasetFacet(DatasetFacet):
     # checksum of a key naming a secret, "tokenizer.json", would read "***")
     files: list[dict[str, Any]]
 
-    @staticmethod
-    def _get_schema() -> str:
-        return SCHEMA.format("ManifestDatasetFacet")
-
 
 @attr.define
-class StageSummaryDatasetFacet(DatasetFacet):
+class StageSummaryDatasetFacet(_Named, DatasetFacet):
     """A stage's summary of its output: validate_data's row counts and expectations, an evaluation's
     metrics, the gate's verdict (promote, reason, base, tuned, delta), training figures, ..."""
 
     stage: str
     summary: dict[str, Any]
 
-    @staticmethod
-    def _get_schema() -> str:
-        return SCHEMA.format("StageSummaryDatasetFacet")
-
 
 @attr.define
-class ModelVersionDatasetFacet(DatasetFacet):
+class ModelVersionDatasetFacet(_Named, DatasetFacet):
     """A model version publish registered: its number, the model it is, and the Vertex AI model when there is one."""
 
     version: int
@@ -80,25 +80,17 @@ class ModelVersionDatasetFacet(DatasetFacet):
     model_fingerprint: str | None
     vertex_model: str | None
 
-    @staticmethod
-    def _get_schema() -> str:
-        return SCHEMA.format("ModelVersionDatasetFacet")
-
 
 @attr.define
-class HandoffDatasetFacet(DatasetFacet):
+class HandoffDatasetFacet(_Named, DatasetFacet):
     """The data team's dataset version (docs/data-handoff.md) a dataset lies in."""
 
     prefix: str
     version: str
 
-    @staticmethod
-    def _get_schema() -> str:
-        return SCHEMA.format("HandoffDatasetFacet")
-
 
 @attr.define
-class StageRunFacet(RunFacet):
+class StageRunFacet(_Named, RunFacet):
     """Which commit the task ended with, whether it was reused from the cache, and the config it was computed with."""
 
     stage: str
@@ -107,10 +99,6 @@ class StageRunFacet(RunFacet):
     cache_key: str | None
     lock_version: str | None
     config: dict[str, Any]
-
-    @staticmethod
-    def _get_schema() -> str:
-        return SCHEMA.format("StageRunFacet")
 
 
 # The core's facet names (loraflow/pipeline/lineage.py) -> their classes; any other is a stage summary.
