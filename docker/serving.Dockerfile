@@ -14,6 +14,8 @@ ARG SERVING_BUILD=cpu
 ARG PYTHON311_IMAGE=python:3.11-slim-bookworm
 ARG PYTHON312_IMAGE=python:3.12-slim-bookworm
 FROM ${PYTHON311_IMAGE} AS base-cpu
+# vLLM's CPU kernels (vllm/_C*.so) link libnuma; the slim base does not carry it.
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends libnuma1 && rm -rf /var/lib/apt/lists/*
 FROM ${PYTHON312_IMAGE} AS base-tpu
 FROM ${PYTHON312_IMAGE} AS base-cuda
 # Triton (vLLM's CUDA kernels) compiles a small C launcher on the machine the first time it runs.

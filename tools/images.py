@@ -99,9 +99,9 @@ def image_exists(ref: str) -> bool:
 
 
 def image_bytes(ref: str) -> int:
-    """The image's size unpacked (the sum of its layers), as `docker images` shows it."""
-    listed = json.loads(buildah("images", "--json", ref, capture=True))
-    return int(listed[0]["size"])
+    """The image's size unpacked: the sum of its layers (`docker images` shows the same)."""
+    inspected = json.loads(buildah("inspect", "--type", "image", ref, capture=True))
+    return sum(layer["size"] for layer in json.loads(inspected["Manifest"])["layers"])
 
 
 def ensure_local_base(version: str, python: str) -> None:
@@ -266,14 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     torch_wheel(REPO / "envs" / "serving.lock", args.torch_wheels, REPO / "docker" / "wheels")
     previous = json.loads(RESULTS.read_text()).get("images", {}) if RESULTS.exists() else {}
     rows = built_images(chosen, bases, previous)
-    walls: dict[str, float] = {}
+    for row in rows.values():
+        say(f"{row['ref']}: built in {row.get('build_s', '?')} s, {row['bytes'] / 1e9:.2f} GB")
+    result: dict[str, object] = {"bases": bases, "images": rows, "smoke_s": "not run"}
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")  # the build figures, even if a smoke run fails
     if not args.no_smoke:
         with tempfile.TemporaryDirectory(prefix="loraflow-images-") as work:
             walls = smoke({image.name: image for image in IMAGES}, Path(work))
-    result = {"bases": bases, "images": rows, "smoke_s": {k: round(v) for k, v in walls.items()}}
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    for row in rows.values():
-        say(f"{row['ref']}: built in {row.get('build_s', '?')} s, {row['bytes'] / 1e9:.2f} GB")
+        result["smoke_s"] = {k: round(v) for k, v in walls.items()}
+        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     say(f"figures in {RESULTS.relative_to(REPO)}")
     return 0
 

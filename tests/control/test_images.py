@@ -142,3 +142,9 @@ def test_the_control_image_runs_airflow_as_50000_with_an_airflow_home_it_can_wri
     assert "ENV AIRFLOW_HOME=/opt/airflow" in text[:user]
     assert "useradd --uid 50000 --gid 0 --create-home" in text[:user]
     assert "chown airflow:0 /opt/airflow" in text[:user]
+
+
+def test_the_cpu_serving_build_carries_the_numa_library_vllms_cpu_kernels_link() -> None:
+    text = (DOCKER / "serving.Dockerfile").read_text()
+    cpu_stage = text[text.index("AS base-cpu") : text.index("AS base-tpu")]
+    assert "apt-get install -y -q --no-install-recommends libnuma1" in cpu_stage
