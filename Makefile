@@ -151,5 +151,5 @@ $(BUILDAH) $(MMDEBSTRAP):
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(notdir $@))
 
 .PHONY: images
-images: $(VENVS)/control/.synced $(VENVS)/trainer/.synced $(BUILDAH) $(if $(filter local,$(IMAGE_BASES)),$(MMDEBSTRAP))  ## build the control, trainer and CPU serving images (buildah) and smoke-run each on the tiny model (~40 min on 2 cores; run before every release, not in CI)
+images: $(VENVS)/control/.synced $(VENVS)/trainer/.synced $(BUILDAH) $(if $(filter local,$(IMAGE_BASES)),$(MMDEBSTRAP))  ## build the control, trainer and CPU serving images (buildah) and smoke-run each on the tiny model (25-35 min on 2 cores; run before every release, not in CI)
 	$(CONTROL) tools/images.py --bases $(IMAGE_BASES) --python3.12 "$(PY312)" --python3.11 "$(PY311)" --torch-wheels $(TORCH_WHEELS)

@@ -23,7 +23,7 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6
 
 FROM base-${SERVING_BUILD}
 ARG SERVING_BUILD
-# No uv cache in the image (it would double the environment's layer); copies, not hard links, across layers.
+# uv keeps no cache in the image: its layers hold the environment only (files copied into it, not linked).
 ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow

@@ -6,7 +6,7 @@
 # made from Debian's packages where no registry can be reached: docker/local-base.sh).
 ARG PYTHON312_IMAGE=python:3.12-slim-bookworm
 FROM ${PYTHON312_IMAGE}
-# No uv cache in the image (it would double the environment's layer); copies, not hard links, across layers.
+# uv keeps no cache in the image: its layers hold the environment only (files copied into it, not linked).
 ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow

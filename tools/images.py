@@ -142,11 +142,22 @@ def build_argv(image: Image, bases: Mapping[str, str]) -> list[str]:
     return [*argv, "."]
 
 
+def image_id(ref: str) -> str | None:
+    if not image_exists(ref):
+        return None
+    return buildah("inspect", "--type", "image", "--format", "{{.FromImageID}}", ref, capture=True).strip()
+
+
 def build(image: Image, bases: Mapping[str, str]) -> float:
+    """Build ``image`` (its seconds); the image it replaces under its tag is removed, not left untagged."""
     say(f"building {image.ref} from {image.dockerfile}")
+    replaced = image_id(image.ref)
     start = time.monotonic()
     buildah(*build_argv(image, bases))
-    return time.monotonic() - start
+    seconds = time.monotonic() - start
+    if replaced not in (None, image_id(image.ref)):
+        subprocess.run(["buildah", "rmi", replaced], capture_output=True)  # still used by a container: kept
+    return seconds
 
 
 def container_env(step_env: Mapping[str, str]) -> dict[str, str]:
