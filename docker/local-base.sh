@@ -51,7 +51,7 @@ buildah config --env PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbi
     --cmd "python$version" --label "org.loraflow.local-base=$("$python" -V 2>&1) on Debian bookworm" "$container"
 buildah commit --quiet --rm "$container" "$image" >/dev/null
 trap - EXIT
-chroot_check=$(buildah from "$image")
-buildah run --isolation chroot "$chroot_check" python -c 'import ssl, ctypes, sqlite3, lzma, bz2, zlib, uuid; import sys; print(sys.version.split()[0], sys.prefix)'
-buildah rm "$chroot_check" >/dev/null
+check=$(buildah from "$image")
+trap 'buildah rm "$check" >/dev/null' EXIT
+buildah run --isolation chroot "$check" python -c 'import ssl, ctypes, sqlite3, lzma, bz2, zlib, uuid, sys; print(sys.version.split()[0], sys.prefix)'
 echo "$image: $(buildah images --format '{{.Size}}' "$image")"
