@@ -147,7 +147,12 @@ def test_sigterm_stops_every_process_of_the_stack_as_ctrl_c_does(story: Story) -
     for component in COMPONENTS:
         assert component in commands, story.stack
     assert story.stack_ids and not still_running(story.tree | story.stack_ids), story.second.text()
-    assert story.exit_code == 128 + signal.SIGTERM, story.second.text()  # stopped as it prepared its sources
-    assert "stopped by SIGTERM" in story.second.text()
+    # The signal lands as the demo prepares its sources (exit 128 + SIGTERM) or, on a machine where that went
+    # faster than the test's look at /proc, once the UI is up (`ui` ends 0 on a stop): each says so.
+    text = story.second.text()
+    if "SIGTERM: stopping everything" in text:
+        assert story.exit_code == 0 and "Airflow UI: " in text, text
+    else:
+        assert story.exit_code == 128 + signal.SIGTERM and "stopped by SIGTERM" in text, text
     assert story.stop_seconds < 60
     assert (story.second.home / "stack.pid").read_text() == ""
