@@ -389,14 +389,9 @@ def prompt_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]])
     the generation prompt, so the prompt's token ids (each piece tokenized alone, as training
     tokenizes them) are those the trained model saw before its answer.
     """
-    out: list[str] = []
-    done = ""
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        for text, _ in pieces(template, messages[: i + 1])[len(out) :]:
-            out.append(text)
-        done = "".join(out)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    out = [text for text, _ in pieces(template, messages[: last + 1])] if last >= 0 else []  # each turn rendered once
+    done = "".join(out)
     prompt = render(template, messages, add_generation_prompt=True)
     if not prompt.startswith(done):
         raise ChatTemplateError(
