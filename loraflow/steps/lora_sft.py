@@ -5,8 +5,9 @@ Inputs: ``checkpoint`` (the convert_checkpoint output: Orbax params + loraflow_c
 validate_data resolved), ``tokenizer`` (the HF checkpoint dir).
 Config: :class:`loraflow.spec.step_configs.LoraSftConfig` (defaults the spec's ``lora`` and ``training``).
 Outputs: ``adapter/`` (the final LoRA params, Orbax, + ``loraflow_adapter.json``), ``peft/`` (the PEFT
-export in HF layout, checked against MaxText's own MaxText->HF weight hooks), ``loss.csv`` and, under
-QLoRA, ``quantized_answers.jsonl``; checkpoints under ``{output}/_checkpoints`` (not committed).
+export in HF layout, checked against MaxText's own MaxText->HF weight hooks), ``loss.csv``,
+``tensorboard/`` (the same steps' curves as TensorBoard event files, :mod:`loraflow.trainer.curves`) and,
+under QLoRA, ``quantized_answers.jsonl``; checkpoints under ``{output}/_checkpoints`` (not committed).
 
 How it trains is the :mod:`loraflow.trainer` package: the examples rendered and ordered (``data``),
 MaxText's command line (``argv``), the set-up with loraflow's hooks, LoRA under jit and QLoRA's host
@@ -26,6 +27,7 @@ from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 from loraflow.trainer.converted import ConvertedModel, read_converted
+from loraflow.trainer.curves import training_curves
 from loraflow.trainer.distributed import start_distributed
 from loraflow.trainer.export import PeftExport, adapter_meta, export_peft, lora_b_norm, write_adapter
 from loraflow.trainer.sft_run import SftRun
@@ -50,7 +52,8 @@ def fine_tune(ctx: StepContext) -> SftSummary | None:
     if dist is not None:
         ctx.commits = dist.is_coordinator
     import_permanently("maxtext.configs.pyconfig", "maxtext.trainers.post_train.sft.train_sft")
-    trained = train(sft, dist)
+    with training_curves(ctx.out, writes=ctx.commits) as curves:
+        trained = train(sft, dist, curves)
     if not ctx.commits:
         ctx.progress("training done; process 0 writes the outputs and commits them")
         return None

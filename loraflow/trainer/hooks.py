@@ -12,23 +12,27 @@ from typing import Any
 from maxtext.trainers.post_train.sft.hooks import SFTTrainingHooks
 
 from loraflow.pipeline import checkpoint_sync
+from loraflow.trainer.curves import TrainingCurves, device_memory
 from loraflow.trainer.sft_run import Progress
 from loraflow.trainer.step_log import StepLog
 
 
 class LoraflowHooks(SFTTrainingHooks):
-    """Each step: the previous step's checkpoint persisted once Orbax finalised it, and the step logged."""
+    """Each step: the previous step's checkpoint persisted once Orbax finalised it, the step logged and,
+    on the process that commits the artifact, its curves written."""
 
     def __init__(
         self,
         *args: Any,
         log: StepLog,
         syncer: checkpoint_sync.Syncer | checkpoint_sync.HostSyncer | None,
+        curves: TrainingCurves | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.log = log
         self.syncer = syncer
+        self.curves = curves
 
     def on_train_step_start(self, train_ctx: Any) -> None:
         if self.syncer is not None:
@@ -40,6 +44,9 @@ class LoraflowHooks(SFTTrainingHooks):
     def on_train_step_end(self, train_ctx: Any, train_step: int, train_loss: Any, step_time: float = 0.0) -> None:
         super().on_train_step_end(train_ctx, train_step, train_loss, step_time)
         self.log.step_ended(int(train_step), float(train_loss))  # float() waits for the step's result
+        if self.curves is not None:  # optax counts updates from 0: step N's update used the rate at N - 1
+            rate = float(self.metric_logger.learning_rate_schedule(int(train_step) - 1))
+            self.curves.step(self.log.rows[-1], rate, device_memory())
 
 
 def tokens_in(segmentation: Any) -> int:

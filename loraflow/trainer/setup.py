@@ -1,6 +1,6 @@
 """The trainer MaxText's ``setup_trainer_state`` builds, with loraflow's parts in place of some of its own.
 
-* the hooks: :class:`loraflow.trainer.hooks.LoraflowHooks` (the step log, checkpoint persistence);
+* the hooks: :class:`loraflow.trainer.hooks.LoraflowHooks` (the step log, the curves, checkpoint persistence);
 * staged checkpoints on several hosts: :class:`loraflow.trainer.per_host_checkpoints.PerHostCheckpointManager`;
 * LoRA applied under ``jax.jit`` (:mod:`loraflow.trainer.lora_apply`): MaxText's eager application copies
   the frozen layer stack once more, which alone stops a 3B model fitting one 16 GiB chip;
@@ -19,14 +19,22 @@ from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import LoraSftConfig
 from loraflow.trainer import host_build, lora_apply
 from loraflow.trainer.checkpoints import Checkpoints
+from loraflow.trainer.curves import TrainingCurves
 from loraflow.trainer.sft_run import Progress
 from loraflow.trainer.step_log import StepLog
 
 
 def setup_trainer(
-    cfg: LoraSftConfig, mt_config: Any, store: Checkpoints, log: StepLog, rows: int, progress: Progress
+    cfg: LoraSftConfig,
+    mt_config: Any,
+    store: Checkpoints,
+    log: StepLog,
+    curves: TrainingCurves | None,
+    rows: int,
+    progress: Progress,
 ) -> tuple[Any, Any]:
-    """MaxText's ``setup_trainer_state`` for ``mt_config`` (``rows`` examples): (trainer, mesh)."""
+    """MaxText's ``setup_trainer_state`` for ``mt_config`` (``rows`` examples): (trainer, mesh); its hooks
+    log each step to ``log`` and ``curves``."""
     from maxtext.trainers.post_train.sft import hooks as sft_hooks
     from maxtext.trainers.post_train.sft import train_sft
     from tunix.sft import checkpoint_manager as tunix_checkpoints
@@ -36,7 +44,7 @@ def setup_trainer(
 
     original_hooks, original_manager = sft_hooks.SFTTrainingHooks, tunix_checkpoints.CheckpointManager
     # setup_trainer_state builds hooks.SFTTrainingHooks(...); Tunix's PeftTrainer checkpoint_manager.CheckpointManager(...)
-    sft_hooks.SFTTrainingHooks = functools.partial(LoraflowHooks, log=log, syncer=store.syncer)
+    sft_hooks.SFTTrainingHooks = functools.partial(LoraflowHooks, log=log, syncer=store.syncer, curves=curves)
     if store.per_host:
         tunix_checkpoints.CheckpointManager = PerHostCheckpointManager
     try:

@@ -12,6 +12,7 @@ from loraflow.launchers import multihost
 from loraflow.trainer import answers
 from loraflow.trainer.argv import sft_argv
 from loraflow.trainer.checkpoints import checkpoint_storage
+from loraflow.trainer.curves import TrainingCurves
 from loraflow.trainer.data import TrainingSet, prepare, training_set, training_template
 from loraflow.trainer.distributed import sharding_note
 from loraflow.trainer.export import trained_adapter
@@ -46,8 +47,9 @@ class Trained:
     answers: answers.Answers | None  # QLoRA: the trained model's own answers to the first eval prompts
 
 
-def train(sft: SftRun, dist: multihost.DistributedConfig | None) -> Trained:
-    """Train the adapter (resuming from the newest committed checkpoint); the step program has imported MaxText."""
+def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: TrainingCurves | None = None) -> Trained:
+    """Train the adapter (resuming from the newest committed checkpoint), each step's scalars into ``curves``;
+    the step program has imported MaxText."""
     from absl import flags
     from maxtext.configs import pyconfig
     from maxtext.trainers.post_train.sft import train_sft
@@ -67,7 +69,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None) -> Trained:
 
     started = time.monotonic()
     log = StepLog(sft.progress, sft.cfg.steps, sft.cfg.log_every)
-    trainer, mesh = setup_trainer(sft.cfg, mt_config, store, log, train_set.rows, sft.progress)
+    trainer, mesh = setup_trainer(sft.cfg, mt_config, store, log, curves, train_set.rows, sft.progress)
     last_batch = remember_last_batch(trainer)
     start_step = int(trainer.train_steps)
     state = state_bytes(trainer)

@@ -183,6 +183,7 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
     last = sum(float(r["loss"]) for r in rows[-10:]) / 10
     assert last < first - 1.0, (first, last)
     assert s["lora_b_norm"] > 0
+    _assert_curves_match_loss_csv(out, rows)
 
     meta = json.loads((out / "adapter" / "loraflow_adapter.json").read_text())
     assert meta["rank"] == 16 and meta["alpha"] == 32.0 and meta["steps"] == SFT["steps"]
@@ -290,6 +291,24 @@ def test_a_qlora_adapter_that_changes_nothing_is_stopped_at_the_merge(base, trai
     merge = _ctx(tmp_path / "merge", "merge_adapter", {"base": base["hf"], "adapter": ctx.out}, {}, "gs://b/p/r/m")
     with pytest.raises(merge_adapter.NoOpMergeError, match="did nothing"):
         merge_adapter.run(merge)
+
+
+def _assert_curves_match_loss_csv(out: Path, rows: list[dict[str, str]]) -> None:
+    """tensorboard/ read back with TensorBoard's own reader: loss, step time and tokens/s equal loss.csv's
+    step by step (to its printed digits), and the learning rate follows the warm-up to the spec's rate."""
+    (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    got = _scalars(events.parent)
+    assert set(got) == {"train/loss", "train/learning_rate", "perf/step_seconds", "perf/tokens_per_s"}  # CPU: no HBM
+    for column, tag, digits in [("loss", "train/loss", 6), ("seconds", "perf/step_seconds", 4)]:
+        assert [(s, round(v, digits)) for s, v in sorted(got[tag].items())] == [
+            (int(r["step"]), pytest.approx(float(r[column]), abs=1.5 * 10**-digits)) for r in rows
+        ], tag
+    tps = sorted(got["perf/tokens_per_s"].items())
+    assert [(s, pytest.approx(v, abs=0.06, rel=1e-6)) for s, v in tps] == [
+        (int(r["step"]), float(r["tokens_per_s"])) for r in rows
+    ]
+    rates = [v for _, v in sorted(got["train/learning_rate"].items())]
+    assert rates[0] < rates[10] and max(rates) == pytest.approx(SFT["learning_rate"], rel=1e-3)
 
 
 def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
@@ -409,6 +428,38 @@ def test_a_step_lasts_from_the_previous_step_end_to_its_own():
     for step, _, tps, seconds in rows[1:]:
         assert seconds >= 0.2, (step, seconds)
         assert tps == pytest.approx(100 / seconds)
+
+
+def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files under ``logdir``, by tag and step, through TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def test_the_curves_carry_device_memory_where_the_backend_reports_it(tmp_path):
+    """A TPU reports bytes in use and their peak (CPU reports none: the training run above has no memory
+    tags); only the process that commits the artifact writes curves."""
+    from loraflow.trainer.curves import GIB, training_curves
+    from loraflow.trainer.step_log import StepRow
+
+    with training_curves(tmp_path / "p1", writes=False) as none:
+        assert none is None
+    with training_curves(tmp_path / "p0", writes=True) as curves:
+        assert curves is not None
+        curves.step(StepRow(7, 2.5, 1000.0, 0.25), 1e-3, {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB})
+        curves.step(StepRow(8, 2.0, 900.0, 0.5), 2e-3, {"bytes_in_use": GIB})  # no peak reported: in use
+    assert not (tmp_path / "p1").exists()
+    assert _scalars(tmp_path / "p0" / "tensorboard") == {
+        "train/loss": {7: 2.5, 8: 2.0},
+        "train/learning_rate": {7: pytest.approx(1e-3), 8: pytest.approx(2e-3)},
+        "perf/step_seconds": {7: 0.25, 8: 0.5},
+        "perf/tokens_per_s": {7: 1000.0, 8: 900.0},
+        "memory/hbm_in_use_gib": {7: 3.0, 8: 1.0},
+        "memory/hbm_peak_gib": {7: 5.0, 8: 1.0},
+    }
 
 
 # The families beyond Llama (whose steps the tests above cover): each family's tiny model (its real HF
