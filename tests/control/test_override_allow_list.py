@@ -38,3 +38,16 @@ def test_a_refusal_names_the_rule() -> None:
         "the value 'paged' is not one of autoselected, dot_product, flash, cudnn_flash_te"
     )
     assert override_rules.problem("float32_logits", 1) == "the value 1 is not true or false"
+
+
+def test_no_override_points_a_writer_outside_the_run() -> None:
+    """MaxText's own writers (TensorBoard, metrics, checkpoints, profiles, HLO dumps) take a folder: none of
+    their settings is on the allow-list, so a spec cannot send what a run writes outside its artifact prefix."""
+    writers = [
+        "tensorboard_dir", "enable_tensorboard", "base_output_directory", "run_name", "metrics_dir", "metrics_file",
+        "checkpoint_dir", "dump_hlo_gcs_dir", "dump_hlo_local_dir", "profiler", "managed_mldiagnostics_dir",
+    ]  # fmt: skip
+    for key in writers:
+        assert override_rules.problem(key, "gs://elsewhere/x") == (
+            "is not on the allow-list of MaxText settings a spec may override"
+        ), key
