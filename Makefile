@@ -73,7 +73,7 @@ lock: | $(UV)  ## re-resolve every lock file from envs/*.in (the three environme
 demo: envs $(if $(CELERY_WORKERS),$(REDIS_SERVER))  ## run the tiny pipeline end to end on a local Airflow + GCS emulator, print the verdict, stop
 	$(CONTROL) -m loraflow.dev.demo run $(DEMO_ARGS)
 
-ui: envs $(if $(CELERY_WORKERS),$(REDIS_SERVER))  ## start Airflow + the GCS emulator on 127.0.0.1 and keep them up (credentials printed)
+ui: envs $(if $(CELERY_WORKERS),$(REDIS_SERVER))  ## start Airflow + the GCS emulator on 127.0.0.1 and keep them up (credentials and the TensorBoard command printed)
 	$(CONTROL) -m loraflow.dev.demo ui $(DEMO_ARGS)
 
 lint: envs  ## ruff

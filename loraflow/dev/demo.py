@@ -39,6 +39,7 @@ from loraflow.errors import LoraflowError
 from loraflow.evaluation.metrics import METRICS
 from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
 from loraflow.pipeline import artifacts, gcs
+from loraflow.reporting.curves import tensorboard_command
 from loraflow.reporting.urls import browser_url
 from loraflow.spec.cache import CACHE_ENV
 from loraflow.spec.locate import PIPELINES_ENV
@@ -690,12 +691,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0 if state == "success" else 1
 
 
+def say_curves(logdir: str) -> None:
+    """How to look at the curves under ``logdir``: TensorBoard on 127.0.0.1, reading the emulator."""
+    tensorboard = str(Path(sys.executable).with_name("tensorboard"))
+    say("training and evaluation curves (one TensorBoard run per stage and run) while this stack runs:")
+    say("  " + tensorboard_command(tensorboard, logdir, os.environ.get("STORAGE_EMULATOR_HOST")))
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     with demo_stack(args.celery_workers) as airflow:
         spec = prepare()
         airflow.wait_for_dag(spec.name)
         say(f"Airflow UI: {airflow.url}  user: admin  password: {airflow.password}")
         say(f"open {airflow.url}/dags/{spec.name}, press Trigger, change a parameter, run. Ctrl-C stops everything.")
+        say_curves(gcs.join(spec.artifact_root, spec.name))
         try:
             while not airflow.exited():
                 time.sleep(2)

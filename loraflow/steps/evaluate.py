@@ -44,6 +44,8 @@ Output
     accuracy and per-question lists: :mod:`loraflow.steps._guard` scores it in the same engine).
     ``guard_predictions.jsonl``: with a guard set, one row per question with the options' scores,
     the choice and whether it is right.
+    ``tensorboard/``: the scores as TensorBoard scalars (``eval/<metric>``, ``guard/accuracy``) at
+    the evaluated model's training step (0: the base model; :mod:`loraflow.reporting.curves`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from loraflow.errors import LoraflowError
 from loraflow.evaluation import guard
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation.examples import Example, eval_template, find_eval_file, load_examples, render_prompts
+from loraflow.reporting.curves import evaluation_scalars, scalar_writer, trained_steps
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps import _guard
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
@@ -331,6 +334,7 @@ def _evaluate(
         written.append(guard.PREDICTIONS_FILE)
     report["files"] = [*written, METRICS_JSON]
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
+    _write_curves(ctx, rates, report.get("guard"))
     ctx.progress(
         ", ".join(f"{name} {value:.4f}" for name, value in rates.items())
         + f" over n={metrics['n']}; {gen.total_tokens} tokens at {gen.tokens_per_s:.0f} tok/s"
@@ -342,6 +346,13 @@ def _evaluate(
         "tokens_per_s": round(gen.tokens_per_s, 1),
         "seconds": round(time.monotonic() - started, 2),
     }
+
+
+def _write_curves(ctx: StepContext, rates: dict[str, float], guard_summary: dict[str, Any] | None) -> None:
+    """tensorboard/: the scores at the evaluated model's training step (0: the base model), beside lora_sft's curves."""
+    step = trained_steps(ctx.input_manifests.get("model"))
+    with scalar_writer(ctx.out) as writer:
+        writer.add(evaluation_scalars(rates, guard_summary), step)
 
 
 def _sampling_params(cfg: EvaluateConfig) -> Any:

@@ -39,7 +39,15 @@ def run(ctx: StepContext) -> dict[str, Any]:
     started = time.monotonic()
     report = merge_checkpoint(base, adapter, ctx.out, int(shard_mb * 1024 * 1024), ctx.progress)
     check_changed(report)
-    return {**report.summary(), "merge_seconds": round(time.monotonic() - started, 2)}
+    return {**report.summary(), "merge_seconds": round(time.monotonic() - started, 2), **_adapter_steps(ctx)}
+
+
+def _adapter_steps(ctx: StepContext) -> dict[str, int]:
+    """The adapter's training steps (lora_sft's manifest records them), for the evaluation's curves; none
+    for an adapter without a lora_sft manifest."""
+    manifest = ctx.input_manifests.get("adapter")
+    steps = manifest.summary.get("steps") if manifest is not None else None
+    return {"adapter_steps": int(steps)} if isinstance(steps, int) else {}
 
 
 def check_changed(report: MergeReport) -> None:

@@ -1,10 +1,11 @@
-"""lora_sft's training curves as TensorBoard event files in its artifact (``tensorboard/``).
+"""lora_sft's training curves as TensorBoard event files in its artifact (``tensorboard/``,
+:mod:`loraflow.reporting.curves`).
 
-Written with tensorboardX's ``SummaryWriter`` (it comes with MaxText) as each step ends, from the same
-row ``loss.csv`` gets, so the curves and the CSV agree step by step. MaxText's own writer is left off:
-it writes under ``{base_output_directory}/{run_name}/tensorboard`` (the staged checkpoints, not the
-artifact), with ``DECOUPLE_GCLOUD`` set into a folder of its installed package, and times a step from
-hook to hook without waiting for its result (see :class:`loraflow.trainer.step_log.StepLog`).
+Written as each step ends, from the same row ``loss.csv`` gets, so the curves and the CSV agree step by
+step. MaxText's own writer is left off: it writes under ``{base_output_directory}/{run_name}/tensorboard``
+(the staged checkpoints, not the artifact), with ``DECOUPLE_GCLOUD`` set into a folder of its installed
+package, and times a step from hook to hook without waiting for its result (see
+:class:`loraflow.trainer.step_log.StepLog`).
 
 Tags: ``train/loss``, ``train/learning_rate`` (the rate the step's update used), ``perf/step_seconds``,
 ``perf/tokens_per_s`` and, where the backend reports device memory (TPU, GPU; not CPU),
@@ -16,24 +17,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
+from loraflow.reporting.curves import ScalarWriter, scalar_writer
 from loraflow.trainer.step_log import StepRow
 
-TENSORBOARD = "tensorboard"  # the artifact's folder of event files
 GIB = 2**30
 
 
 class TrainingCurves:
-    """One scalar per tag per step into a tensorboardX writer."""
+    """Each step's scalars at the step's number."""
 
-    def __init__(self, writer: Any) -> None:
+    def __init__(self, writer: ScalarWriter) -> None:
         self._writer = writer
 
     def step(self, row: StepRow, learning_rate: float, memory: Mapping[str, int] | None) -> None:
         """The step's row, the learning rate its update used and the device's memory stats (None: none reported)."""
-        for tag, value in step_scalars(row, learning_rate, memory).items():
-            self._writer.add_scalar(tag, value, row.step)
+        self._writer.add(step_scalars(row, learning_rate, memory), row.step)
 
 
 def step_scalars(row: StepRow, learning_rate: float, memory: Mapping[str, int] | None) -> dict[str, float]:
@@ -60,15 +59,9 @@ def device_memory() -> Mapping[str, int] | None:
 
 @contextlib.contextmanager
 def training_curves(out: Path, writes: bool) -> Iterator[TrainingCurves | None]:
-    """A writer into ``out/tensorboard`` while training runs, closed (flushed) before the manifest is
-    written; None on a process that does not commit the artifact."""
+    """Curves into ``out/tensorboard`` while training runs; None on a process that does not commit the artifact."""
     if not writes:
         yield None
         return
-    from tensorboardX import SummaryWriter
-
-    writer = SummaryWriter(logdir=str(out / TENSORBOARD), flush_secs=30)
-    try:
+    with scalar_writer(out) as writer:
         yield TrainingCurves(writer)
-    finally:
-        writer.close()

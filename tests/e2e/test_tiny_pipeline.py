@@ -3,9 +3,16 @@ against the GCS emulator: every stage runs its real library. Takes several minut
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,11 +20,14 @@ from typing import Any
 import pytest
 
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
+from loraflow.dev.local_gcs import free_port
 from loraflow.launchers.local import FORKED_NOTE
 from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.stages import STAGES
+from loraflow.reporting.curves import TENSORBOARD, tensorboard_argv
 from loraflow.spec.schema import load_spec
 from tests.bad_datasets import broken_dataset
+from tests.tensorboard_events import scalars
 
 pytestmark = pytest.mark.e2e
 
@@ -131,6 +141,57 @@ def test_every_stage_committed_a_verified_manifest_under_its_run(runs: Runs) -> 
         manifest = artifacts.read_manifest(xcom["manifest"])
         assert manifest.prefix == f"{run_prefix}/{task}"
         assert manifest.data["lock_version"] and manifest.data["cache_key"] and manifest.files
+
+
+def _fetched_curves(manifest: artifacts.Manifest, dest: Path, also: tuple[str, ...] = ()) -> dict[str, dict[int, Any]]:
+    """A committed stage's tensorboard/ event file (and ``also``), downloaded verified; its scalars."""
+    events = [name for name in manifest.files if name.startswith(f"{TENSORBOARD}/events.out.tfevents.")]
+    assert len(events) == 1, manifest.files  # committed by the manifest, with its checksum
+    artifacts.fetch(manifest, dest, only=[*events, *also])
+    return scalars(dest / TENSORBOARD)
+
+
+def test_the_runs_curves_are_committed_with_its_stages_and_tensorboard_serves_them(runs: Runs, tmp_path: Path) -> None:
+    """lora_sft's curves equal its loss.csv step by step; each evaluation's scores sit at its model's training
+    step (the base model at 0, the tuned one at training.steps); the command `make ui` prints serves them."""
+    spec = load_spec(TINY)
+    v = runs.results["first_verdict"]
+    sft = artifacts.read_manifest(f"{v['artifacts']}/lora_sft")
+    curves = _fetched_curves(sft, tmp_path / "lora_sft", also=("loss.csv",))
+    rows = list(csv.DictReader((tmp_path / "lora_sft" / "loss.csv").open()))
+    assert len(rows) == spec.training.steps
+    assert curves["train/loss"] == {int(r["step"]): pytest.approx(float(r["loss"]), abs=1e-6) for r in rows}
+    assert {"train/learning_rate", "perf/step_seconds", "perf/tokens_per_s"} <= set(curves)
+    for stage, step in (("evaluate_base", 0), ("evaluate_tuned", spec.training.steps)):
+        scores = _fetched_curves(artifacts.read_manifest(f"{v['artifacts']}/{stage}"), tmp_path / stage)
+        summary = v["base" if stage == "evaluate_base" else "tuned"]
+        assert scores["eval/accuracy"] == {step: pytest.approx(summary["accuracy"], abs=1e-6)}, stage
+    assert _tensorboard_tags(v["artifacts"]) >= {
+        f"{stage}/{TENSORBOARD}" for stage in ("lora_sft", "evaluate_base", "evaluate_tuned")
+    }
+
+
+def _tensorboard_tags(logdir: str) -> set[str]:
+    """The TensorBoard runs the command `make ui` prints finds under ``logdir`` (served on 127.0.0.1)."""
+    port = free_port()
+    tensorboard = str(Path(sys.executable).with_name("tensorboard"))
+    env, argv = tensorboard_argv(tensorboard, logdir, os.environ["STORAGE_EMULATOR_HOST"])
+    proc = subprocess.Popen(
+        [*argv, "--port", str(port)], env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=10) as r:
+                    runs = set(json.loads(r.read(1 << 20)))
+                if runs:
+                    return runs
+            time.sleep(2)
+        return set()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_training_progress_is_in_the_task_log(runs: Runs) -> None:

@@ -17,9 +17,11 @@ import pytest
 
 from loraflow.errors import LoraflowError
 from loraflow.evaluation import examples as eval_examples
+from loraflow.pipeline.artifacts import Manifest
 from loraflow.steps import evaluate
 from loraflow.steps._harness import StepContext
 from tests import chat_cases
+from tests.tensorboard_events import scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ROOT / "pipelines" / "data" / "parity"
@@ -314,6 +316,16 @@ def test_outputs_and_metrics_shape(baseline: tuple[dict[str, Any], Path]) -> Non
     assert preds[0]["prompt"].endswith("?\n<|assistant|>")
     assert all(p["generated_tokens"] <= CONFIG["max_new_tokens"] for p in preds)
     assert set(metrics["files"]) >= {evaluate.PREDICTIONS_JSONL, evaluate.METRICS_JSON}
+    # the base model's scores as TensorBoard scalars at step 0
+    assert _curves(out) == {"eval/accuracy": {0: summary["accuracy"]}, "eval/format_rate": {0: summary["format_rate"]}}
+
+
+def _curves(out: Path) -> dict[str, dict[int, Any]]:
+    """The evaluation's tensorboard/ scalars (float32, as stored: compared approximately)."""
+    return {
+        tag: {s: pytest.approx(v, abs=1e-7) for s, v in by_step.items()}
+        for tag, by_step in scalars(out / "tensorboard").items()
+    }
 
 
 def test_progress_per_batch(
@@ -609,6 +621,10 @@ def test_the_guard_set_is_scored_by_option_likelihood_as_an_independent_forward_
     from loraflow.evaluation import guard
 
     ctx = make_ctx(tmp_path, tiny_model, eval_set, CONFIG | {"max_examples": 4, "guard_set": "general-mc-v1"})
+    # a merged model: merge_adapter's manifest records its adapter's training steps
+    ctx.input_manifests["model"] = Manifest(
+        "gs://bucket/p/run/merge_adapter/_MANIFEST.json", {"summary": {"adapter_steps": 150}}
+    )
     summary = evaluate.evaluate(ctx, engine)
     metrics = json.loads((ctx.out / evaluate.METRICS_JSON).read_text())
     recorded = metrics["guard"]
@@ -628,6 +644,12 @@ def test_the_guard_set_is_scored_by_option_likelihood_as_an_independent_forward_
         if top[0] - top[1] > 5e-3:  # a clear winner: both must choose it (closer ones may round either way)
             assert row["chosen"] == theirs, row["id"]
     assert sum(r["chosen"] == c for r, c in zip(rows, chosen, strict=True)) >= 90
+    # the scores and the guard's as TensorBoard scalars at the merged adapter's step
+    assert _curves(ctx.out) == {
+        "eval/accuracy": {150: summary["accuracy"]},
+        "eval/format_rate": {150: summary["format_rate"]},
+        "guard/accuracy": {150: recorded["accuracy"]},
+    }
 
 
 def test_a_guard_question_longer_than_max_model_len_is_refused_before_generating(

@@ -24,6 +24,7 @@ pytest.importorskip("maxtext")
 
 from loraflow.dev import tinymodel
 from loraflow.steps._harness import StepContext
+from tests.tensorboard_events import scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 PARITY = ROOT / "pipelines" / "data" / "parity"
@@ -297,7 +298,7 @@ def _assert_curves_match_loss_csv(out: Path, rows: list[dict[str, str]]) -> None
     """tensorboard/ read back with TensorBoard's own reader: loss, step time and tokens/s equal loss.csv's
     step by step (to its printed digits), and the learning rate follows the warm-up to the spec's rate."""
     (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
-    got = _scalars(events.parent)
+    got = scalars(events.parent)
     assert set(got) == {"train/loss", "train/learning_rate", "perf/step_seconds", "perf/tokens_per_s"}  # CPU: no HBM
     for column, tag, digits in [("loss", "train/loss", 6), ("seconds", "perf/step_seconds", 4)]:
         assert [(s, round(v, digits)) for s, v in sorted(got[tag].items())] == [
@@ -428,38 +429,6 @@ def test_a_step_lasts_from_the_previous_step_end_to_its_own():
     for step, _, tps, seconds in rows[1:]:
         assert seconds >= 0.2, (step, seconds)
         assert tps == pytest.approx(100 / seconds)
-
-
-def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar of the event files under ``logdir``, by tag and step, through TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir))
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
-def test_the_curves_carry_device_memory_where_the_backend_reports_it(tmp_path):
-    """A TPU reports bytes in use and their peak (CPU reports none: the training run above has no memory
-    tags); only the process that commits the artifact writes curves."""
-    from loraflow.trainer.curves import GIB, training_curves
-    from loraflow.trainer.step_log import StepRow
-
-    with training_curves(tmp_path / "p1", writes=False) as none:
-        assert none is None
-    with training_curves(tmp_path / "p0", writes=True) as curves:
-        assert curves is not None
-        curves.step(StepRow(7, 2.5, 1000.0, 0.25), 1e-3, {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB})
-        curves.step(StepRow(8, 2.0, 900.0, 0.5), 2e-3, {"bytes_in_use": GIB})  # no peak reported: in use
-    assert not (tmp_path / "p1").exists()
-    assert _scalars(tmp_path / "p0" / "tensorboard") == {
-        "train/loss": {7: 2.5, 8: 2.0},
-        "train/learning_rate": {7: pytest.approx(1e-3), 8: pytest.approx(2e-3)},
-        "perf/step_seconds": {7: 0.25, 8: 0.5},
-        "perf/tokens_per_s": {7: 1000.0, 8: 900.0},
-        "memory/hbm_in_use_gib": {7: 3.0, 8: 1.0},
-        "memory/hbm_peak_gib": {7: 5.0, 8: 1.0},
-    }
 
 
 # The families beyond Llama (whose steps the tests above cover): each family's tiny model (its real HF

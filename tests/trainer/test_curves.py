@@ -1,0 +1,68 @@
+"""The curves' scalars (loraflow/trainer/curves.py, loraflow/reporting/curves.py) written with tensorboardX
+and read back with TensorBoard's own reader; fast (no training: tests/trainer/test_trainer_steps.py checks a
+training run's curves against its loss.csv, tests/serving/test_evaluate.py an evaluation's)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loraflow.pipeline.artifacts import Manifest
+from loraflow.reporting.curves import evaluation_scalars, tensorboard_argv, tensorboard_command, trained_steps
+from loraflow.trainer.curves import GIB, training_curves
+from loraflow.trainer.step_log import StepRow
+from tests.tensorboard_events import scalars
+
+
+def test_the_curves_carry_device_memory_where_the_backend_reports_it(tmp_path: Path) -> None:
+    """A TPU reports bytes in use and their peak (CPU reports none: the training run's curves have no memory
+    tags); only the process that commits the artifact writes curves."""
+    with training_curves(tmp_path / "p1", writes=False) as none:
+        assert none is None
+    with training_curves(tmp_path / "p0", writes=True) as curves:
+        assert curves is not None
+        curves.step(StepRow(7, 2.5, 1000.0, 0.25), 1e-3, {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB})
+        curves.step(StepRow(8, 2.0, 900.0, 0.5), 2e-3, {"bytes_in_use": GIB})  # no peak reported: in use
+        curves.step(StepRow(9, 1.5, 800.0, 0.75), 3e-3, {"bytes_limit": 16 * GIB})  # nothing in use reported
+    assert not (tmp_path / "p1").exists()
+    assert scalars(tmp_path / "p0" / "tensorboard") == {
+        "train/loss": {7: 2.5, 8: 2.0, 9: 1.5},
+        "train/learning_rate": {7: pytest.approx(1e-3), 8: pytest.approx(2e-3), 9: pytest.approx(3e-3)},
+        "perf/step_seconds": {7: 0.25, 8: 0.5, 9: 0.75},
+        "perf/tokens_per_s": {7: 1000.0, 8: 900.0, 9: 800.0},
+        "memory/hbm_in_use_gib": {7: 3.0, 8: 1.0},
+        "memory/hbm_peak_gib": {7: 5.0, 8: 1.0},
+    }
+
+
+def test_an_evaluation_scores_at_its_models_training_step() -> None:
+    """The base model (no manifest) at step 0; a merged model at its adapter's steps; the guard's accuracy
+    beside the metrics."""
+    merged = Manifest("gs://b/p/r/merge_adapter/_MANIFEST.json", {"summary": {"adapter_steps": 150}})
+    unknown = Manifest("gs://b/p/r/merge_adapter/_MANIFEST.json", {"summary": {}})
+    assert [trained_steps(m) for m in (None, merged, unknown)] == [0, 150, 0]
+    assert evaluation_scalars({"accuracy": 0.75, "format_rate": 1}, None) == {
+        "eval/accuracy": 0.75,
+        "eval/format_rate": 1.0,
+    }
+    assert evaluation_scalars({"accuracy": 0.5}, {"set": "general-mc-v1", "accuracy": 0.25}) == {
+        "eval/accuracy": 0.5,
+        "guard/accuracy": 0.25,
+    }
+
+
+def test_the_tensorboard_command_reads_gcs_or_the_emulator_and_binds_loopback() -> None:
+    """What `make ui` prints: against GCS, TensorBoard as it is; against the emulator, its address and the
+    Python loader (the Rust one asks Google for a token and fails)."""
+    assert tensorboard_command("tb", "gs://b/pipe") == "tb --host 127.0.0.1 --logdir gs://b/pipe"
+    env, argv = tensorboard_argv("/v/bin/tensorboard", "gs://b/pipe", "http://127.0.0.1:4443")
+    assert env == {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    assert argv == ["/v/bin/tensorboard", "--host", "127.0.0.1", "--logdir", "gs://b/pipe", "--load_fast", "false"]
+    assert tensorboard_command("/v/bin/tensorboard", "gs://b/my pipe", "http://127.0.0.1:4443") == (
+        "STORAGE_EMULATOR_HOST=http://127.0.0.1:4443 GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false /v/bin/tensorboard "
+        "--host 127.0.0.1 --logdir 'gs://b/my pipe' --load_fast false"
+    )
