@@ -87,7 +87,7 @@ def sec_dag(d: dict) -> list[str]:
 def _dag_verdict(k: str, overhead: float) -> str:
     if k == "empty DAG file":
         return "baseline"
-    if k == "loraflow, 52 specs":
+    if k == "loraflow, 52 specs":  # judged on CPU time where measured: wall time adds waiting for a shared core
         return verdict(overhead < 0.3, "within target (< 0.3 s)", "**loraflow misses the 0.3 s target**")
     if k.startswith("plain Airflow"):
         return "Airflow's own cost for the same DAGs and tasks"
@@ -105,7 +105,7 @@ def _dag_table(d: dict) -> list[str]:
     for k in m:
         out.append(
             f"| {k} | {d['dags'][k]} | {f(m[k], 3)} | {f(o[k], 3)} | {f(cpu.get(k), 3)} | {f(cpu_o.get(k), 3)} | "
-            f"{_dag_verdict(k, o[k])} |"
+            f"{_dag_verdict(k, cpu_o.get(k, o[k]))} |"
         )
     return out
 
@@ -126,13 +126,16 @@ def _dag_overhead(d: dict) -> list[str]:
         ),
         "",
     ]
-    floor = o.get("plain Airflow, 52 DAGs x 9 tasks")
+    # The split into Airflow's share and loraflow's is taken in CPU time where measured, like the verdict.
+    split = cpu_o if "loraflow, 52 specs" in cpu_o else o
+    floor = split.get("plain Airflow, 52 DAGs x 9 tasks")
     if floor is not None:
+        kind = " of CPU time" if split is cpu_o else ""
         out += [
-            f"Of that, **{floor:.2f} s** is Airflow's own: the same 52 DAGs of 9 tasks as plain `BaseOperator`s "
-            f"cost that much to parse with no loraflow code at all. loraflow's own share is "
-            f"**{over52 - floor:.2f} s** (importing the operators, reading 52 cached specs, its operators' extra "
-            "attributes, trigger-form params).",
+            f"Of that, **{floor:.2f} s**{kind} is Airflow's own: the same 52 DAGs of 9 tasks as plain "
+            f"`BaseOperator`s cost that much to parse with no loraflow code at all. loraflow's own share is "
+            f"**{split['loraflow, 52 specs'] - floor:.2f} s** (importing the operators, reading 52 cached specs, its "
+            "operators' extra attributes, trigger-form params).",
             "",
         ]
     return out

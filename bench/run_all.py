@@ -60,7 +60,10 @@ def main() -> int:
     shutil.rmtree(WORK / "models", ignore_errors=True)  # the size sweeps' generated checkpoints (~10 GiB)
     info["benches"] = status
     info["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    save("machine", info)
+    if only:  # the header describes the last full run; a section names its own machine
+        say(f"BENCH_ONLY: machine.json (the last full run's) left as it is; {status}")
+    else:
+        save("machine", info)
     rc = subprocess.run([PY["trainer"], str(BENCH / "report.py")], cwd=REPO).returncode
     return 1 if rc or any(s["rc"] for s in status.values()) else 0
 
