@@ -1,5 +1,5 @@
-"""Operator extra links of the stage tasks: the Vertex AI job, the stage's artifacts, the data docs
-and the run report.
+"""Operator extra links of the stage tasks: the Vertex AI job, the stage's artifacts, the data docs,
+the run report and the run in Vertex AI Experiments.
 
 Each URL is decided while the task runs and kept in XCom under the link's ``xcom_key`` (the
 GCS emulator's download URL locally, the Cloud console's in GCP); Airflow's UI shows it from
@@ -55,6 +55,13 @@ class ReportLink(XComLink):
     """'Run report' on the report task: the run's report.html."""
 
     name = "Run report"
+
+
+class ExperimentLink(XComLink):
+    """'Vertex AI experiment' on the report task: the run's page in Vertex AI Experiments (its parameters,
+    metrics and curves), when the spec sets ``tracking.vertex``; empty otherwise."""
+
+    name = "Vertex AI experiment"
 
 
 def artifacts_url(prefix: str, emulator_host: str | None) -> str:

@@ -18,7 +18,7 @@ from loraflow.data import handoff
 from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.stages import BY_NAME, STAGE_TABLE, Link
 from loraflow.reporting.urls import browser_url, data_docs_uri, site_url
-from operators.links import ArtifactsLink, DataDocsLink, ReportLink, WorkloadLink, artifacts_url
+from operators.links import ArtifactsLink, DataDocsLink, ExperimentLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:
     from airflow.providers.openlineage.extractors import OperatorLineage
@@ -37,6 +37,7 @@ LINKS: dict[Link, type[BaseOperatorLink]] = {
     "workload": WorkloadLink,
     "artifacts": ArtifactsLink,
     "report": ReportLink,
+    "experiment": ExperimentLink,
 }
 
 
@@ -298,6 +299,10 @@ class ReportOperator(LoraflowStageOperator):
         url = browser_url(uri, os.environ.get("STORAGE_EMULATOR_HOST"))
         context["ti"].xcom_push(key=ReportLink().xcom_key, value=url)
         self.log.info("run report: %s (%s)", url, uri)
+        experiment = result["summary"].get("vertex_experiment_url")
+        if experiment:  # tracking.vertex: the run's page in Vertex AI Experiments
+            context["ti"].xcom_push(key=ExperimentLink().xcom_key, value=experiment)
+            self.log.info("Vertex AI experiment run: %s", experiment)
         failed = self.failed_tasks(context)
         if failed:
             raise AirflowFailException(

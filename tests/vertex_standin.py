@@ -29,7 +29,8 @@ pulls (an image missing from ``images`` fails the job, nothing is pulled), netwo
 scheduling / restart-on-failure, preemption, the long-running-operation and paging surfaces, list
 filters beyond ``labels.K="V"`` / ``display_name="V"`` joined by AND, other APIs (model upload,
 pipelines, hyperparameter tuning), persistence across restarts and the gRPC transport.
-The Model Registry surface (``ModelRegistryStandIn``, ``standin.models``) is described there.
+The Model Registry surface (``ModelRegistryStandIn``, ``standin.models``) is described there; Experiments
+and TensorBoard (``serve_tracking``) in tests/vertex_tracking_standin.py.
 ``faults`` lets a test make the next requests fail with a given HTTP status (a transient outage);
 ``routes`` is the list of served APIs, one (pattern, handler) pair each.
 """
@@ -136,6 +137,15 @@ class VertexStandIn:
         self._thread.start()
         return self
 
+    def serve_tracking(self, project: str, location: str) -> Any:
+        """Serve Vertex AI Experiments and TensorBoard for ``project`` and ``location``
+        (tests/vertex_tracking_standin.py); the ``TrackingStandIn``, to make TensorBoards and read back."""
+        from tests.vertex_tracking_standin import PATH, TrackingStandIn
+
+        tracking = TrackingStandIn(project, location)
+        self.routes.append((PATH, tracking.route))
+        return tracking
+
     def stop(self) -> None:
         with self._lock:
             jobs = list(self._jobs.values())
@@ -188,6 +198,9 @@ class VertexStandIn:
 
             def do_POST(self) -> None:
                 self._answer("POST")
+
+            def do_PATCH(self) -> None:
+                self._answer("PATCH")
 
         return Handler
 

@@ -42,7 +42,7 @@ Input = Source | Upstream
 EnvironmentName = Literal["control", "trainer", "serving"]
 TriggerRule = Literal["all_success", "all_done"]
 # The operator's extra links (operators/links.py): the task's buttons in the Airflow UI.
-Link = Literal["data_docs", "workload", "artifacts", "report"]
+Link = Literal["data_docs", "workload", "artifacts", "report", "experiment"]
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         ui_color="#e6f4ea",
         # Every run gets its report: one the gate did not promote, one in which a stage failed.
         trigger_rule="all_done",
-        links=("report", "artifacts"),
+        links=("report", "experiment", "artifacts"),
     ),
 )
 

@@ -4,7 +4,9 @@ lora_sft writes one scalar per tag per training step (:mod:`loraflow.trainer.cur
 writes its scores at the evaluated model's training step (0 for the base model, :func:`evaluation_scalars`).
 ``tensorboard --logdir`` over a run's prefix shows them side by side, one TensorBoard run per stage;
 over the pipeline's prefix, every run's. Written with tensorboardX's ``SummaryWriter`` (imported when a
-writer opens: the trainer and serving environments have it, DAG parsing never pays for it).
+writer opens: the trainer and serving environments have it, DAG parsing never pays for it); read back
+with TensorBoard's reader (:func:`read_scalars`, the control environment) when the report logs the run
+to Vertex AI Experiments.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ def scalar_writer(out: Path) -> Iterator[ScalarWriter]:
         yield ScalarWriter(writer)
     finally:
         writer.close()
+
+
+def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files in ``logdir``, by tag and step, read with TensorBoard's own reader
+    (every point: no sampling; the report reads them for Vertex AI Experiments)."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={SCALARS: 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()[SCALARS]}
 
 
 def trained_steps(model_manifest: Any) -> int:

@@ -39,6 +39,11 @@ IMAGE = re.compile(
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?"
 )
 NETWORK = re.compile(rf"projects/(?:{PROJECT_NUMBER.pattern}|{PROJECT_ID.pattern})/global/networks/{GCE_NAME.pattern}")
+TENSORBOARD = re.compile(
+    rf"projects/(?:{PROJECT_NUMBER.pattern}|{PROJECT_ID.pattern})/locations/{REGION.pattern}/tensorboards/[1-9][0-9]{{0,19}}"
+)
+# Vertex AI Experiments: an experiment's name, and a run's (the run's context id is "{experiment}-{run}").
+EXPERIMENT = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 RESERVATION = re.compile(rf"projects/{PROJECT_ID.pattern}/zones/{ZONE.pattern}/reservations/{GCE_NAME.pattern}")
 
 
@@ -66,6 +71,14 @@ check_service_account = _checker(
 check_image = _checker(IMAGE, "a container image reference", "us-docker.pkg.dev/acme-ml/loraflow/trainer:0.1.0")
 check_network = _checker(NETWORK, "a VPC network name", "projects/123456789/global/networks/my-vpc")
 check_reservation = _checker(RESERVATION, "a reservation name", "projects/acme-ml/zones/us-central1-a/reservations/r1")
+check_tensorboard = _checker(
+    TENSORBOARD, "a Vertex AI TensorBoard resource name", "projects/acme-ml/locations/us-central1/tensorboards/123"
+)
+check_experiment = _checker(
+    EXPERIMENT,
+    "a Vertex AI experiment name (1-64 of a-z, 0-9, '-', starting with a letter or digit)",
+    "tiny-llama-lora",
+)
 check_gce_name = _checker(GCE_NAME, "a Compute Engine resource name (RFC 1035)", "my-ip-range")
 check_k8s_label = _checker(DNS_LABEL, "a Kubernetes name (a DNS-1123 label)", "ml-jobs")
 check_k8s_subdomain = _checker(DNS_SUBDOMAIN, "a Kubernetes name (a DNS-1123 subdomain)", "loraflow-trainer")

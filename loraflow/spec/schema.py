@@ -374,6 +374,34 @@ _LABEL = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 _LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
 
 
+class VertexTrackingSpec(_Model):
+    """Log each run to Vertex AI Experiments, its curves to the experiment's Vertex AI TensorBoard."""
+
+    tensorboard: Annotated[str, AfterValidator(rn.check_tensorboard)] = Field(
+        description="the TensorBoard instance backing the experiment, projects/P/locations/REGION/tensorboards/ID; "
+        "the experiment lives in its project and region"
+    )
+    experiment: Annotated[str, AfterValidator(rn.check_experiment)] = Field(
+        description="the Vertex AI experiment (made on first use); each pipeline run is one of its runs"
+    )
+
+    @property
+    def project(self) -> str:
+        return self.tensorboard.split("/")[1]
+
+    @property
+    def region(self) -> str:
+        return self.tensorboard.split("/")[3]
+
+
+class TrackingSpec(_Model):
+    vertex: VertexTrackingSpec | None = Field(
+        None,
+        description="{tensorboard, experiment}: the report task logs the run's parameters, metrics and curves "
+        "(lora_sft's and the evaluations' tensorboard/ scalars) to Vertex AI Experiments; null = not logged",
+    )
+
+
 class PublishSpec(_Model):
     registry: GsUri | None = Field(None, description="registry prefix; default {artifact_root}/_registry")
     vertex_model_registry: VertexModelRegistrySpec | None = Field(
@@ -513,6 +541,7 @@ class PipelineSpec(_Model):
     evaluation: EvaluationSpec = EvaluationSpec()
     gate: GateSpec = GateSpec()
     publish: PublishSpec = PublishSpec()
+    tracking: TrackingSpec = TrackingSpec()
     compute: dict[str, ComputeSpec] = Field(default_factory=dict, description="per stage (or 'default') where it runs")
     retry: RetrySpec = RetrySpec()
     secrets: dict[SecretName, SecretSpec] = Field(

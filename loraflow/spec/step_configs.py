@@ -37,6 +37,7 @@ from loraflow.spec.schema import (
     PipelineSpec,
     TrainingSpec,
     VertexModelRegistrySpec,
+    VertexTrackingSpec,
 )
 
 Scalar = int | float | str | bool
@@ -269,10 +270,12 @@ class ReportConfig(StepConfig):
     pipeline: str = ""  # the pipeline's name (the report's title)
     # The stages in pipeline order (the table's rows): every stage before the report.
     stages: list[str] = Field(default_factory=lambda: [s for s in STAGES if s != "report"])
+    # tracking.vertex: the run logged to Vertex AI Experiments once the page is written; null = not logged.
+    vertex_tracking: VertexTrackingSpec | None = None
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> ReportConfig:
-        return cls(pipeline=spec.name)
+        return cls(pipeline=spec.name, vertex_tracking=spec.tracking.vertex)
 
 
 # Each stage's config class, as the stage table names it (loraflow/pipeline/stages.py).

@@ -22,6 +22,11 @@ Config (``loraflow.spec.step_configs.ReportConfig``)::
 
     pipeline    the pipeline's name (for the title)
     stages      the stages in pipeline order (the table's rows; default every stage before the report)
+    vertex_tracking   the spec's ``tracking.vertex``: once the page is written, the run is logged to
+                that Vertex AI experiment (``loraflow.steps._tracking``): lora_sft's config as its
+                parameters, the scores and the verdict as its metrics, and the ``tensorboard/`` scalars
+                of lora_sft and the evaluations as its time series in the experiment's TensorBoard;
+                the summary names the experiment run (``vertex_experiment_run``, ``vertex_experiment_url``)
 
 Writes ``report.html`` (inline CSS, inline SVG plots: opens offline) and ``loss.svg``.
 """
@@ -41,6 +46,7 @@ from loraflow.evaluation.metrics import METRICS, Scoring
 from loraflow.pipeline import artifacts, gcs, json_objects
 from loraflow.reporting import report, urls
 from loraflow.spec.step_configs import ReportConfig, parse
+from loraflow.steps import _tracking
 from loraflow.steps._harness import StepContext, exit_process, run_step
 
 STAGE = "report"
@@ -261,9 +267,12 @@ def _publish_manifest(run_prefix: str) -> artifacts.Manifest | None:
 
 
 def run(ctx: StepContext) -> dict[str, Any]:
-    data = collect(ctx, parse(ReportConfig, ctx.config))
+    cfg = parse(ReportConfig, ctx.config)
+    data = collect(ctx, cfg)
     (ctx.out / "report.html").write_text(report.render(data), encoding="utf-8")
     (ctx.out / "loss.svg").write_text(report.loss_svg(data["loss"]), encoding="utf-8")
+    # tracking.vertex: the run in Vertex AI Experiments (an error fails the task; its retry resumes the run)
+    logged = _tracking.log_run(ctx, cfg.vertex_tracking, data) if cfg.vertex_tracking is not None else {}
     hits = [s["stage"] for s in data["stages"] if s["status"] == "reused"]
     ctx.progress(f"report.html written ({len(data['stages'])} stages, {len(hits)} cache hit(s))")
     decision = data["decision"] or {}
@@ -282,6 +291,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "cache_hits": hits,
         "failed_stage": failed["stage"] if failed else None,
         "merge_cost": cost,
+        **logged,
     }
 
 
