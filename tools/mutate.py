@@ -259,6 +259,19 @@ TARGETS: dict[str, Target] = {
         # two Airflow imports in child processes (seconds); it pins the provider's switch, not this module
         deselect=["tests/control/test_lineage.py::test_lineage_is_off_until_the_openlineage_provider_is_configured"],
     ),
+    # Standard benchmarks (evaluation.suites): a staged task's confinement, the LM wrapper's translation of
+    # lm-eval's requests and vLLM's answers, a suite's result, and the guard on a suite (gate_rule's and the
+    # gate step's share of it); the wrapper's vLLM half is tests/serving's (against lm-eval's own backend).
+    "suites": Target(
+        "control",
+        ["loraflow/evaluation/suites.py", "loraflow/evaluation/gate_rule.py", "loraflow/steps/gate.py"],
+        ["tests/control/test_suites.py"],
+        [
+            "loraflow.evaluation.suites.*",
+            "loraflow.evaluation.gate_rule.x_suite_guard_check__mutmut_*",
+            "loraflow.steps.gate.x__suite_entry__mutmut_*",
+        ],
+    ),
     # Last: the longest list of test files.
     "spec": Target(
         "control",

@@ -2,7 +2,7 @@
 the base could do (the regression guard), and does it beat the registry's champion?
 
 Pure and deterministic (numpy only): the gate step reads the evaluations and the verified champion and
-calls :func:`decide`, :func:`guard_check`, :func:`with_guard` and :func:`against_champion`; every setting
+calls :func:`decide`, :func:`guard_check` (or :func:`suite_guard_check`), :func:`with_guard` and :func:`against_champion`; every setting
 comes from its config (``loraflow.spec.step_configs.GateConfig``: the spec's ``gate`` section), none has a
 default here.
 """
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.evaluation import suites
 from loraflow.evaluation.metrics import METRICS
 
 #: The whole rule in one sentence (decision.json records it).
@@ -268,6 +269,43 @@ def guard_check(
         within = "the change and the interval's lower bound within" if rule == "interval" else "within"
         reason = f"guard {guard_set}: {scores}, {within} the allowed drop of {max_drop:.3f}; {evidence}"
     return GuardCheck(**p.evidence(), passed=passed, set=guard_set, max_drop=max_drop, rule=rule, reason=reason)
+
+
+def suite_guard_check(
+    base: Mapping[str, Any],
+    tuned: Mapping[str, Any],
+    *,
+    suite: str,
+    max_drop: float,
+    rule: str,
+    confidence: float,
+    bootstrap_samples: int,
+    seed: int,
+) -> GuardCheck:
+    """The regression guard on a standard benchmark (``gate.guard.suite``): :func:`guard_check` over the suite's
+    documents, each right or wrong by the suite's metric.
+
+    Args:
+        base, tuned: the suite's entry of each evaluation's metrics.json (``suites.<name>``: task, metric, ids,
+            values); both must hold the same task and metric (GateError otherwise: re-run the evaluations).
+        suite: the suite's name; max_drop, rule, confidence, bootstrap_samples, seed: as :func:`guard_check`.
+    """
+    scored = {(e.get("task"), e.get("metric")) for e in (base, tuned)}
+    if len(scored) != 1:
+        raise GateError(
+            f"the evaluations scored suite {suite} differently (base {base.get('task')} {base.get('metric')}, tuned "
+            f"{tuned.get('task')} {tuned.get('metric')}); re-run both evaluations with this spec"
+        )
+    return guard_check(
+        suites.outcomes(base, f"base_eval suite {suite}"),
+        suites.outcomes(tuned, f"tuned_eval suite {suite}"),
+        max_drop=max_drop,
+        rule=rule,
+        guard_set=f"suite {suite} ({base.get('task')}, {base.get('metric')})",
+        confidence=confidence,
+        bootstrap_samples=bootstrap_samples,
+        seed=seed,
+    )
 
 
 def with_guard(decision: Decision, guard: GuardCheck | None) -> Decision:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from loraflow.evaluation import suites as suite_rules
+
 if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec
 
@@ -72,11 +74,15 @@ class Stage:
 
 
 def _evaluate_inputs(spec: PipelineSpec, model: Input) -> dict[str, Input]:
-    """An evaluation's inputs: the model, the eval set and, when gate.guard names its own file, the guard set."""
+    """An evaluation's inputs: the model, the eval set, when gate.guard names its own file the guard set, and
+    each staged suite's folder (``suite_<name>``)."""
     inputs: dict[str, Input] = {"model": model, "eval_set": Upstream("validate_data")}
     guard = spec.gate.guard
-    if guard is not None and guard.set.startswith("gs://"):
+    if guard is not None and guard.set is not None and guard.set.startswith("gs://"):
         inputs["guard_set"] = Source(guard.set)
+    for suite in spec.evaluation.suites:
+        if suite.source is not None:
+            inputs[suite_rules.input_name(suite.name)] = Source(suite.source)
     return inputs
 
 

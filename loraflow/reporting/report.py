@@ -309,7 +309,36 @@ def _metrics_section(data: Mapping[str, Any]) -> str:
         )
         required = _recorded_number(decision, "min_improvement")
         out += interval_svg(float(decision.get("delta", 0)), (lo, hi), required)
-    return out + _guard_paragraph(base, tuned, decision.get("guard")) + _merge_cost_table(data.get("merge_cost"))
+    out += _suites_table(base, tuned) + _guard_paragraph(base, tuned, decision.get("guard"))
+    return out + _merge_cost_table(data.get("merge_cost"))
+
+
+def _suites_table(base: Mapping[str, Any], tuned: Mapping[str, Any]) -> str:
+    """The standard benchmarks (evaluation.suites): each suite's figure before and after."""
+    b, t = base.get("suites") or {}, tuned.get("suites") or {}
+    rows = []
+    for name in dict.fromkeys([*b, *t]):
+        before, after = b.get(name) or {}, t.get(name) or {}
+        named = before or after
+        vb, vt = before.get("value"), after.get("value")
+        change = f"{vt - vb:+.3f}" if isinstance(vb, (int, float)) and isinstance(vt, (int, float)) else ""
+        rows.append(
+            [
+                _e(name),
+                f"<code>{_e(named.get('task'))}</code> {_e(named.get('metric'))}",
+                _e(named.get("n")),
+                f'<span class="num">{_num(vb)}</span>',
+                f'<span class="num">{_num(vt)}</span>',
+                change,
+            ]
+        )
+    if not rows:
+        return ""
+    return (
+        "<h3>Standard benchmarks</h3><p>lm-evaluation-harness tasks, scored by the evaluation's own engine with "
+        "the eval set's chat template.</p>"
+        + _table(["suite", "task and metric", "documents", "before (base)", "after (tuned)", "change"], rows)
+    )
 
 
 def _guard_paragraph(base: Mapping[str, Any], tuned: Mapping[str, Any], check: Mapping[str, Any] | None) -> str:
@@ -317,6 +346,9 @@ def _guard_paragraph(base: Mapping[str, Any], tuned: Mapping[str, Any], check: M
     b, t = base.get("guard") or {}, tuned.get("guard") or {}
     if not (b or t or check):
         return ""
+    if not (b or t):  # a guard on a suite (gate.guard.suite): its figures are in the benchmarks' table
+        out = f"<h3>Regression guard</h3><p>On {_e((check or {}).get('set'))}.</p>"
+        return out + _guard_verdict(check)
     named = b or t
     out = (
         f"<h3>Regression guard</h3><p>Set <code>{_e(named.get('set'))}</code> (sha256 "
@@ -324,11 +356,16 @@ def _guard_paragraph(base: Mapping[str, Any], tuned: Mapping[str, Any], check: M
         f"its log-likelihood): accuracy <b>{_num(b.get('accuracy'))}</b> before, <b>{_num(t.get('accuracy'))}</b> "
         "after.</p>"
     )
+    return out + _guard_verdict(check)
+
+
+def _guard_verdict(check: Mapping[str, Any] | None) -> str:
+    """The guard's verdict with its paired evidence and interval."""
     if not check:
-        return out + '<p class="muted">the gate did not check it</p>'
+        return '<p class="muted">the gate did not check it</p>'
     lo, hi = check.get("ci") or (0.0, 0.0)
     verdict = "passed" if check.get("passed") else "FAILED"
-    out += (
+    out = (
         f"<p class='{'ok' if check.get('passed') else 'bad'}'><b>{verdict}</b> (rule {_e(check.get('rule'))}, at most "
         f"{_num(_recorded_number(check, 'max_drop'))} lost): change <b>{float(check.get('delta', 0)):+.3f}</b>, "
         f"{_level(check)}interval [{float(lo):+.3f}, {float(hi):+.3f}]; "

@@ -22,6 +22,7 @@ from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import EXCERPT_CHARS, SpecError, excerpt
 from loraflow.evaluation import guard as guard_sets
 from loraflow.evaluation import metrics as metric_table
+from loraflow.evaluation import suites as suite_rules
 from loraflow.pipeline.stages import STAGE_TABLE, STAGES
 from loraflow.spec import override_rules
 from loraflow.spec import resource_names as rn
@@ -248,6 +249,33 @@ class TrainingSpec(_Model):
     )
 
 
+class SuiteSpec(_Model):
+    """A standard benchmark (an lm-evaluation-harness task) both evaluations score (docs/architecture.md).
+
+    It runs in the evaluate step's own engine, with the eval set's chat template ("Standard benchmarks")."""
+
+    name: Annotated[str, AfterValidator(suite_rules.check_name)] = Field(
+        description="the suite's label in metrics.json, the report and gate.guard.suite"
+    )
+    task: Annotated[str, AfterValidator(suite_rules.check_task)] = Field(
+        description="the lm-eval task: one lm-eval ships (gsm8k, arc_easy, ...: its data is fetched from the "
+        "Hugging Face hub, so the serving host needs network) or, with source, the task its YAML defines"
+    )
+    source: str | None = Field(
+        None,
+        description="a gs:// folder staged beforehand holding <task>.yaml (lm-eval's task format, no !function) "
+        "and its data files (json, csv or parquet, named relative to the YAML); nothing is downloaded at run time",
+    )
+    metric: Annotated[str, AfterValidator(suite_rules.check_metric)] = Field(
+        description="the figure reported and guarded, as lm-eval names it: METRIC,FILTER "
+        "(exact_match,strict-match for gsm8k; acc,none for a multiple-choice task)"
+    )
+    limit: int | None = Field(None, ge=1, description="score only the task's first N documents; null = all")
+
+    # a folder: its listing must not take in a neighbour whose name starts alike (gs://b/suites/gsm8k_cot/)
+    _uri = field_validator("source")(lambda v: v if v is None else _gs_uri(v) + "/")
+
+
 class EvaluationSpec(_Model):
     max_new_tokens: int = Field(16, ge=1, le=4096)
     batch_size: int = Field(64, ge=1)
@@ -275,10 +303,25 @@ class EvaluationSpec(_Model):
         json_schema_extra={"items": {"enum": list(metric_table.METRICS)}},
     )
 
+    suites: list[SuiteSpec] = Field(
+        default_factory=list,
+        description="standard benchmarks (lm-evaluation-harness tasks) both evaluations score in the same engine: "
+        "[{name, task, source, metric, limit}]; [] = none",
+    )
+
     @field_validator("metrics")
     @classmethod
     def _metrics_once(cls, v: list[str]) -> list[str]:
         return metric_table.check_names(v)
+
+    @field_validator("suites")
+    @classmethod
+    def _suites_once(cls, v: list[SuiteSpec]) -> list[SuiteSpec]:
+        names = [suite.name for suite in v]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"suite name(s) {', '.join(twice)} listed twice; give each suite its own name")
+        return v
 
     @field_validator("answer_pattern")
     @classmethod
@@ -297,10 +340,16 @@ class GuardSpec(_Model):
 
     The gate refuses a tuned model whose accuracy on it fell more than ``max_drop`` below the base's."""
 
-    set: str = Field(
-        description="the guard set: a shipped one ("
+    set: str | None = Field(
+        None,
+        description="the guard set (or suite, not both): a shipped one ("
         + "; ".join(f"`{name}`: {what}" for name, what in guard_sets.SHIPPED.items())
         + ") or a gs:// URI of your own JSONL of {id, question, choices: [2-10 options], answer: index} rows",
+    )
+    suite: str | None = Field(
+        None,
+        description="guard on a standard benchmark instead of a set: the name of one of evaluation.suites, "
+        "whose metric is right/wrong per document (exact_match, acc)",
     )
     max_drop: float = Field(
         0.05,
@@ -316,8 +365,16 @@ class GuardSpec(_Model):
 
     @field_validator("set")
     @classmethod
-    def _set(cls, v: str) -> str:
+    def _set(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         return _gs_uri(v) if v.startswith("gs://") else guard_sets.check_setting(v)
+
+    @model_validator(mode="after")
+    def _set_or_suite(self) -> GuardSpec:
+        if (self.set is None) == (self.suite is None):
+            raise ValueError("name either set (a guard set) or suite (one of evaluation.suites), not both or neither")
+        return self
 
     @field_validator("max_drop")
     @classmethod
@@ -339,8 +396,8 @@ class GateSpec(_Model):
     bootstrap_samples: int = Field(2000, ge=100)
     guard: GuardSpec | None = Field(
         None,
-        description="a regression guard: {set, max_drop, rule}; both evaluations score the set and the gate "
-        "refuses a tuned model that fell more than max_drop below the base on it; null = none",
+        description="a regression guard: {set or suite, max_drop, rule}; both evaluations score the set (or the "
+        "suite) and the gate refuses a tuned model that fell more than max_drop below the base on it; null = none",
     )
 
 
@@ -626,6 +683,17 @@ class PipelineSpec(_Model):
         if problems:
             raise ValueError("; ".join(problems))
         return v
+
+    @model_validator(mode="after")
+    def _guard_suite_is_scored(self) -> PipelineSpec:
+        guard = self.gate.guard
+        names = [suite.name for suite in self.evaluation.suites]
+        if guard is not None and guard.suite is not None and guard.suite not in names:
+            raise ValueError(
+                f"gate.guard.suite {guard.suite!r} is not one of evaluation.suites ({', '.join(names) or 'none'}); "
+                "add the suite there or name one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tile_fits_the_model(self) -> PipelineSpec:

@@ -215,6 +215,8 @@ class EvaluateConfig(EvaluationSpec, StepConfig):
         wire = super().wire()
         if wire["guard_set"] is None:
             del wire["guard_set"]  # a pipeline without a guard keeps the cache keys it had before guards
+        if not wire["suites"]:
+            del wire["suites"]  # ... and one without suites those it had before suites
         return wire
 
 
@@ -238,6 +240,15 @@ class GateConfig(GateSpec, StepConfig):
             pipeline=spec.name,
             artifact_root=spec.artifact_root,
         )
+
+    def wire(self) -> dict[str, Any]:
+        wire = super().wire()
+        guard = wire.get("guard")
+        if isinstance(guard, dict):  # a guard names a set or a suite: the other is not sent, so a guard on a
+            for key in ("set", "suite"):  # set keeps the gate's cache key it had before suites
+                if guard.get(key) is None:
+                    del guard[key]
+        return wire
 
 
 class PublishConfig(StepConfig):

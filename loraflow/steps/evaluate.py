@@ -291,12 +291,13 @@ def evaluate(ctx: StepContext, engine: Engine | None = None, *, process_ends: bo
     template = eval_template(eval_file, model_dir, ctx.progress)
     ctx.progress(f"chat template: {template.origin} (sha256 {template.digest[:12]})")
     guard_set = _guard.load(cfg, ctx.inputs)  # read and checked before the engine loads
+    suites = _load_suites(cfg, ctx.inputs)  # ... and so is every staged suite's task
 
     own_engine = engine is None
     if engine is None:
         engine = build_engine(model_dir, cfg, ctx.progress)
     try:
-        return _evaluate(ctx, engine, cfg, examples, template, guard_set, started)
+        return _evaluate(ctx, engine, cfg, examples, template, guard_set, suites, started)
     finally:
         if own_engine and process_ends:
             engine.leave_to_exit()
@@ -311,6 +312,7 @@ def _evaluate(
     examples: list[Example],
     template: ChatTemplate,
     guard_set: _guard.GuardSet | None,
+    suites: list[Any],
     started: float,
 ) -> dict[str, Any]:
     sampling = _sampling_params(cfg)
@@ -332,6 +334,11 @@ def _evaluate(
     if guard_set is not None:
         report["guard"] = _guard.score(engine, cfg, guard_set, guard_seqs, ctx.out, ctx.progress)
         written.append(guard.PREDICTIONS_FILE)
+    if suites:
+        from loraflow.steps import _suites
+
+        report["suites"] = _suites.run(engine, cfg, template, suites, ctx.out, ctx.progress)
+        written.extend(_suites.SAMPLES_FILE.format(name=name) for name in report["suites"])
     report["files"] = [*written, METRICS_JSON]
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
     _write_curves(ctx, rates, report.get("guard"))
@@ -343,6 +350,7 @@ def _evaluate(
         **rates,
         "n": metrics["n"],
         **({"guard_accuracy": report["guard"]["accuracy"]} if guard_set is not None else {}),
+        **{f"suite_{name}": entry["value"] for name, entry in report.get("suites", {}).items()},
         "tokens_per_s": round(gen.tokens_per_s, 1),
         "seconds": round(time.monotonic() - started, 2),
     }
@@ -353,6 +361,15 @@ def _write_curves(ctx: StepContext, rates: dict[str, float], guard_summary: dict
     step = trained_steps(ctx.input_manifests.get("model"))
     with scalar_writer(ctx.out) as writer:
         writer.add(evaluation_scalars(rates, guard_summary), step)
+
+
+def _load_suites(cfg: EvaluateConfig, inputs: dict[str, Path]) -> list[Any]:
+    """The config's suites, their staged tasks read and checked (lm-eval is imported only when there are any)."""
+    if not cfg.suites:
+        return []
+    from loraflow.steps import _suites
+
+    return _suites.load(cfg, inputs)
 
 
 def _sampling_params(cfg: EvaluateConfig) -> Any:

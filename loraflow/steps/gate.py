@@ -18,8 +18,9 @@ Config (``loraflow.spec.step_configs.GateConfig``; every key optional, defaults 
 The whole rule lives in the pure loraflow.evaluation.gate_rule (``gate_rule.RULE``); this program reads
 what it decides on and hands it over. ``decide``: promote iff the gain >= min_improvement and the
 interval's lower bound > 0. With ``guard`` (the spec's ``gate.guard``), both evaluations' guard sets
-(``guard_predictions.jsonl``, the same set by name and sha256) go through ``guard_check`` and
-``with_guard``: a failed guard refuses promotion, its reason saying by how much. When the registry holds a
+(``guard_predictions.jsonl``, the same set by name and sha256) go through ``guard_check``, or with
+``guard.suite`` both evaluations' scores of that suite (metrics.json ``suites``) through
+``suite_guard_check``, and then ``with_guard``: a failed guard refuses promotion, its reason saying by how much. When the registry holds a
 ``champion`` for this pipeline, ``against_champion``: the tuned model must also beat the champion's metric
 (and not be the champion itself). The champion is verified by ``loraflow.registry.store.champion`` (its
 model a committed merge_adapter of this pipeline, its committed evaluate_tuned of that model) and its
@@ -241,12 +242,34 @@ def _guard_row(line: bytes, where: str) -> tuple[str, bool]:
     return row["id"], row["correct"]
 
 
+def _suite_entry(evaluation: dict[str, Any], name: str, suite: str) -> dict[str, Any]:
+    """metrics.json's ``suites.<suite>`` of one evaluation; GateError when it scored no such suite."""
+    entry = (evaluation.get("suites") or {}).get(suite)
+    if not isinstance(entry, dict):
+        raise GateError(
+            f"{name}: the evaluation scored no suite {suite!r}, but gate.guard.suite asks for it; re-run its "
+            "evaluate stage with this spec (evaluation.suites is part of its cache key)"
+        )
+    return entry
+
+
 def _guard_check(
     cfg: GateConfig, inputs: dict[str, Path], base_metrics: dict[str, Any], tuned_metrics: dict[str, Any]
 ) -> GuardCheck | None:
     """The regression guard over both evaluations' guard sets (None: the spec has no gate.guard)."""
     if cfg.guard is None:
         return None
+    if cfg.guard.suite is not None:
+        return gate_rule.suite_guard_check(
+            _suite_entry(base_metrics, "base_eval", cfg.guard.suite),
+            _suite_entry(tuned_metrics, "tuned_eval", cfg.guard.suite),
+            suite=cfg.guard.suite,
+            max_drop=cfg.guard.max_drop,
+            rule=cfg.guard.rule,
+            confidence=cfg.confidence,
+            bootstrap_samples=cfg.bootstrap_samples,
+            seed=cfg.seed,
+        )
     base, base_set = load_guard(inputs["base_eval"], "base_eval", base_metrics)
     tuned, tuned_set = load_guard(inputs["tuned_eval"], "tuned_eval", tuned_metrics)
     sets = {(r.get("set"), r.get("sha256")) for r in (base_set, tuned_set)}

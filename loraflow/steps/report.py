@@ -90,6 +90,12 @@ def _small(metrics: dict[str, Any] | None) -> dict[str, Any]:
     small = {k: v for k, v in (metrics or {}).items() if k not in _BULKY_METRICS}
     if isinstance(small.get("guard"), dict):  # the regression guard's per-question lists stay behind too
         small["guard"] = {k: v for k, v in small["guard"].items() if k not in ("ids", "correct")}
+    if isinstance(small.get("suites"), dict):  # ... and so do the suites' per-document ones
+        small["suites"] = {
+            name: {k: v for k, v in entry.items() if k not in ("ids", "values")}
+            for name, entry in small["suites"].items()
+            if isinstance(entry, dict)
+        }
     return small
 
 

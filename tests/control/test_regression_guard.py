@@ -360,7 +360,7 @@ def test_the_spec_refuses_a_bad_guard_naming_each_problem_and_the_fix() -> None:
     assert "gate.guard.rule" in message and "gate.guard.sets" in message
     with pytest.raises(SpecError, match=r"gate\.guard\.set: .*has an empty or '\.' path segment"):
         validate_spec(_spec({"set": "gs://bucket//x.jsonl"}), "s.yaml")
-    with pytest.raises(SpecError, match=r"gate\.guard\.set: required"):
+    with pytest.raises(SpecError, match=r"gate\.guard: name either set \(a guard set\) or suite"):
         validate_spec(_spec({"max_drop": 0.1}), "s.yaml")
 
 

@@ -172,6 +172,30 @@ def test_report_shows_the_regression_guard_beside_the_task_metric() -> None:
     assert "Regression guard" not in report.render(constructed())  # no guard, no section
 
 
+def test_report_shows_each_standard_benchmark_before_and_after_and_a_guard_on_one() -> None:
+    """evaluation.suites: a table row per suite (task, metric, documents, both figures, the change); a guard on a
+    suite has its verdict under the table's figures."""
+    gsm8k = {"task": "gsm8k", "metric": "exact_match,strict-match", "n": 200, "ids": ["0"], "values": [1.0]}
+    check = {"passed": True, "set": "suite gsm8k (gsm8k, exact_match,strict-match)", "n": 200, "base": 0.41,
+             "tuned": 0.4, "delta": -0.01, "ci": [-0.04, 0.02], "confidence": 0.95, "max_drop": 0.02,
+             "rule": "estimate", "fixed": 6, "broken": 8, "reason": "guard passed"}  # fmt: skip
+    data = constructed() | {
+        "base_metrics": constructed()["base_metrics"] | {"suites": {"gsm8k": gsm8k | {"value": 0.41}}},
+        "tuned_metrics": constructed()["tuned_metrics"] | {"suites": {"gsm8k": gsm8k | {"value": 0.4}}},
+        "decision": DECISION | {"guard": check},
+    }
+    page = report.render(data)
+    assert "<h3>Standard benchmarks</h3>" in page
+    row = re.search(r"<tr><td>gsm8k</td>(.*?)</tr>", page)
+    assert row is not None, page
+    cells = re.findall(r"<td>(.*?)</td>", row.group(1))
+    assert cells[0] == "<code>gsm8k</code> exact_match,strict-match" and cells[1] == "200"
+    assert "0.410" in cells[2] and "0.400" in cells[3] and cells[4] == "-0.010"
+    assert "On suite gsm8k (gsm8k, exact_match,strict-match).</p>" in page
+    assert "<b>passed</b> (rule estimate, at most 0.020 lost): change <b>-0.010</b>" in page
+    assert "Standard benchmarks" not in report.render(constructed())  # no suites, no table
+
+
 def test_the_interval_level_and_the_required_gain_are_the_recorded_ones() -> None:
     """The report shows the levels and thresholds the gate recorded, and invents none for a record without them
     (it said 95% and drew "required +0.000" for any decision that did not say)."""

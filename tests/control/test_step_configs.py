@@ -77,12 +77,12 @@ def test_the_drifted_defaults_are_the_specs_now() -> None:
 def test_every_knob_is_a_spec_key_or_documented_internal(stage: str) -> None:
     config_cls = STEP_CONFIGS[stage]
     sent = plan.stage_plans(_bare_spec())[stage].config
-    # publish.vertex_model_registry and the evaluations' guard_set are sent only when the spec has one
-    # (the bare spec has not)
+    # publish.vertex_model_registry and the evaluations' guard_set and suites are sent only when the spec has
+    # them (the bare spec has not)
     only_when_set = {
         "publish": {"vertex_model_registry"},
-        "evaluate_base": {"guard_set"},
-        "evaluate_tuned": {"guard_set"},
+        "evaluate_base": {"guard_set", "suites"},
+        "evaluate_tuned": {"guard_set", "suites"},
     }
     expected = set(sent) | only_when_set.get(stage, set())
     assert set(config_cls.model_fields) - set(config_cls.INTERNAL) == expected

