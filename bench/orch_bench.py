@@ -21,8 +21,8 @@ from common import WORK, compile_imports, machine, save, say
 
 from loraflow.dev import demo
 from loraflow.launchers.local import step_environment
-from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.plan import stage_plans
+from loraflow.storage import artifacts, gcs
 
 
 def _ts(s: str | None) -> float | None:

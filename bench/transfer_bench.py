@@ -1,5 +1,5 @@
 """3. Artifact transfer on the GCS emulator (in memory): a sharded checkpoint (~500 MiB) through
-loraflow.pipeline.artifacts (upload_tree + commit; read_manifest + fetch, crc32c verified) against the plain
+loraflow.storage.artifacts (upload_tree + commit; read_manifest + fetch, crc32c verified) against the plain
 google-cloud-storage client one file after another (its defaults, checksum="auto"; and with
 checksum=None, no verification at all), interleaved. Plus the time crc32c over the same files
 takes. Run with the control env's Python.
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QUICK, WORK, median, save, say
 
 from loraflow.dev import local_gcs
-from loraflow.pipeline import artifacts, gcs
+from loraflow.storage import artifacts, gcs
 
 SHARDS, SHARD_MIB = (4, 16) if QUICK else (4, 128)
 

@@ -1,4 +1,4 @@
-"""The two hand-off tasks around a pipeline whose spec has a ``handoff`` section (loraflow/data/handoff.py).
+"""The two hand-off tasks around a pipeline whose spec has a ``handoff`` section (loraflow/pipeline/handoff.py).
 
 ``pick_dataset`` (a setup task, first) takes one dataset version: the one the triggering Asset event
 names, or the newest ready, unclaimed one; with nothing to take it skips, and so does the run.
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator, Context
 
-from loraflow.data import handoff
-from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline import handoff
 from loraflow.reporting import notify
 from loraflow.reporting.urls import browser_url
+from loraflow.storage import artifacts, gcs
 
 if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from airflow.sdk import BaseOperator, BaseOperatorLink
 
-from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting.urls import browser_url
+from loraflow.storage import artifacts, gcs
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseNotifier, Context
 
-from loraflow.data import handoff
-from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline import handoff
 from loraflow.reporting import notify as notices
+from loraflow.storage import artifacts, gcs
 
 if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec

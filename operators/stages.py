@@ -1,6 +1,6 @@
 """One operator per pipeline stage. Each is thin: spec + trigger params -> runner -> manifest URI.
 
-The stage table (``loraflow/pipeline/stages.py``) gives every operator its traits (colour, trigger
+The stage table (``loraflow/spec/stages.py``) gives every operator its traits (colour, trigger
 rule, extra links). Operators with behaviour of their own are written here (validate_data, publish,
 report); every other stage's class is made from its row (``ConvertCheckpointOperator``, ...), under
 the same name in this module, so serialized DAGs and imports find it.
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
-from loraflow.data import handoff
-from loraflow.pipeline import artifacts, gcs
-from loraflow.pipeline.stages import BY_NAME, STAGE_TABLE, Link
+from loraflow.pipeline import handoff
 from loraflow.reporting.urls import browser_url, data_docs_uri, site_url
+from loraflow.spec.stages import BY_NAME, STAGE_TABLE, Link
+from loraflow.storage import artifacts, gcs
 from operators.links import ArtifactsLink, DataDocsLink, ExperimentLink, ReportLink, WorkloadLink, artifacts_url
 
 if TYPE_CHECKING:
@@ -324,7 +324,7 @@ def _stage_operator(stage: str) -> type[LoraflowStageOperator]:
 
     def body(namespace: dict[str, Any]) -> None:
         namespace.update(__module__=__name__, __qualname__=name, stage=stage)
-        namespace["__doc__"] = f"Runs the {stage} stage (its row of loraflow/pipeline/stages.py)."
+        namespace["__doc__"] = f"Runs the {stage} stage (its row of loraflow/spec/stages.py)."
 
     return types.new_class(name, (LoraflowStageOperator,), exec_body=body)
 

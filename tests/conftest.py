@@ -28,7 +28,7 @@ def gcs_emulator() -> Iterator[local_gcs.Emulator]:
     emulator = local_gcs.start("loraflow-test")
     saved = {k: os.environ.get(k) for k in emulator.env()}
     os.environ.update(emulator.env())
-    from loraflow.pipeline import gcs
+    from loraflow.storage import gcs
 
     gcs.client.cache_clear()
     yield emulator

@@ -98,7 +98,7 @@ TARGETS: dict[str, Target] = {
     # json_objects.py is how it (and every other reader of GCS JSON) parses what a bucket writer wrote.
     "artifacts": Target(
         "control",
-        ["loraflow/pipeline/artifacts.py", "loraflow/pipeline/json_objects.py"],
+        ["loraflow/storage/artifacts.py", "loraflow/storage/json_objects.py"],
         [
             "tests/control/test_artifacts.py",
             # the parser and the readers in artifacts.py; the champion, gate and promote tests of that file
@@ -144,7 +144,7 @@ TARGETS: dict[str, Target] = {
     ),
     "handoff": Target(
         "control",
-        ["loraflow/data/handoff.py"],
+        ["loraflow/pipeline/handoff.py"],
         ["tests/control/test_handoff.py"],
         # builds the hand-off DAG (5 s): the operators' wiring, not handoff.py's decisions
         deselect=["tests/control/test_handoff.py::test_a_handoff_pipeline_is_wrapped_in_pick_and_verdict"],

@@ -130,7 +130,7 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from loraflow.pipeline.verify import verify_artifact
+    from loraflow.storage.verify import verify_artifact
 
     with gcs_errors():
         checked = verify_artifact(args.uri, download=args.download)

@@ -1,1 +1,1 @@
-"""Datasets: reading and normalising them, the Great Expectations suite, and the data teams' hand-off."""
+"""Datasets: reading and normalising them and rendering them through a chat template (sandboxed)."""

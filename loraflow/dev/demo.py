@@ -38,12 +38,12 @@ from loraflow.dev.stack_guard import say
 from loraflow.errors import LoraflowError
 from loraflow.evaluation.metrics import METRICS
 from loraflow.launchers.environments import ENVIRONMENTS, REPO_ROOT
-from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting.curves import tensorboard_command
 from loraflow.reporting.urls import browser_url
 from loraflow.spec.cache import CACHE_ENV
 from loraflow.spec.locate import PIPELINES_ENV
 from loraflow.spec.schema import PipelineSpec, load_spec
+from loraflow.storage import artifacts, gcs
 
 DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
 TINY_SPEC = REPO_ROOT / "pipelines" / "tiny-llama-lora.yaml"

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.pipeline import json_objects
+from loraflow.storage import json_objects
 
 SETS_DIR = Path(__file__).resolve().parent / "guard_sets"
 #: The sets loraflow ships, by name -> what each holds.

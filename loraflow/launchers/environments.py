@@ -31,7 +31,7 @@ class Environment:
         return REPO_ROOT / "envs" / f"{self.name}.lock"
 
     def lock_version(self) -> str:
-        from loraflow.pipeline.artifacts import lock_version
+        from loraflow.storage.artifacts import lock_version
 
         if not self.lock_file.exists():
             raise LoraflowError(f"lock file {self.lock_file} is missing; run `make lock`")

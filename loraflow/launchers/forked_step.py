@@ -12,7 +12,7 @@ The child is made to look like a new step program to everything the step can see
 group; stdin from /dev/null, stdout and stderr into the launcher's pipe; exactly the launcher's
 environment variables (``step_environment``), cwd and argv; the signal handlers Python starts with
 and an empty signal mask; none of the task's ``atexit`` or logging handlers; warnings not captured
-by logging; a GCS client of its own (``loraflow.pipeline.gcs`` drops the parent's at fork, so no
+by logging; a GCS client of its own (``loraflow.storage.gcs`` drops the parent's at fork, so no
 HTTP connection is shared). It is tied to the launching process as the supervisor ties an exec'd
 step (``step_supervisor.py``): when every copy of the tether's write end is gone, it kills its
 process group. It always ends with ``os._exit``: it never returns into the task's code.

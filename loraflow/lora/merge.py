@@ -46,7 +46,7 @@ from loraflow.errors import LoraflowError
 from loraflow.lora import merge_kernel
 from loraflow.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from loraflow.lora.safetensors_io import INDEX_FILE, Checkpoint, ShardedWriter, TensorInfo, pwrite_all
-from loraflow.pipeline import faults
+from loraflow.storage import faults
 
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 # Weight formats other than safetensors are never copied into a merged checkpoint: they would hold

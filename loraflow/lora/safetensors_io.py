@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from loraflow.errors import LoraflowError
-from loraflow.pipeline.local_paths import local_paths
+from loraflow.storage.local_paths import local_paths
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,3 +1,3 @@
-"""Running a pipeline: the stage plan, the runner that starts a stage through its launcher, the
-GCS hand-off contract (artifacts, manifests, cache keys), local path confinement and fault injection.
+"""Running a pipeline: the stage plan, the runner that starts a stage through its launcher, the data
+teams' hand-off around a run, and the run's OpenLineage events.
 """

@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraflow.pipeline import artifacts, gcs
-from loraflow.pipeline.stages import BY_NAME
 from loraflow.registry import store
+from loraflow.spec.stages import BY_NAME
+from loraflow.storage import artifacts, gcs
 
 #: The most files a ``manifest`` facet lists, by name; its ``file_count`` and ``fingerprint`` cover them all.
 MAX_FILES = 200

@@ -13,10 +13,10 @@ from typing import Any
 from loraflow.launchers import registry
 from loraflow.launchers.environments import Environment, environment_for
 from loraflow.launchers.identity import JobIdentity
-from loraflow.pipeline import artifacts
-from loraflow.pipeline.stages import REPORTED, STAGE_TABLE, Input, Source, Upstream
 from loraflow.spec.schema import PipelineSpec
+from loraflow.spec.stages import REPORTED, STAGE_TABLE, Input, Source, Upstream
 from loraflow.spec.step_configs import STEP_CONFIGS
+from loraflow.storage import artifacts
 
 __all__ = ["REPORTED", "Input", "Source", "StagePlan", "Upstream", "describe", "output_prefix", "stage_plans"]
 
@@ -55,20 +55,18 @@ class StagePlan:
 
 
 def stage_plans(spec: PipelineSpec) -> dict[str, StagePlan]:
-    """Every stage of the pipeline (``loraflow.pipeline.stages.STAGE_TABLE``), in an order where each
+    """Every stage of the pipeline (``loraflow.spec.stages.STAGE_TABLE``), in an order where each
     stage follows its inputs; a stage runs after the stages its inputs name and those it lists in ``after``."""
     out: dict[str, StagePlan] = {}
     for stage in STAGE_TABLE:
-        inputs = stage.inputs(spec)
-        named = [i.stage for i in inputs.values() if isinstance(i, Upstream)]
         out[stage.name] = StagePlan(
             stage.name,
             environment_for(stage.env, spec.compute_for(stage.name)),
             stage.module,
-            inputs,
+            stage.inputs(spec),
             STEP_CONFIGS[stage.name].from_spec(spec).wire(),
             stage.cacheable,
-            tuple(dict.fromkeys([*named, *stage.after])),
+            stage.upstream(spec),
         )
     return out
 
@@ -116,7 +114,7 @@ def _describe_stage(spec: PipelineSpec, sp: StagePlan, run_id: str) -> dict[str,
 def _describe_handoff(pipeline: str, prefix: str) -> dict[str, Any]:
     """Two control tasks around the stages (operators/handoff.py): not stages, they commit no artifact;
     they claim the data team's dataset version and write the verdict beside it."""
-    from loraflow.data import handoff
+    from loraflow.pipeline import handoff
 
     base = f"{prefix}/{{version}}"
     return {

@@ -15,11 +15,11 @@ from loraflow.launchers import credentials, registry
 from loraflow.launchers.base import Launcher, WorkloadSink, ignore_workload
 from loraflow.launchers.identity import JobIdentity
 from loraflow.launchers.local import KillSwitch, LineSink
-from loraflow.pipeline import artifacts
 from loraflow.pipeline.plan import StagePlan, output_prefix, stage_plans
-from loraflow.pipeline.stages import Source
 from loraflow.spec.compute import AnyCompute
 from loraflow.spec.schema import PipelineSpec
+from loraflow.spec.stages import Source
+from loraflow.storage import artifacts
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from loraflow.pipeline import artifacts, gcs
 from loraflow.registry import audit, store
+from loraflow.storage import artifacts, gcs
 
 FORMAT = "loraflow.registry.store.alias/1"
 NAME = store.CHAMPION

@@ -23,8 +23,8 @@ import time
 from collections.abc import Iterable
 from typing import Any, TypeGuard
 
-from loraflow.pipeline import artifacts, gcs
 from loraflow.registry.store import shown
+from loraflow.storage import artifacts, gcs
 
 FORMAT = "loraflow.registry.audit/1"
 MAX_BYTES = 64 << 10

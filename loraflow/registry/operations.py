@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loraflow.errors import ArtifactError, LoraflowError
-from loraflow.pipeline import artifacts
-from loraflow.pipeline.verify import verify_artifact
 from loraflow.registry import alias, audit, store
+from loraflow.storage import artifacts
+from loraflow.storage.verify import verify_artifact
 
 if TYPE_CHECKING:
     from loraflow.registry.vertex import VertexModelRegistry

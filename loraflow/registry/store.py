@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, gcs
+from loraflow.storage import artifacts, gcs
 
 CHAMPION = "champion"
 MODEL_STAGE = "merge_adapter"

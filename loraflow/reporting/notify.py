@@ -5,7 +5,7 @@ the notifiers a spec's ``notify`` list names (a file, a webhook). One message pe
 
 - ``failure``: a task of a run failed (which task, the error, where its log is);
 - ``promotion``: publish registered a model and moved the champion alias (version, metric before/after);
-- ``verdict``: a hand-off run ended (accepted / rejected / failed with reasons, see loraflow/data/handoff.py).
+- ``verdict``: a hand-off run ended (accepted / rejected / failed with reasons, see loraflow/pipeline/handoff.py).
 
 A notice carries strings that come from a dataset (a verdict's reasons quote the rows that broke the
 data contract: a role, an id, a prompt) or from an error message. Each kind of sink has one helper

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import urllib.parse
 
-from loraflow.pipeline import gcs
+from loraflow.storage import gcs
 
 
 def browser_url(uri: str, emulator_host: str | None = None) -> str:

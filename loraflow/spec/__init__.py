@@ -1,3 +1,3 @@
-"""The pipeline spec: its schema, reading a spec file safely, the compiled-spec cache the DAG file
-uses, the generated reference, and the typed config each step is given.
+"""The pipeline spec: its schema, the stage table, the data contract, reading a spec file safely, the
+compiled-spec cache the DAG file uses, the generated reference, and the typed config each step is given.
 """

@@ -2,7 +2,7 @@
 
 Airflow parses ``dags/`` again every 30 s in the DAG processor and once more in every task process.
 Validating a spec costs the pydantic models (~50 ms to import), PyYAML's construction and the stage
-planner, yet a DAG needs only plain data from it: the validated spec as JSON and each stage's
+table's upstream walk, yet a DAG needs only plain data from it: the validated spec as JSON and each stage's
 upstream stages (``CompiledSpec``). ``compiled(path)`` reads that data from a cache entry when the
 entry was made from the same spec file (name and bytes), the same loraflow code and the same Python,
 pydantic and PyYAML versions; otherwise it validates the spec and writes the entry. A spec that
@@ -34,7 +34,7 @@ CACHE_ENV = "LORAFLOW_SPEC_CACHE_DIR"
 _FORMAT = 1  # bump when CompiledSpec's fields change
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The packages whose modules validation and planning may import (a test checks that they import no other).
-_FINGERPRINTED = ("", "spec", "pipeline", "launchers", "data", "evaluation", "models")
+_FINGERPRINTED = ("", "spec", "storage", "data", "evaluation", "models")
 log = logging.getLogger(__name__)
 
 
@@ -58,11 +58,11 @@ def discover(folder: str | Path) -> list[Path]:
 
 def compile_spec(text: bytes, path: Path) -> CompiledSpec:
     """Validate the spec file's contents and plan its stages (imports the spec models)."""
-    from loraflow.pipeline.plan import stage_plans
     from loraflow.spec.schema import parse_spec, trigger_fields
+    from loraflow.spec.stages import STAGE_TABLE
 
     spec = parse_spec(text, path)
-    upstream = {stage: list(plan.upstream) for stage, plan in stage_plans(spec).items()}
+    upstream = {stage.name: list(stage.upstream(spec)) for stage in STAGE_TABLE}
     return CompiledSpec(spec.model_dump(mode="json"), upstream, trigger_fields(spec))
 
 

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 
 from loraflow.errors import LoraflowError
+from loraflow.storage.gcs import check_bucket as check_bucket  # GCS's own naming rule, beside its URIs
 
 # Google Cloud regions: us-central1, europe-west4, northamerica-northeast1, me-central2.
 REGION = re.compile(r"[a-z]{2,20}-[a-z]{2,20}[0-9]{1,2}")
@@ -82,22 +83,6 @@ check_experiment = _checker(
 check_gce_name = _checker(GCE_NAME, "a Compute Engine resource name (RFC 1035)", "my-ip-range")
 check_k8s_label = _checker(DNS_LABEL, "a Kubernetes name (a DNS-1123 label)", "ml-jobs")
 check_k8s_subdomain = _checker(DNS_SUBDOMAIN, "a Kubernetes name (a DNS-1123 subdomain)", "loraflow-trainer")
-
-
-def check_bucket(bucket: str) -> str:
-    """``bucket`` if it is a GCS bucket name: 3-63 characters of a-z, 0-9, '-', '_' (dotted names up
-    to 222, each part at most 63), starting and ending with a letter or digit; else ValueError."""
-    parts = bucket.split(".")
-    if not (
-        re.fullmatch(r"[a-z0-9][a-z0-9._-]*[a-z0-9]", bucket)
-        and 3 <= len(bucket) <= (222 if len(parts) > 1 else 63)
-        and all(0 < len(p) <= 63 for p in parts)
-    ):
-        raise ValueError(
-            f"{bucket!r} is not a GCS bucket name; use 3-63 lowercase letters, digits, '-' and '_' "
-            "(dots only between parts), starting and ending with a letter or digit"
-        )
-    return bucket
 
 
 def vertex_api_host(region: str) -> str:

@@ -16,22 +16,22 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_va
 
 from loraflow import models
 from loraflow.data import chat_template
-from loraflow.data.expectations import MOVED as MOVED_DATA_KEYS
-from loraflow.data.expectations import RULES as EXPECTATION_RULES
-from loraflow.data.expectations import DataExpectations, moved_keys_message
 from loraflow.errors import EXCERPT_CHARS, SpecError, excerpt
 from loraflow.evaluation import guard as guard_sets
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import suites as suite_rules
-from loraflow.pipeline.stages import STAGE_TABLE, STAGES
 from loraflow.spec import override_rules
 from loraflow.spec import resource_names as rn
 from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute, serving_build_problems
+from loraflow.spec.expectations import MOVED as MOVED_DATA_KEYS
+from loraflow.spec.expectations import RULES as EXPECTATION_RULES
+from loraflow.spec.expectations import DataExpectations, moved_keys_message
 from loraflow.spec.fields import Image, ProjectId, Region, SecretName, Tag, Text, check_name, number_problems
 from loraflow.spec.fields import SpecModel as _Model
 from loraflow.spec.reader import load_yaml, read_spec_file
+from loraflow.spec.stages import STAGE_TABLE, STAGES
 
-# data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/data/handoff.py).
+# data.train/data.eval of a hand-off spec before a run picks its dataset version (loraflow/pipeline/handoff.py).
 HANDOFF_VERSION = "{version}"
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # whole names only: fullmatch (a `$` lets "\n" through)
 _CRON_PRESETS = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
@@ -167,7 +167,7 @@ class DataSpec(_Model):
     expectations: DataExpectations = Field(
         default_factory=DataExpectations,
         description="the data contract: rules " + ", ".join(EXPECTATION_RULES) + ", each {level: fail|warn, "
-        "...thresholds} (see loraflow/data/expectations.py)",
+        "...thresholds} (see loraflow/spec/expectations.py)",
     )
 
     chat_template: str = Field(

@@ -25,9 +25,8 @@ from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loraflow.data.expectations import DataExpectations
 from loraflow.errors import LoraflowError
-from loraflow.pipeline.stages import STAGE_TABLE
+from loraflow.spec.expectations import DataExpectations
 from loraflow.spec.schema import (
     STAGES,
     DataSpec,
@@ -39,6 +38,7 @@ from loraflow.spec.schema import (
     VertexModelRegistrySpec,
     VertexTrackingSpec,
 )
+from loraflow.spec.stages import STAGE_TABLE
 
 Scalar = int | float | str | bool
 Hardware = Literal["tpu", "gpu", "gpu_multiprocess", "cpu"]  # MaxText's hardware values
@@ -289,6 +289,6 @@ class ReportConfig(StepConfig):
         return cls(pipeline=spec.name, vertex_tracking=spec.tracking.vertex)
 
 
-# Each stage's config class, as the stage table names it (loraflow/pipeline/stages.py).
+# Each stage's config class, as the stage table names it (loraflow/spec/stages.py).
 _CLASSES: dict[str, type[StepConfig]] = {cls.__name__: cls for cls in StepConfig.__subclasses__()}
 STEP_CONFIGS: dict[str, type[StepConfig]] = {stage.name: _CLASSES[stage.config] for stage in STAGE_TABLE}

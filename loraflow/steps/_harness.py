@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from loraflow.errors import ArtifactError, DataValidationError, LoraflowError
-from loraflow.pipeline import artifacts, faults, gcs
-from loraflow.pipeline.local_paths import safe_join
+from loraflow.storage import artifacts, faults, gcs
+from loraflow.storage.local_paths import safe_join
 
 log = logging.getLogger("loraflow.step")
 

@@ -7,11 +7,11 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.evaluation.metrics import METRICS
-from loraflow.pipeline import artifacts
 from loraflow.reporting import vertex_tracking
 from loraflow.reporting.curves import TENSORBOARD, read_scalars
 from loraflow.spec.schema import VertexTrackingSpec
 from loraflow.steps._harness import StepContext
+from loraflow.storage import artifacts
 
 CURVE_STAGES = ("lora_sft", "evaluate_base", "evaluate_tuned")
 MAX_EVENT_BYTES = 64 << 20  # a stage's event files, at most (200 steps of lora_sft: ~40 KB)

@@ -49,10 +49,10 @@ from loraflow.evaluation import gate_rule
 from loraflow.evaluation import guard as guard_sets
 from loraflow.evaluation.gate_rule import Champion, ChampionComparison, Decision, GateError, GuardCheck
 from loraflow.evaluation.metrics import METRICS, Metric
-from loraflow.pipeline import json_objects
 from loraflow.registry import store as registry
 from loraflow.spec.step_configs import GateConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.storage import json_objects
 
 STAGE = "gate"
 
@@ -88,7 +88,7 @@ def champion_figure(champion: dict[str, Any], metric: str, work: Path) -> float 
     """``metric`` of the champion measured from its committed evaluation: the mean of the metric's
     per-example column in its predictions, fetched and checked against the evaluation's manifest (as the
     gate measures the tuned model). None when the evaluation has no such column."""
-    from loraflow.pipeline import artifacts
+    from loraflow.storage import artifacts
 
     def refused(problem: str) -> LoraflowError:
         return registry.refused(champion["alias_uri"], problem, champion.get("version"), champion.get("version_uri"))

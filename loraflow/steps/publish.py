@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError, LoraflowError
-from loraflow.pipeline import artifacts, gcs, json_objects
 from loraflow.registry import alias, audit
 from loraflow.registry import store as registry
 from loraflow.registry import vertex as vertex_registry
 from loraflow.spec.step_configs import PublishConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.storage import artifacts, gcs, json_objects
 
 log = logging.getLogger(__name__)
 

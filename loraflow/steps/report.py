@@ -43,11 +43,11 @@ from typing import Any
 from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.evaluation import merge_cost
 from loraflow.evaluation.metrics import METRICS, Scoring
-from loraflow.pipeline import artifacts, gcs, json_objects
 from loraflow.reporting import report, urls
 from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps import _tracking
 from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.storage import artifacts, gcs, json_objects
 
 STAGE = "report"
 QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA (loraflow/trainer/answers.py)

@@ -8,7 +8,7 @@ Inputs (local directories, fetched by the harness):
 Config (``loraflow.spec.step_configs.ValidateDataConfig``)::
 
     expectations: {RULE: {level: fail|warn, ...thresholds}}   the spec's data.expectations
-                                                               (loraflow.data.expectations; all optional)
+                                                               (loraflow.spec.expectations; all optional)
     chat_template: auto | tokenizer | tokenizer:NAME | none | inline Jinja   the spec's data.chat_template
 
 Two layers of checks. First the loader (loraflow.data.dataset) checks structure: the file decodes,
@@ -57,8 +57,8 @@ from typing import Any
 
 from loraflow.data import chat_template
 from loraflow.data import dataset as ds
-from loraflow.data import expectations as contract
 from loraflow.errors import DataValidationError, LoraflowError
+from loraflow.spec import expectations as contract
 from loraflow.spec.step_configs import ValidateDataConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 

@@ -11,7 +11,7 @@ alone restores that host; each host uploads its part to ``{output}/_checkpoints/
 (its ``_LORAFLOW_HOST.json`` last); at each training step the hosts agree (a collective) which step
 all have uploaded, and process 0 commits it once (``<step>/_LORAFLOW_COMPLETE.json``, listing every
 host's files); a resume downloads each host's own part of the newest committed step, and needs the
-same number of hosts (``loraflow.pipeline.checkpoint_sync``).
+same number of hosts (``loraflow.storage.checkpoint_sync``).
 
 ``direct`` points MaxText's base_output_directory at that gs:// prefix instead: Orbax writes it itself
 (tensorstore's GCS driver, every host its own shards, process 0 the metadata and ``commit_success.txt``
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from loraflow.errors import LoraflowError
 from loraflow.launchers import multihost
-from loraflow.pipeline import checkpoint_sync, gcs
+from loraflow.storage import checkpoint_sync, gcs
 from loraflow.trainer.argv import RUN_NAME
 from loraflow.trainer.distributed import barrier, gather_ints
 from loraflow.trainer.sft_run import Progress, SftRun

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.pipeline.local_paths import safe_join
 from loraflow.spec.step_configs import LoraSftConfig
+from loraflow.storage.local_paths import safe_join
 
 CHECKPOINT_JSON = "loraflow_checkpoint.json"  # convert_checkpoint's output, read by lora_sft
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from maxtext.trainers.post_train.sft.hooks import SFTTrainingHooks
 
-from loraflow.pipeline import checkpoint_sync
+from loraflow.storage import checkpoint_sync
 from loraflow.trainer.curves import TrainingCurves, device_memory
 from loraflow.trainer.sft_run import Progress
 from loraflow.trainer.step_log import StepLog

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from loraflow.pipeline import faults
+from loraflow.storage import faults
 from loraflow.trainer.sft_run import Progress
 
 LOSS_CSV = "loss.csv"

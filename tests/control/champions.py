@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraflow.pipeline import artifacts, gcs
 from loraflow.registry import store as registry
 from loraflow.steps import publish
+from loraflow.storage import artifacts, gcs
 
 from .test_gate import write_eval
 

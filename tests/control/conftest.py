@@ -84,8 +84,8 @@ def make_ctx(tmp_path: Path) -> Callable[..., StepContext]:
 @pytest.fixture
 def parity_spec(gcs_bucket: str, tokenizer_dir: Path):
     """The tiny spec pointed at a fresh GCS prefix holding the parity data and a tokenizer."""
-    from loraflow.pipeline import gcs
     from loraflow.spec.schema import load_spec, with_overrides
+    from loraflow.storage import gcs
 
     bucket_name, base = gcs.split_uri(gcs_bucket)
     bucket = gcs.client().bucket(bucket_name)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from loraflow.errors import ArtifactError, DataValidationError
-from loraflow.pipeline import artifacts, gcs
 from loraflow.steps._harness import StepContext, run_step
+from loraflow.storage import artifacts, gcs
 
 
 def blob(uri: str):

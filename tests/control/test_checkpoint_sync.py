@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, checkpoint_sync
+from loraflow.storage import artifacts, checkpoint_sync
 
 HOSTS = 2
 HANG_GUARD = 120  # seconds a broken protocol may block a thread before the test fails instead of hanging
@@ -189,7 +189,7 @@ def test_a_run_of_several_hosts_keeps_the_two_newest_committed_steps(gcs_bucket:
 
 
 def _blobs(remote: str) -> list:
-    from loraflow.pipeline import gcs
+    from loraflow.storage import gcs
 
     bucket, path = gcs.split_uri(remote)
     return list(gcs.client().list_blobs(bucket, prefix=path + "/"))

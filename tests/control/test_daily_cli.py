@@ -20,7 +20,7 @@ from loraflow.cli.airflow_rest import AirflowClient
 from loraflow.cli.dag_params import conf_from
 from loraflow.dev.local_gcs import free_port
 from loraflow.errors import LoraflowError
-from loraflow.pipeline import gcs
+from loraflow.storage import gcs
 
 from .champions import committed_model, register_champion
 from .test_registry_dag import spec_folder

@@ -12,7 +12,7 @@ import pytest
 
 from loraflow.errors import ArtifactError
 from loraflow.launchers.local import step_environment
-from loraflow.pipeline import artifacts, gcs
+from loraflow.storage import artifacts, gcs
 
 REPO = Path(__file__).resolve().parents[2]
 

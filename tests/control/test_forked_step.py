@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loraflow.launchers.local import FORKED_NOTE
-from loraflow.pipeline import artifacts, gcs
+from loraflow.storage import artifacts, gcs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,7 +155,7 @@ def test_on_kill_stops_a_forked_step(tmp_path: Path) -> None:
 def test_a_forked_process_makes_its_own_gcs_client(gcs_bucket: str) -> None:
     """A fork must not share the parent's pooled HTTP connections."""
     code = (
-        "import os; from loraflow.pipeline import gcs\n"
+        "import os; from loraflow.storage import gcs\n"
         "parent = gcs.client(); pid = os.fork()\n"
         "if pid == 0: os._exit(0 if gcs.client() is not parent and gcs.client() is gcs.client() else 1)\n"
         "raise SystemExit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"

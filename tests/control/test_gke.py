@@ -401,8 +401,9 @@ def test_runner_sends_a_gke_stage_to_the_cluster_end_to_end(standin: GkeStandIn,
     container command with the pod's env, as Kubernetes would, then marks the JobSet completed) and
     the runner returns the committed manifest."""
 
-    from loraflow.pipeline import artifacts, runner
+    from loraflow.pipeline import runner
     from loraflow.spec.schema import with_overrides
+    from loraflow.storage import artifacts
 
     spec = with_overrides(
         parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": COMPUTE}}), {}

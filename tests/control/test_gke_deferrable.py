@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from loraflow.errors import StepError
-from loraflow.pipeline import artifacts
 from loraflow.spec.schema import PipelineSpec, with_overrides
+from loraflow.storage import artifacts
 from operators.links import WorkloadLink
 from operators.stages import OPERATORS
 from operators.triggers import GkeJobSetTrigger

@@ -17,9 +17,9 @@ import pytest
 
 from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.lora.safetensors_io import ShardedWriter, TensorSpec
-from loraflow.pipeline import artifacts, gcs
 from loraflow.registry import store as registry
 from loraflow.steps import gate, merge_adapter, publish
+from loraflow.storage import artifacts, gcs
 
 from .champions import Champion, commit_dir, committed_gate, register_champion, upstream
 from .test_gate import write_eval

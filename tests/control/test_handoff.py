@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from loraflow.data import handoff
 from loraflow.errors import SpecError
-from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline import handoff
 from loraflow.spec.schema import HandoffSpec, PipelineSpec, load_spec, validate_spec
+from loraflow.storage import artifacts, gcs
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"

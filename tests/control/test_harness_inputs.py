@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.pipeline import artifacts
 from loraflow.steps._harness import StepContext, run_step
+from loraflow.storage import artifacts
 
 CONFIG = {"threshold": 1}
 LOCK = "lock-1"

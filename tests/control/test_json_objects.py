@@ -1,5 +1,5 @@
 """A bucket writer's JSON (docs/security.md): every JSON object read from GCS, and each row of a guard set,
-goes through one parser (loraflow/pipeline/json_objects.py). A list, nesting 100,000 deep, bytes that are
+goes through one parser (loraflow/storage/json_objects.py). A list, nesting 100,000 deep, bytes that are
 not JSON or not UTF-8 and an oversized object are refused naming the object, and each reader turns the
 refusal into what its docs promise: the cache a miss that says why, the champion a refusal naming the alias
 and the repair, ``registry promote`` a refused version, ``verify`` one line and exit 1.
@@ -17,10 +17,11 @@ import pytest
 from loraflow import cli
 from loraflow.errors import ArtifactError
 from loraflow.evaluation import guard
-from loraflow.pipeline import artifacts, gcs, json_objects, runner
+from loraflow.pipeline import runner
 from loraflow.registry import operations
 from loraflow.registry import store as registry
 from loraflow.steps import gate
+from loraflow.storage import artifacts, gcs, json_objects
 
 from .champions import register_champion
 from .test_gate import write_eval
@@ -175,7 +176,7 @@ def test_a_bad_manifest_behind_a_cache_entry_is_a_miss_and_the_log_says_why(
     manifest = committed(tmp_path, f"{root}/tiny/run-1/lora_sft", "lora_sft", "K")
     artifacts.cache_store(root, "lora_sft", "K", manifest)
     put(manifest.uri, data)
-    with caplog.at_level(logging.WARNING, logger="loraflow.pipeline.artifacts"):
+    with caplog.at_level(logging.WARNING, logger="loraflow.storage.artifacts"):
         assert artifacts.cache_lookup(root, "lora_sft", "K") is None
     assert f"cache entry {artifacts.cache_entry_uri(root, 'lora_sft', 'K')} is stale: {manifest.uri} " in caplog.text
     assert says in caplog.text and "treating it as a miss" in caplog.text
@@ -193,7 +194,7 @@ def test_a_bad_cache_entry_is_a_miss_and_the_log_says_why(
     root = f"{gcs_bucket}/artifacts"
     entry = artifacts.cache_entry_uri(root, "lora_sft", "K")
     put(entry, data)
-    with caplog.at_level(logging.WARNING, logger="loraflow.pipeline.artifacts"):
+    with caplog.at_level(logging.WARNING, logger="loraflow.storage.artifacts"):
         assert artifacts.cache_lookup(root, "lora_sft", "K") is None
     assert f"cache entry {entry} is refused: it " in caplog.text and says in caplog.text
     assert "treating it as a miss" in caplog.text

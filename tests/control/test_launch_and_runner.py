@@ -12,8 +12,8 @@ import pytest
 
 from loraflow.errors import StepError
 from loraflow.launchers.local import LocalLauncher, step_environment
-from loraflow.pipeline import artifacts
 from loraflow.spec.compute import compute_from
+from loraflow.storage import artifacts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -243,7 +243,7 @@ def test_the_cache_key_follows_config_data_and_environment(parity_spec, fake_ste
     assert set(fingerprints) == {"train", "eval", "tokenizer"}  # each source by its files' fingerprint
     assert fingerprints["train"] == artifacts.fingerprint(artifacts.source_files(parity_spec.data.train))
     # new bytes in a source: another key
-    from loraflow.pipeline import gcs
+    from loraflow.storage import gcs
 
     bucket, path = gcs.split_uri(parity_spec.data.train)
     gcs.client().bucket(bucket).blob(path).upload_from_string(b'{"prompt": "a", "completion": "b"}\n')

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, gcs, lineage
+from loraflow.pipeline import lineage
 from loraflow.pipeline.plan import stage_plans
-from loraflow.pipeline.stages import BY_NAME, STAGES, Source
 from loraflow.spec.schema import load_spec, with_overrides
+from loraflow.spec.stages import BY_NAME, STAGES, Source
+from loraflow.storage import artifacts, gcs
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "gs://lake/artifacts/tiny/run-1"

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from loraflow.errors import SpecError
-from loraflow.pipeline import artifacts
 from loraflow.reporting import notify
 from loraflow.spec.schema import load_spec, validate_spec
+from loraflow.storage import artifacts
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
@@ -252,7 +252,7 @@ def test_a_dataset_string_reaches_every_sink_quoted_for_it_and_capped(
     """Item 5 of issue 29: the role went verbatim into _RESULT.json, the asset event's extra, the file
     notice and the webhook (6 MB, a live @channel and a disguised link in Slack). Each sink now gets it
     quoted as that sink needs and capped."""
-    from loraflow.data import handoff
+    from loraflow.pipeline import handoff
     from operators.notifiers import notifiers
 
     # What validate_data leaves for a rejected dataset, and the verdict task's documents built from it.

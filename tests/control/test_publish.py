@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from loraflow.errors import ArtifactError, LoraflowError
-from loraflow.pipeline import artifacts, gcs
 from loraflow.steps import publish
+from loraflow.storage import artifacts, gcs
 
 from . import champions
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, gcs
 from loraflow.registry import audit, operations, store
+from loraflow.storage import artifacts, gcs
 from operators.registry import RegistryOperator
 
 from .champions import register_champion

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, gcs
-from loraflow.pipeline.verify import verify_artifact
 from loraflow.registry import alias, audit, operations, store
 from loraflow.registry import vertex as vr
 from loraflow.steps import publish
+from loraflow.storage import artifacts, gcs
+from loraflow.storage.verify import verify_artifact
 from tests.vertex_standin import VertexStandIn
 
 from .champions import register_champion

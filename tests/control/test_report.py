@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.plan import REPORTED
 from loraflow.reporting import report, urls
 from loraflow.steps import report as report_step
+from loraflow.storage import artifacts, gcs
 
 SECTIONS = ["verdict", "metrics", "gate", "training", "data", "samples", "stages"]
 

@@ -13,12 +13,12 @@ import yaml
 
 from loraflow.errors import SpecError
 from loraflow.launchers.environments import ENVIRONMENTS
-from loraflow.pipeline import artifacts
 from loraflow.pipeline.plan import describe, stage_plans
 from loraflow.spec import machines
 from loraflow.spec.cache import discover
 from loraflow.spec.compute import tagged_build
 from loraflow.spec.schema import load_spec, validate_spec
+from loraflow.storage import artifacts
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINES = REPO / "pipelines"

@@ -1,4 +1,4 @@
-"""The stage table (loraflow/pipeline/stages.py): every stage declared once, and everything that reads it agrees."""
+"""The stage table (loraflow/spec/stages.py): every stage declared once, and everything that reads it agrees."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 from loraflow.launchers.environments import ENVIRONMENTS
 from loraflow.pipeline.plan import stage_plans
-from loraflow.pipeline.stages import STAGE_TABLE, STAGES, Stage
 from loraflow.spec import schema
 from loraflow.spec.schema import load_spec
+from loraflow.spec.stages import STAGE_TABLE, STAGES, Stage
 from loraflow.spec.step_configs import STEP_CONFIGS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,18 +86,18 @@ def test_the_schema_imports_neither_the_planner_nor_the_step_configs() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     loaded = set(json.loads(out.stdout))
-    assert "loraflow.pipeline.stages" in loaded
+    assert "loraflow.spec.stages" in loaded
     assert not loaded & {
         "loraflow.pipeline.plan",
-        "loraflow.pipeline.artifacts",
-        "loraflow.pipeline.gcs",
+        "loraflow.storage.artifacts",
+        "loraflow.storage.gcs",
         "loraflow.spec.step_configs",
         "loraflow.launchers.environments",
     }
 
 
 def test_the_stage_table_imports_only_the_standard_library() -> None:
-    module = importlib.import_module("loraflow.pipeline.stages")
+    module = importlib.import_module("loraflow.spec.stages")
     source = Path(str(module.__file__)).read_text()
     imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
     assert all(not line.split()[1].startswith(("loraflow", "pydantic", "airflow")) for line in imports), imports

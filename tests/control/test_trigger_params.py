@@ -98,7 +98,7 @@ def test_resolve_spec_takes_the_declared_keys(launches: list[str]) -> None:
 
 
 def test_pick_dataset_refuses_an_unknown_conf_key_before_it_claims_a_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loraflow.data import handoff
+    from loraflow.pipeline import handoff
     from operators.handoff import PickDatasetOperator
 
     data = {**DATA, "name": "tiny-handoff", "handoff": {"prefix": "gs://team-data/handoff"}}

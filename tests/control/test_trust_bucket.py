@@ -1,7 +1,7 @@
 """The bucket writer's lane: names, cache entries and registry aliases written by anyone who can write a
 bucket reach no further than their folder, their stage and the artifact root (docs/security.md).
 
-Property tests over names (loraflow/pipeline/local_paths.py); then, per caller, a hostile listing on the GCS
+Property tests over names (loraflow/storage/local_paths.py); then, per caller, a hostile listing on the GCS
 emulator that is refused before anything is written; then cache entries and aliases that point
 elsewhere; then a source that changes between the cache key and the step's fetch.
 """
@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraflow.data import handoff
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, checkpoint_sync, gcs, runner
-from loraflow.pipeline.local_paths import UnsafeNameError, local_paths, safe_join
+from loraflow.pipeline import handoff, runner
 from loraflow.registry import store as registry
 from loraflow.steps._harness import StepContext, run_step
+from loraflow.storage import artifacts, checkpoint_sync, gcs
+from loraflow.storage.local_paths import UnsafeNameError, local_paths, safe_join
 
 from .champions import committed_evaluation, committed_gate, committed_model, register_champion
 
@@ -318,7 +318,7 @@ def test_a_cache_entry_pointing_anywhere_else_is_a_miss_and_the_log_says_why(
             # a whole, committed manifest with the very key: only where it lies makes it wrong
             committed(tmp_path, pointer.rsplit("/", 1)[0], "convert_checkpoint", "K")
     artifacts.write_json(artifacts.cache_entry_uri(root, "convert_checkpoint", "K"), {"manifest": pointer})
-    with caplog.at_level(logging.WARNING, logger="loraflow.pipeline.artifacts"):
+    with caplog.at_level(logging.WARNING, logger="loraflow.storage.artifacts"):
         assert artifacts.cache_lookup(root, "convert_checkpoint", "K") is None
     assert why in caplog.text and "treating it as a miss" in caplog.text
 

@@ -428,10 +428,10 @@ def test_the_task_links_the_data_docs_of_the_accepted_or_the_rejected_data(
 
     import yaml
 
-    from loraflow.pipeline import artifacts, gcs
     from loraflow.pipeline.plan import output_prefix
     from loraflow.reporting import urls
     from loraflow.spec.schema import validate_spec
+    from loraflow.storage import artifacts, gcs
     from operators.links import DataDocsLink
     from operators.stages import ValidateDataOperator
 

@@ -201,8 +201,9 @@ def _state(pid: int) -> str:
 
 def test_validate_data_runs_on_vertex_end_to_end(standin: VertexStandIn, parity_spec) -> None:
     """The runner sends validate_data to the stand-in; its replica runs the real step against the GCS emulator."""
-    from loraflow.pipeline import artifacts, runner
+    from loraflow.pipeline import runner
     from loraflow.spec.schema import with_overrides
+    from loraflow.storage import artifacts
 
     spec = with_overrides(
         parity_spec.model_copy(update={"compute": {**parity_spec.compute, "validate_data": compute()}}), {}

@@ -12,8 +12,9 @@ import pytest
 
 from loraflow.dev import local_gcs
 from loraflow.errors import StepError
-from loraflow.pipeline import artifacts, runner
+from loraflow.pipeline import runner
 from loraflow.spec.schema import PipelineSpec, with_overrides
+from loraflow.storage import artifacts
 from operators.links import ArtifactsLink, WorkloadLink
 from operators.stages import OPERATORS
 from operators.triggers import VertexJobTrigger

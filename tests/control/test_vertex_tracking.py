@@ -16,12 +16,12 @@ import pytest
 from pydantic import ValidationError
 
 from loraflow.errors import LoraflowError
-from loraflow.pipeline import artifacts, gcs
 from loraflow.pipeline.plan import REPORTED
 from loraflow.reporting import vertex_tracking
 from loraflow.spec.schema import VertexTrackingSpec, load_spec
 from loraflow.spec.step_configs import ReportConfig
 from loraflow.steps import report as report_step
+from loraflow.storage import artifacts, gcs
 from tests.tensorboard_events import scalars
 from tests.vertex_standin import VertexStandIn
 

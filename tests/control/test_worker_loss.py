@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loraflow.errors import ArtifactError, LoraflowError
-from loraflow.pipeline import artifacts, gcs
+from loraflow.storage import artifacts, gcs
 
 REPO = Path(__file__).resolve().parents[2]
 

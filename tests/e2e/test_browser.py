@@ -149,8 +149,9 @@ def test_script_in_a_dataset_never_runs_in_its_data_docs(tmp_path: Path, gcs_buc
     from playwright.sync_api import sync_playwright
 
     from loraflow.errors import LoraflowError
-    from loraflow.pipeline import artifacts, gcs, runner
+    from loraflow.pipeline import runner
     from loraflow.reporting.urls import data_docs_uri, site_url
+    from loraflow.storage import artifacts, gcs
 
     assert CHROMIUM.exists(), f"{CHROMIUM} is missing: install Chromium with `apt-get install -y chromium`"
     spec = _spec_on(script_payload_dataset(tmp_path / "data"), tmp_path, gcs_bucket)
@@ -177,8 +178,8 @@ def test_script_in_a_dataset_never_runs_in_its_data_docs(tmp_path: Path, gcs_buc
 
 def _spec_on(data: Path, tmp: Path, gcs_bucket: str):  # type: ignore[no-untyped-def]
     """The tiny spec reading ``data``'s train.jsonl and eval.jsonl and a tokenizer from the emulator."""
-    from loraflow.pipeline import gcs
     from loraflow.spec.schema import load_spec, with_overrides
+    from loraflow.storage import gcs
     from tests.control.conftest import write_tokenizer
 
     bucket_name, base = gcs.split_uri(gcs_bucket)

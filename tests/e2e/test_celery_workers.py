@@ -20,8 +20,8 @@ import pytest
 from loraflow.dev.demo import CELERY_PRELOAD, LocalAirflow, local_stack, prepare, say, verdict
 from loraflow.dev.local_celery import CeleryWorkers
 from loraflow.launchers.local import FORKED_NOTE
-from loraflow.pipeline import artifacts
 from loraflow.spec.schema import STAGES
+from loraflow.storage import artifacts
 
 pytestmark = pytest.mark.e2e
 

@@ -18,8 +18,8 @@ import pytest
 
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
 from loraflow.launchers import credentials
-from loraflow.pipeline import artifacts, gcs
 from loraflow.spec.schema import STAGES, load_spec
+from loraflow.storage import artifacts, gcs
 
 pytestmark = pytest.mark.e2e
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from loraflow.data import handoff
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare
-from loraflow.pipeline import artifacts, gcs
+from loraflow.pipeline import handoff
 from loraflow.spec.schema import load_spec
+from loraflow.storage import artifacts, gcs
 from tests.bad_datasets import broken_dataset
 
 pytestmark = pytest.mark.e2e

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from loraflow.dev.demo import local_stack, prepare, say
-from loraflow.pipeline import artifacts, gcs
 from loraflow.spec.schema import STAGES, load_spec
+from loraflow.storage import artifacts, gcs
 
 pytestmark = pytest.mark.e2e
 

@@ -22,10 +22,10 @@ import pytest
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
 from loraflow.dev.local_gcs import free_port
 from loraflow.launchers.local import FORKED_NOTE
-from loraflow.pipeline import artifacts, gcs
-from loraflow.pipeline.stages import STAGES
 from loraflow.reporting.curves import TENSORBOARD, tensorboard_argv
 from loraflow.spec.schema import load_spec
+from loraflow.spec.stages import STAGES
+from loraflow.storage import artifacts, gcs
 from tests.bad_datasets import broken_dataset
 from tests.tensorboard_events import scalars
 

@@ -23,8 +23,8 @@ import pytest
 
 from loraflow.dev.demo import LocalAirflow, local_stack, prepare
 from loraflow.launchers.environments import ENVIRONMENTS
-from loraflow.pipeline import artifacts, gcs
 from loraflow.spec.schema import load_spec
+from loraflow.storage import artifacts, gcs
 from tests.vertex_standin import VertexStandIn, endpoint_env, replica_env
 
 pytestmark = pytest.mark.e2e

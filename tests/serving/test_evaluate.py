@@ -17,9 +17,9 @@ import pytest
 
 from loraflow.errors import LoraflowError
 from loraflow.evaluation import examples as eval_examples
-from loraflow.pipeline.artifacts import Manifest
 from loraflow.steps import evaluate
 from loraflow.steps._harness import StepContext
+from loraflow.storage.artifacts import Manifest
 from tests import chat_cases
 from tests.tensorboard_events import scalars
 
@@ -439,7 +439,7 @@ def test_step_program_command_line(gcs_bucket: str, tiny_model: Path, eval_set: 
     import sys
 
     from loraflow.evaluation import guard
-    from loraflow.pipeline import artifacts, gcs
+    from loraflow.storage import artifacts, gcs
 
     bucket_name, base = gcs.split_uri(gcs_bucket)
     bucket = gcs.client().bucket(bucket_name)

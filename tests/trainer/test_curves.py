@@ -11,8 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loraflow.pipeline.artifacts import Manifest
 from loraflow.reporting.curves import evaluation_scalars, tensorboard_argv, tensorboard_command, trained_steps
+from loraflow.storage.artifacts import Manifest
 from loraflow.trainer.curves import GIB, training_curves
 from loraflow.trainer.step_log import StepRow
 from tests.tensorboard_events import scalars

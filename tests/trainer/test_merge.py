@@ -531,8 +531,8 @@ def test_missing_adapter(base: Path, tmp_path: Path) -> None:
 
 def test_step_program_through_the_harness(base: Path, tmp_path: Path, gcs_bucket: str) -> None:
     """``python -m loraflow.steps.merge_adapter`` argv: inputs from GCS, merged checkpoint committed."""
-    from loraflow.pipeline import artifacts
     from loraflow.steps._harness import run_step
+    from loraflow.storage import artifacts
 
     make_adapter(tmp_path / "adapter", base)
     base_uri, sft_uri, out_uri = (

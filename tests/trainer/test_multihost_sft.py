@@ -41,7 +41,7 @@ from test_trainer_steps import OVERRIDES, base  # noqa: F401  (the converted tin
 
 from loraflow.dev.local_gcs import free_port
 from loraflow.launchers.local import step_environment
-from loraflow.pipeline import artifacts, checkpoint_sync, gcs
+from loraflow.storage import artifacts, checkpoint_sync, gcs
 from tests.separate_hosts import host_dirs
 
 CONFIG = {

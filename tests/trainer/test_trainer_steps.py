@@ -314,8 +314,8 @@ def _assert_curves_match_loss_csv(out: Path, rows: list[dict[str, str]]) -> None
 
 def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
     """A second attempt of the same stage (fresh scratch dirs, as on a new host) resumes."""
-    from loraflow.pipeline import checkpoint_sync
     from loraflow.steps import lora_sft
+    from loraflow.storage import checkpoint_sync
 
     remote = trained["ctx"].output_uri + "/_checkpoints"
     assert checkpoint_sync.remote_steps(remote)[-1] == SFT["steps"]
@@ -331,7 +331,7 @@ def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
 
 
 def _upload(local: Path, prefix: str) -> None:
-    from loraflow.pipeline import artifacts
+    from loraflow.storage import artifacts
 
     artifacts.upload_tree(local, prefix)
 
@@ -345,7 +345,7 @@ def test_lora_sft_killed_mid_training_resumes_through_gcs_to_the_same_adapter(ba
     from safetensors.numpy import load_file
 
     from loraflow.launchers.local import step_environment
-    from loraflow.pipeline import artifacts, checkpoint_sync
+    from loraflow.storage import artifacts, checkpoint_sync
 
     ckpt = f"{gcs_bucket}/src/convert_checkpoint"
     files = artifacts.upload_tree(base["ckpt"], ckpt)

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, gcs
-from loraflow.spec.resource_names import check_bucket
+from loraflow.storage import artifacts, gcs
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ def verify_artifact(uri: str, download: bool = False) -> Verification:
     naming the file. A manifest that cannot be trusted, or a URI of no bucket GCS allows, raises
     ``ArtifactError``."""
     try:
-        check_bucket(gcs.split_uri(uri)[0])
+        gcs.check_bucket(gcs.split_uri(uri)[0])
     except ValueError as exc:  # google-cloud-storage would raise it bare, with no word of the URI
         raise ArtifactError(f"{uri!r}: {exc}") from None
     manifest = artifacts.read_manifest(uri)

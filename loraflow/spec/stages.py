@@ -67,6 +67,11 @@ class Stage:
     # What its output carries in OpenLineage (loraflow/pipeline/lineage.py): its summary, as facet loraflow_<this>.
     lineage_facet: str = "summary"
 
+    def upstream(self, spec: PipelineSpec) -> tuple[str, ...]:
+        """The stages it runs after: those its inputs name, then those it lists in ``after``."""
+        named = [i.stage for i in self.inputs(spec).values() if isinstance(i, Upstream)]
+        return tuple(dict.fromkeys([*named, *self.after]))
+
     @property
     def operator_name(self) -> str:
         """The operator's class name in ``operators.stages``: ``lora_sft`` -> ``LoraSftOperator``."""

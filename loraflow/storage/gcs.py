@@ -1,4 +1,4 @@
-"""The one place that builds a Google Cloud Storage client and splits ``gs://`` URIs.
+"""The one place that builds a Google Cloud Storage client, splits ``gs://`` URIs and checks a bucket name.
 
 Locally ``STORAGE_EMULATOR_HOST`` points at the GCS emulator; the client library honours it and we
 talk to it anonymously. In production the default credentials of the host (Airflow worker, Vertex
@@ -8,6 +8,7 @@ job, GKE pod) are used. Either way the code path is the same ``google-cloud-stor
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -81,3 +82,19 @@ def route_native_clients() -> None:
 
     # gcsfs warns on every bucket it opens that it found no default credentials: expected here.
     logging.getLogger("gcsfs").setLevel(logging.ERROR)
+
+
+def check_bucket(bucket: str) -> str:
+    """``bucket`` if it is a GCS bucket name: 3-63 characters of a-z, 0-9, '-', '_' (dotted names up
+    to 222, each part at most 63), starting and ending with a letter or digit; else ValueError."""
+    parts = bucket.split(".")
+    if not (
+        re.fullmatch(r"[a-z0-9][a-z0-9._-]*[a-z0-9]", bucket)
+        and 3 <= len(bucket) <= (222 if len(parts) > 1 else 63)
+        and all(0 < len(p) <= 63 for p in parts)
+    ):
+        raise ValueError(
+            f"{bucket!r} is not a GCS bucket name; use 3-63 lowercase letters, digits, '-' and '_' "
+            "(dots only between parts), starting and ending with a letter or digit"
+        )
+    return bucket

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import artifacts, faults, gcs, json_objects
-from loraflow.pipeline.local_paths import local_paths
+from loraflow.storage import artifacts, faults, gcs, json_objects
+from loraflow.storage.local_paths import local_paths
 
 MARKER = "_LORAFLOW_COMPLETE.json"  # a step's commit marker (one host or several)
 HOST_MARKER = "_LORAFLOW_HOST.json"  # one host's part of a step is uploaded (several hosts)

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraflow.errors import LoraflowError
-from loraflow.pipeline import artifacts, gcs
 from loraflow.reporting import notify
+from loraflow.storage import artifacts, gcs
 
 if TYPE_CHECKING:  # the DAG file imports this module for its task names; the spec models load at run time
     from loraflow.spec.schema import HandoffSpec, PipelineSpec
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 READY = "_READY"
 CLAIM = "_CLAIM"
 RESULT = "_RESULT.json"
+# Format names recorded in the objects (kept when this module left loraflow/data/: readers match them).
 RESULT_FORMAT = "loraflow.data.handoff.result/1"
 CLAIM_FORMAT = "loraflow.data.handoff.claim/1"
 #: The most bytes read of a ``_CLAIM`` (loraflow writes about 150).

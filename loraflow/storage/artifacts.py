@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from loraflow.errors import ArtifactError
-from loraflow.pipeline import faults, gcs, json_objects
-from loraflow.pipeline.json_objects import JsonObjectError as JsonObjectError
-from loraflow.pipeline.json_objects import read_json_object as read_json_object
-from loraflow.pipeline.local_paths import check_name, local_paths, name_problem
+from loraflow.storage import faults, gcs, json_objects
+from loraflow.storage.json_objects import JsonObjectError as JsonObjectError
+from loraflow.storage.json_objects import read_json_object as read_json_object
+from loraflow.storage.local_paths import check_name, local_paths, name_problem
 
 log = logging.getLogger(__name__)
 

@@ -80,7 +80,7 @@ def read_json_object(uri: str, *, max_bytes: int = SMALL_MAX_BYTES, blob: Any = 
     already looked up (publish holds it for its generation); it is read as it is."""
     from google.api_core.exceptions import NotFound, RequestRangeNotSatisfiable
 
-    from loraflow.pipeline import gcs  # here: the spec schema imports this module (guard sets) but no storage
+    from loraflow.storage import gcs  # here: the spec schema imports this module (guard sets) but no storage
 
     if blob is None:
         bucket, path = gcs.split_uri(uri)
