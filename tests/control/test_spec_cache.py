@@ -98,7 +98,7 @@ def test_the_code_fingerprint_follows_every_loraflow_module(tmp_path: Path, monk
     spec_cache.code_fingerprint.cache_clear()
     try:
         before = spec_cache.code_fingerprint()
-        with (package / "pipeline" / "plan.py").open("a") as f:
+        with (package / "spec" / "stages.py").open("a") as f:
             f.write("\n# a change\n")
         spec_cache.code_fingerprint.cache_clear()
         assert spec_cache.code_fingerprint() != before
@@ -118,7 +118,7 @@ print(json.dumps({{m: getattr(mod, "__file__", None) for m, mod in sys.modules.i
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     modules = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "loraflow.spec.schema" in modules and "loraflow.pipeline.plan" in modules
+    assert "loraflow.spec.schema" in modules and "loraflow.spec.stages" in modules
     allowed = {REPO / "loraflow" / pkg for pkg in spec_cache._FINGERPRINTED}
     outside = {m: f for m, f in modules.items() if f is None or Path(f).parent not in allowed}
     assert outside == {}
