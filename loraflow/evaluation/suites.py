@@ -35,8 +35,6 @@ TASK_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
 #: lm-eval's result key: ``metric,filter`` (``exact_match,strict-match``, ``acc,none``).
 METRIC_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,64},[A-Za-z0-9_\-]{1,64}$")
 
-#: A staged suite's folder comes to the evaluate step as its input ``suite_<name>``.
-INPUT_PREFIX = "suite_"
 #: The largest task YAML read (lm-eval's own are 1-3 KB), and how deep its nesting may go.
 MAX_TASK_BYTES = 256 << 10
 MAX_TASK_DEPTH = 16
@@ -57,11 +55,6 @@ GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature")
 
 class SuiteError(LoraflowError):
     """A suite's task or results cannot be used (a refused task YAML, a metric the task does not report)."""
-
-
-def input_name(suite_name: str) -> str:
-    """The evaluate step's input that carries a staged suite's folder."""
-    return INPUT_PREFIX + suite_name
 
 
 def check_name(value: str) -> str:

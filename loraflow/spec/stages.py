@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from loraflow.evaluation import suites as suite_rules
-
 if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec
 
@@ -78,6 +76,11 @@ class Stage:
         return "".join(part.capitalize() for part in self.name.split("_")) + "Operator"
 
 
+def suite_input(suite_name: str) -> str:
+    """The evaluate step's input that carries a staged suite's folder (``evaluation.suites``): ``suite_<name>``."""
+    return "suite_" + suite_name
+
+
 def _evaluate_inputs(spec: PipelineSpec, model: Input) -> dict[str, Input]:
     """An evaluation's inputs: the model, the eval set, when gate.guard names its own file the guard set, and
     each staged suite's folder (``suite_<name>``)."""
@@ -87,7 +90,7 @@ def _evaluate_inputs(spec: PipelineSpec, model: Input) -> dict[str, Input]:
         inputs["guard_set"] = Source(guard.set)
     for suite in spec.evaluation.suites:
         if suite.source is not None:
-            inputs[suite_rules.input_name(suite.name)] = Source(suite.source)
+            inputs[suite_input(suite.name)] = Source(suite.source)
     return inputs
 
 

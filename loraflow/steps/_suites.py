@@ -26,6 +26,7 @@ from loraflow.data import chat_template
 from loraflow.data.chat_template import ChatTemplate
 from loraflow.errors import LoraflowError
 from loraflow.evaluation import suites
+from loraflow.spec.stages import suite_input
 from loraflow.spec.step_configs import EvaluateConfig
 
 SAMPLES_FILE = "suite_samples_{name}.jsonl"
@@ -48,11 +49,11 @@ def load(cfg: EvaluateConfig, inputs: dict[str, Path]) -> list[LoadedSuite]:
     for suite in cfg.suites:
         config = None
         if suite.source is not None:
-            folder = inputs.get(suites.input_name(suite.name))
+            folder = inputs.get(suite_input(suite.name))
             if folder is None:
                 raise LoraflowError(
                     f"evaluate: suite {suite.name} is staged at {suite.source}, which must come as "
-                    f"--input {suites.input_name(suite.name)}=gs://... (the planner sends it)"
+                    f"--input {suite_input(suite.name)}=gs://... (the planner sends it)"
                 )
             config = suites.task_config(_task_file(folder, suite.task), suite.task)
         loaded.append(LoadedSuite(suite.name, suite.task, suite.metric, suite.limit, config))
