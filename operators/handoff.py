@@ -18,6 +18,7 @@ from loraflow.pipeline import handoff
 from loraflow.reporting import notify
 from loraflow.reporting.urls import browser_url
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import GateSummary, PublishSummary
 
 if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec
@@ -99,8 +100,8 @@ class HandoffVerdictOperator(BaseOperator):
             raise AirflowSkipException("this run took no dataset version; nothing to report")
         states = self._task_states(context)
         run_prefix = gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id))
-        decision = (ti.xcom_pull(task_ids="gate") or {}).get("summary")
-        published = (ti.xcom_pull(task_ids="publish") or {}).get("summary")
+        decision = GateSummary.from_xcom(ti.xcom_pull(task_ids="gate"))
+        published = PublishSummary.from_xcom(ti.xcom_pull(task_ids="publish"))
         verdict, reasons = handoff.judge(
             {t: s for t, s in states.items() if t != self.task_id},
             handoff.data_failures(run_prefix) if states.get("validate_data") == "failed" else [],

@@ -21,6 +21,7 @@ from airflow.sdk import BaseNotifier, Context
 from loraflow.pipeline import handoff
 from loraflow.reporting import notify as notices
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import GateSummary, PublishSummary
 
 if TYPE_CHECKING:
     from loraflow.spec.schema import PipelineSpec
@@ -43,10 +44,10 @@ def message_for(event: str, spec: PipelineSpec, context: Context) -> notices.Mes
             getattr(ti, "log_url", None),
         )
     if event == "promotion":
-        published = (ti.xcom_pull(task_ids="publish") or {}).get("summary") or {}
-        if not published.get("promoted"):
+        published = PublishSummary.from_xcom(ti.xcom_pull(task_ids="publish"))
+        if published is None or not published.promoted:
             return None
-        decision = (ti.xcom_pull(task_ids="gate") or {}).get("summary")
+        decision = GateSummary.from_xcom(ti.xcom_pull(task_ids="gate"))
         report = gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id), "report", "report.html")
         return notices.promotion(spec.name, run_id, published, decision, report)
     if event == "verdict":

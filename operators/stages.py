@@ -274,12 +274,13 @@ class PublishOperator(LoraflowStageOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.exceptions import AirflowSkipException
 
-        decision = context["ti"].xcom_pull(task_ids="gate") or {}
-        summary = decision.get("summary", {})
-        if not summary.get("promote"):
-            raise AirflowSkipException(
-                f"not published: the gate did not promote ({summary.get('reason', 'no decision')})"
-            )
+        from loraflow.storage.summaries import GateSummary
+
+        decision = GateSummary.from_xcom(context["ti"].xcom_pull(task_ids="gate"))
+        if decision is None:
+            raise AirflowSkipException("not published: the gate did not promote (no decision)")
+        if not decision.promote:
+            raise AirflowSkipException(f"not published: the gate did not promote ({decision.reason})")
         return super().execute(context)
 
 

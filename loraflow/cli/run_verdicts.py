@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from loraflow.cli.airflow_rest import AirflowClient
+from loraflow.storage.summaries import GateSummary, PublishSummary, SummaryError
 
 FAILED = {"failed", "upstream_failed"}
 
@@ -37,7 +38,10 @@ def verdict(client: AirflowClient, dag_id: str, run_id: str, state: str | None) 
     failed = sorted(t for t, s in states.items() if s in FAILED)
     gate = client.xcom(dag_id, run_id, "gate") if "gate" in states else None
     if isinstance(gate, dict) and isinstance(gate.get("summary"), dict):
-        said = _gate(gate["summary"], client.xcom(dag_id, run_id, "publish") if "publish" in states else None)
+        try:
+            said = _gate(gate["summary"], client.xcom(dag_id, run_id, "publish") if "publish" in states else None)
+        except SummaryError as exc:  # this run's line says it; the other runs are still listed
+            said = f"no verdict: {exc}"
         return said + (f" (failed: {', '.join(failed)})" if failed else "")
     if failed:
         return f"failed at {', '.join(failed)}"
@@ -50,13 +54,13 @@ def verdict(client: AirflowClient, dag_id: str, run_id: str, state: str | None) 
 
 
 def _gate(summary: dict[str, Any], published: Any) -> str:
-    metric = summary.get("metric") or "metric"
-    figures = f"{metric} {_n(summary.get('base'))} -> {_n(summary.get('tuned'))}"
-    if summary.get("promote"):
-        version = ((published or {}).get("summary") or {}).get("version") if isinstance(published, dict) else None
-        where = f" as version {version}" if version else ""
+    decision = GateSummary.from_object(summary, "the gate task's summary (XCom)")
+    outcome = PublishSummary.from_xcom(published)
+    figures = f"{decision.metric or 'metric'} {_n(decision.base)} -> {_n(decision.tuned)}"
+    if decision.promote:
+        where = f" as version {outcome.version}" if outcome and outcome.version else ""
         return f"promoted{where}: {figures}"
-    return f"not promoted: {figures}; {summary.get('reason', '')}".rstrip("; ")
+    return f"not promoted: {figures}; {decision.reason}".rstrip("; ")
 
 
 def _n(value: Any) -> str:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from loraflow.errors import LoraflowError
 from loraflow.reporting import notify
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import GateSummary, PublishSummary
 
 if TYPE_CHECKING:  # the DAG file imports this module for its task names; the spec models load at run time
     from loraflow.spec.schema import HandoffSpec, PipelineSpec
@@ -349,8 +350,8 @@ def data_failures(run_prefix: str) -> list[str]:
 def judge(
     states: dict[str, str | None],
     rejected_data: list[str],
-    decision: dict[str, Any] | None,
-    published: dict[str, Any] | None,
+    decision: GateSummary | None,
+    published: PublishSummary | None,
 ) -> tuple[str, list[str]]:
     """(verdict, reasons) of a finished run: accepted (a model was promoted), rejected (the data
     contract or the quality gate said no) or failed (something broke; not the data's fault)."""
@@ -359,10 +360,10 @@ def judge(
     failed = sorted(t for t, s in states.items() if s == "failed")
     if failed:
         return FAILED, [f"task {t} failed; see its log in Airflow" for t in failed]
-    if published and published.get("promoted"):
-        return ACCEPTED, [str((decision or {}).get("reason") or "the quality gate promoted the tuned model")]
-    if decision is not None and not decision.get("promote"):
-        return REJECTED, [f"quality gate: {decision.get('reason') or 'the tuned model was not better'}"]
+    if published and published.promoted:
+        return ACCEPTED, [(decision and decision.reason) or "the quality gate promoted the tuned model"]
+    if decision is not None and not decision.promote:
+        return REJECTED, [f"quality gate: {decision.reason or 'the tuned model was not better'}"]
     unfinished = sorted(t for t, s in states.items() if s not in ("success", "skipped"))
     return FAILED, [f"the run ended before a decision (tasks not done: {', '.join(unfinished) or 'none'})"]
 
@@ -374,8 +375,8 @@ def result_document(
     version: str,
     verdict: str,
     reasons: list[str],
-    published: dict[str, Any] | None,
-    decision: dict[str, Any] | None,
+    published: PublishSummary | None,
+    decision: GateSummary | None,
     report: str | None,
     report_url: str | None,
     skipped: list[str] | None = None,
@@ -384,15 +385,17 @@ def result_document(
     other versions this run's pick passed over for a bad marker (``Pick.skipped``)."""
     assert spec.handoff is not None
     model = None
-    if published and published.get("promoted"):
+    if published and published.promoted:
         model = {
-            "version": published.get("version"),
+            "version": published.version,
             "registry": gcs.join(spec.registry_uri, spec.name),
-            "model_manifest": published.get("model_manifest"),
+            "model_manifest": published.model_manifest,
         }
     gate = None
     if decision:
-        gate = {k: decision.get(k) for k in ("promote", "base", "tuned", "delta", "ci", "reason") if k in decision}
+        figures = {"base": decision.base, "tuned": decision.tuned, "delta": decision.delta, "ci": decision.ci}
+        recorded = {k: list(v) if isinstance(v, tuple) else v for k, v in figures.items() if v is not None}
+        gate = {"promote": decision.promote, **recorded, "reason": decision.reason}
     return {
         "format": RESULT_FORMAT,
         "pipeline": spec.name,

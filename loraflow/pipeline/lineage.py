@@ -31,6 +31,7 @@ from typing import Any
 from loraflow.registry import store
 from loraflow.spec.stages import BY_NAME
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import PublishSummary, SummaryError
 
 #: The most files a ``manifest`` facet lists, by name; its ``file_count`` and ``fingerprint`` cover them all.
 MAX_FILES = 200
@@ -146,13 +147,19 @@ def _output(manifest: Mapping[str, Any], stage: str, summary: Mapping[str, Any])
 
 def _registry_version(manifest: Mapping[str, Any], summary: Mapping[str, Any]) -> Dataset | None:
     """The registry version a publish wrote (``versions/NNNN.json``); None when nothing was published."""
-    number = summary.get("version")
-    if not summary.get("promoted") or not isinstance(number, int) or isinstance(number, bool):
+    if manifest["stage"] != "publish":
+        return None
+    try:
+        outcome = PublishSummary.from_object(summary, "publish's summary")
+    except SummaryError:  # lineage says what it can: a summary publish did not write names no version
+        return None
+    number = outcome.version
+    if not outcome.promoted or number is None:
         return None
     config = manifest["config"]
     uri = store.version_uri(str(config["registry_uri"]), str(config["pipeline"]), number)
     namespace, path = dataset_id(uri)
-    model = str(summary["model_manifest"])  # the model input's, or (a publish by hand) its config's
+    model = str(outcome.model_manifest)  # the model input's, or (a publish by hand) its config's
     facet = {
         "version": number,
         "pipeline": config["pipeline"],

@@ -23,6 +23,7 @@ from typing import Any
 
 from loraflow.errors import ArtifactError
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import GateSummary, SummaryError
 
 CHAMPION = "champion"
 MODEL_STAGE = "merge_adapter"
@@ -181,7 +182,13 @@ def _gate(entry: dict[str, Any], artifact_root: str, pipeline: str, wrong: Any) 
     if isinstance(pointer, str) and not pointer.startswith(own):
         raise wrong(f"its gate {_short(pointer)} is not a commit of its own run {own}")
     gate = _commit(pointer, artifact_root, GATE_STAGE, "run's gate", wrong, pipeline)
-    if _mapping(gate.data.get("summary")).get("promote") is not True:
+    try:
+        promoted = GateSummary.from_object(
+            gate.data.get("summary"), f"the summary of its run's gate {gate.uri}"
+        ).promote
+    except SummaryError as exc:
+        raise wrong(f"{exc.uri} {exc.problem}") from None
+    if not promoted:
         raise wrong(f"its run's gate {gate.uri} did not promote it")
     return gate
 

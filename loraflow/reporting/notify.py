@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from loraflow.storage.summaries import GateSummary, PublishSummary
+
 MAX_ERROR_CHARS = 600
 #: A verdict lists at most this many reasons (then "... and N more"), each at most this long; the
 #: whole list stays in the run's data_report.json (validate_data/_rejected/).
@@ -173,23 +175,22 @@ def failure(
 def promotion(
     pipeline: str,
     run_id: str,
-    published: dict[str, Any],
-    decision: dict[str, Any] | None,
+    published: PublishSummary,
+    decision: GateSummary | None,
     report: str | None = None,
 ) -> Message:
-    """Publish registered ``published['version']``; ``decision`` is the gate's summary (its ``ci`` is the
+    """Publish registered ``published.version``; ``decision`` is the gate's summary (its ``ci`` is the
     ``confidence`` interval of tuned - base: the level this run's gate used, whatever the DAG's spec says)."""
-    decision = decision or {}
-    version = published.get("version")
+    version = published.version
     lines = [f"{pipeline} promoted model version {version} (run {run_id})."]
-    if decision.get("base") is not None and decision.get("tuned") is not None:
-        ci = decision.get("ci") or []
-        interval = f", {_level(decision)}interval of the gain [{ci[0]:+.3f}, {ci[1]:+.3f}]" if len(ci) == 2 else ""
-        lines.append(f"Metric before: {decision['base']:.3f}, after: {decision['tuned']:.3f}{interval}.")
-    if decision.get("reason"):
-        lines.append(f"Gate: {decision['reason']}")
-    if published.get("model_manifest"):
-        lines.append(f"Model: {published['model_manifest']}")
+    if decision and decision.base is not None and decision.tuned is not None:
+        ci = decision.ci
+        interval = f", {_level(decision)}interval of the gain [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""
+        lines.append(f"Metric before: {decision.base:.3f}, after: {decision.tuned:.3f}{interval}.")
+    if decision and decision.reason:
+        lines.append(f"Gate: {decision.reason}")
+    if published.model_manifest:
+        lines.append(f"Model: {published.model_manifest}")
     if report:
         lines.append(f"Report: {report}")
     return Message(
@@ -200,21 +201,18 @@ def promotion(
         "\n".join(lines),
         {
             "version": version,
-            "model_manifest": published.get("model_manifest"),
-            "base": decision.get("base"),
-            "tuned": decision.get("tuned"),
+            "model_manifest": published.model_manifest,
+            "base": decision.base if decision else None,
+            "tuned": decision.tuned if decision else None,
             "report": report,
         },
     )
 
 
-def _level(decision: dict[str, Any]) -> str:
+def _level(decision: GateSummary) -> str:
     """ "90% " for a gate summary whose interval is a 90% one; nothing for a summary that does not say (one
     written before the summary recorded its confidence)."""
-    confidence = decision.get("confidence")
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)):
-        return ""
-    return f"{100 * confidence:g}% "
+    return "" if decision.confidence is None else f"{100 * decision.confidence:g}% "
 
 
 def verdict(result: dict[str, Any], result_uri: str) -> Message:

@@ -55,6 +55,7 @@ from loraflow.registry import vertex as vertex_registry
 from loraflow.spec.step_configs import PublishConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
 from loraflow.storage import artifacts, gcs, json_objects
+from loraflow.storage.summaries import GateSummary
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +197,10 @@ def run(ctx: StepContext) -> dict[str, Any]:
         dict(ctx.config), has_model_input=ctx.input_manifests.get("model") is not None, output_uri=ctx.output_uri
     )
     decision = _read_decision(ctx)
+    verdict = GateSummary.from_object(decision, str(ctx.inputs["decision"] / "decision.json"))
     models = Registry(cfg.registry_uri, cfg.pipeline)
-    if not decision.get("promote"):
-        return _not_promoted(ctx, cfg, models, decision)
+    if not verdict.promote:
+        return _not_promoted(ctx, cfg, models, verdict)
 
     manifest = _model_manifest(ctx, cfg)
     ctx.progress(f"model {manifest.uri} verified (fingerprint {manifest.fingerprint[:12]})")
@@ -251,7 +253,7 @@ def _write_record(out: Path, record: dict[str, Any]) -> None:
     (out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
 
 
-def _not_promoted(ctx: StepContext, cfg: PublishConfig, models: Registry, decision: dict[str, Any]) -> dict[str, Any]:
+def _not_promoted(ctx: StepContext, cfg: PublishConfig, models: Registry, verdict: GateSummary) -> dict[str, Any]:
     """Record why nothing was registered; the registry is left as it is."""
     model_uri = artifacts.manifest_uri(cfg.model_manifest) if cfg.model_manifest else None
     record = {
@@ -259,7 +261,7 @@ def _not_promoted(ctx: StepContext, cfg: PublishConfig, models: Registry, decisi
         "version": None,
         "model_manifest": model_uri or getattr(ctx.input_manifests.get("model"), "uri", None),
         "registry": models.uri,
-        "reason": decision.get("reason", "the gate did not promote this model"),
+        "reason": verdict.reason or "the gate did not promote this model",
         "run_id": str(cfg.run_id),
     }
     _write_record(ctx.out, record)

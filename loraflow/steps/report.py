@@ -48,6 +48,7 @@ from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps import _tracking
 from loraflow.steps._harness import StepContext, exit_process, run_step
 from loraflow.storage import artifacts, gcs, json_objects
+from loraflow.storage.summaries import GateSummary
 
 STAGE = "report"
 QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA (loraflow/trainer/answers.py)
@@ -204,10 +205,13 @@ def _merge_cost(local: dict[str, Path]) -> dict[str, Any] | None:
 
 
 def _decision(local: dict[str, Path]) -> dict[str, Any] | None:
-    """The gate's decision.json without the evaluations' metrics (the report shows those itself)."""
-    decision = _read_json(local["gate"] / "decision.json") if "gate" in local else None
+    """The gate's decision.json without the evaluations' metrics (the report shows those itself); one
+    that is not a gate summary loraflow wrote is refused (``SummaryError``), as publish refuses it."""
+    path = local["gate"] / "decision.json" if "gate" in local else None
+    decision = _read_json(path) if path else None
     if not decision:
         return decision
+    GateSummary.from_object(decision, str(path))
     return {k: v for k, v in decision.items() if k not in ("base_metrics", "tuned_metrics")}
 
 
@@ -281,7 +285,6 @@ def run(ctx: StepContext) -> dict[str, Any]:
     logged = _tracking.log_run(ctx, cfg.vertex_tracking, data) if cfg.vertex_tracking is not None else {}
     hits = [s["stage"] for s in data["stages"] if s["status"] == "reused"]
     ctx.progress(f"report.html written ({len(data['stages'])} stages, {len(hits)} cache hit(s))")
-    decision = data["decision"] or {}
     failed = data["failure"]
     if failed:
         ctx.progress(f"the run failed at {failed['stage']}: {failed['reason']}")
@@ -293,7 +296,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         )
     return {
         "report": gcs.join(ctx.output_uri, "report.html"),
-        "promote": decision.get("promote"),
+        "promote": data["decision"]["promote"] if data["decision"] else None,  # checked by _decision
         "cache_hits": hits,
         "failed_stage": failed["stage"] if failed else None,
         "merge_cost": cost,

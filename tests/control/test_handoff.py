@@ -13,6 +13,7 @@ from loraflow.errors import SpecError
 from loraflow.pipeline import handoff
 from loraflow.spec.schema import HandoffSpec, PipelineSpec, load_spec, validate_spec
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import GateSummary, PublishSummary
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
@@ -255,13 +256,15 @@ def test_a_ready_version_missing_a_file_is_refused(team: HandoffSpec) -> None:
 # ------------------------------------------------------------------------------------ the verdict
 
 
-GATE_YES = {"promote": True, "base": 0.5, "tuned": 0.9, "delta": 0.4, "ci": [0.35, 0.45], "reason": "better"}
-GATE_NO = {"promote": False, "base": 0.5, "tuned": 0.52, "reason": "gain +0.02 below min_improvement 0.3"}
+GATE_YES_SUMMARY = {"promote": True, "base": 0.5, "tuned": 0.9, "delta": 0.4, "ci": [0.35, 0.45], "reason": "better"}
+GATE_NO_SUMMARY = {"promote": False, "base": 0.5, "tuned": 0.52, "reason": "gain +0.02 below min_improvement 0.3"}
+GATE_YES = GateSummary.from_object(GATE_YES_SUMMARY, "gate")
+GATE_NO = GateSummary.from_object(GATE_NO_SUMMARY, "gate")
 ALL_OK = {"validate_data": "success", "gate": "success", "publish": "success", "report": "success"}
 
 
 def test_judge_accepts_only_a_promoted_model() -> None:
-    verdict, reasons = handoff.judge(ALL_OK, [], GATE_YES, {"promoted": True, "version": 3})
+    verdict, reasons = handoff.judge(ALL_OK, [], GATE_YES, PublishSummary(True, 3))
     assert verdict == "accepted" and reasons == ["better"]
 
 
@@ -274,7 +277,7 @@ def test_judge_rejects_on_the_data_contract_with_each_failed_rule() -> None:
 
 def test_judge_rejects_when_the_gate_says_no() -> None:
     states = {**ALL_OK, "publish": "skipped"}
-    assert handoff.judge(states, [], GATE_NO, None) == ("rejected", [f"quality gate: {GATE_NO['reason']}"])
+    assert handoff.judge(states, [], GATE_NO, None) == ("rejected", [f"quality gate: {GATE_NO.reason}"])
 
 
 def test_judge_calls_a_broken_run_failed_not_the_datas_fault() -> None:
@@ -293,7 +296,7 @@ def test_the_result_is_written_beside_the_version_with_what_a_data_team_needs(te
         "v1",
         "accepted",
         ["better"],
-        {"promoted": True, "version": 3, "model_manifest": "gs://x/merge_adapter/_MANIFEST.json"},
+        PublishSummary(True, 3, "gs://x/merge_adapter/_MANIFEST.json"),
         GATE_YES,
         "gs://x/report/report.html",
         None,
@@ -305,7 +308,7 @@ def test_the_result_is_written_beside_the_version_with_what_a_data_team_needs(te
     assert stored["dataset"] == f"{team.prefix}/v1" and stored["gate"]["ci"] == [0.35, 0.45]
     assert stored["model"]["registry"] == f"{spec.registry_uri}/tiny-handoff"
     assert stored["model"]["model_manifest"] == "gs://x/merge_adapter/_MANIFEST.json"
-    assert stored["gate"] == GATE_YES and stored["dag_id"] == "tiny-handoff"
+    assert stored["gate"] == GATE_YES_SUMMARY and stored["dag_id"] == "tiny-handoff"
     bucket, path = gcs.split_uri(uri)
     assert gcs.client().bucket(bucket).get_blob(path).content_type == "application/json"
     assert stored["artifacts"].startswith(f"{spec.artifact_root}/tiny-handoff/manual__2026-12-03")
@@ -360,18 +363,18 @@ def test_judge_calls_a_run_that_ended_before_a_decision_failed_naming_the_tasks_
     done = {"validate_data": "success", "publish": "skipped"}
     assert handoff.judge(done, [], None, None) == ("failed", ["the run ended before a decision (tasks not done: none)"])
     # a promoting gate whose publish did not happen is no acceptance
-    assert handoff.judge(done, [], GATE_YES, {"promoted": False})[0] == "failed"
+    assert handoff.judge(done, [], GATE_YES, PublishSummary(False))[0] == "failed"
     # data rejection outranks failed tasks; failed tasks outrank the gate
     assert handoff.judge({"gate": "failed"}, ["x"], GATE_NO, None)[0] == "rejected"
     assert handoff.judge({"b": "failed", "a": "failed"}, [], GATE_NO, None) == (
         "failed",
         ["task a failed; see its log in Airflow", "task b failed; see its log in Airflow"],
     )
-    assert handoff.judge(ALL_OK, [], {"promote": False}, None) == (
+    assert handoff.judge(ALL_OK, [], GateSummary(promote=False, reason=""), None) == (
         "rejected",
         ["quality gate: the tuned model was not better"],
     )
-    assert handoff.judge(ALL_OK, [], None, {"promoted": True}) == (
+    assert handoff.judge(ALL_OK, [], None, PublishSummary(True)) == (
         "accepted",
         ["the quality gate promoted the tuned model"],
     )
@@ -380,10 +383,10 @@ def test_judge_calls_a_run_that_ended_before_a_decision_failed_naming_the_tasks_
 def test_a_rejected_result_names_no_model_and_keeps_the_gate_figures(team: HandoffSpec) -> None:
     spec = handoff_spec(prefix=team.prefix)
     doc = handoff.result_document(
-        spec, "d", "run-1", "v1", "rejected", ["quality gate: no"], {"promoted": False}, GATE_NO, None, "http://r"
+        spec, "d", "run-1", "v1", "rejected", ["quality gate: no"], PublishSummary(False), GATE_NO, None, "http://r"
     )
     assert doc["model"] is None and doc["report"] is None and doc["report_url"] == "http://r"
-    assert doc["gate"] == {k: GATE_NO[k] for k in ("promote", "base", "tuned", "reason")}
+    assert doc["gate"] == {k: GATE_NO_SUMMARY[k] for k in ("promote", "base", "tuned", "reason")}
     assert (doc["pipeline"], doc["dag_id"], doc["run_id"], doc["version"]) == ("tiny-handoff", "d", "run-1", "v1")
     assert doc["reasons"] == ["quality gate: no"] and doc["verdict"] == "rejected"
     assert doc["format"] == handoff.RESULT_FORMAT and doc["finished_at"].endswith("Z")

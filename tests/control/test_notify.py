@@ -15,6 +15,7 @@ from loraflow.errors import SpecError
 from loraflow.reporting import notify
 from loraflow.spec.schema import load_spec, validate_spec
 from loraflow.storage import artifacts
+from loraflow.storage.summaries import GateSummary, PublishSummary
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
@@ -41,14 +42,16 @@ def test_a_long_error_is_shortened_and_a_missing_one_said_so() -> None:
 
 
 def test_a_promotion_notice_gives_the_version_and_the_metric_before_and_after() -> None:
-    decision = {"base": 0.5, "tuned": 0.9125, "ci": [0.36, 0.46], "confidence": 0.9, "reason": "gain +0.41 clears 0.30"}
-    published = {"promoted": True, "version": 4, "model_manifest": "gs://a/merge_adapter/_MANIFEST.json"}
+    summary = {"promote": True, "base": 0.5, "tuned": 0.9125, "ci": [0.36, 0.46], "confidence": 0.9,
+               "reason": "gain +0.41 clears 0.30"}  # fmt: skip
+    decision = GateSummary.from_object(summary, "gate")
+    published = PublishSummary(True, 4, "gs://a/merge_adapter/_MANIFEST.json")
     m = notify.promotion("tiny", RUN, published, decision, "gs://a/report/report.html")
     assert m.subject == "[loraflow] tiny: model version 4 promoted"
     assert "Metric before: 0.500, after: 0.912, 90% interval of the gain [+0.360, +0.460]." in m.text
     assert "Gate: gain +0.41 clears 0.30" in m.text and "Report: gs://a/report/report.html" in m.text
     assert m.data["version"] == 4 and m.data["tuned"] == 0.9125
-    older = notify.promotion("tiny", RUN, published, {k: v for k, v in decision.items() if k != "confidence"})
+    older = notify.promotion("tiny", RUN, published, GateSummary.from_object({**summary, "confidence": None}, "gate"))
     assert "Metric before: 0.500, after: 0.912, interval of the gain [+0.360, +0.460]." in older.text  # no level said
 
 
