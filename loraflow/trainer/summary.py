@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ from loraflow.launchers import multihost
 from loraflow.trainer.answers import Answers
 from loraflow.trainer.export import PeftExport
 from loraflow.trainer.memory import Memory
+from loraflow.trainer.step_log import step_times
 from loraflow.trainer.training import Trained
 
 
@@ -24,9 +24,12 @@ class SftSummary:
     train_seconds: float
     setup_seconds: float
     step_seconds: float
-    tokens_per_s: float | None  # the mean of the steps after the first (which compiles)
+    tokens_per_s: float | None  # the steps after the attempt's first (which compiles): tokens over seconds
+    median_tokens_per_s: float | None  # the median of those steps' rates
     first_step_seconds: float | None  # the first step of an attempt compiles it
-    median_step_seconds: float | None  # the steady step time: the median of the others
+    compile_seconds: float | None  # the first step beyond a median one
+    mean_step_seconds: float | None  # the steady step time: the mean of the others
+    median_step_seconds: float | None  # ... and their median
     lora_b_norm: float
     peft_tensors: int
     total_seconds: float
@@ -55,7 +58,7 @@ def summarize(
     dist: multihost.DistributedConfig | None,
 ) -> SftSummary:
     rows = trained.rows
-    later = [r for r in rows if r.step > 1]  # step 1 includes compilation
+    times = step_times(rows)
     return SftSummary(
         first_loss=rows[0].loss if rows else None,
         final_loss=rows[-1].loss if rows else None,
@@ -64,9 +67,12 @@ def summarize(
         train_seconds=round(trained.train_seconds, 1),
         setup_seconds=round(trained.setup_seconds, 1),
         step_seconds=round(trained.train_seconds / max(1, len(rows)), 3),
-        tokens_per_s=round(sum(r.tokens_per_s for r in later) / len(later), 1) if later else None,
-        first_step_seconds=round(rows[0].seconds, 3) if rows else None,
-        median_step_seconds=round(statistics.median(r.seconds for r in rows[1:]), 4) if len(rows) > 1 else None,
+        tokens_per_s=_rounded(times.tokens_per_s, 1),
+        median_tokens_per_s=_rounded(times.median_tokens_per_s, 1),
+        first_step_seconds=_rounded(times.first_step_seconds, 3),
+        compile_seconds=_rounded(times.compile_seconds, 3),
+        mean_step_seconds=_rounded(times.mean_step_seconds, 4),
+        median_step_seconds=_rounded(times.median_step_seconds, 4),
         lora_b_norm=round(norm, 4),
         peft_tensors=exported.tensors,
         total_seconds=round(time.monotonic() - started, 1),
@@ -76,3 +82,7 @@ def summarize(
         memory=trained.memory,
         answers=trained.answers,
     )
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None

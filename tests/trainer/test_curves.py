@@ -25,9 +25,9 @@ def test_the_curves_carry_device_memory_where_the_backend_reports_it(tmp_path: P
         assert none is None
     with training_curves(tmp_path / "p0", writes=True) as curves:
         assert curves is not None
-        curves.step(StepRow(7, 2.5, 1000.0, 0.25), 1e-3, {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB})
-        curves.step(StepRow(8, 2.0, 900.0, 0.5), 2e-3, {"bytes_in_use": GIB})  # no peak reported: in use
-        curves.step(StepRow(9, 1.5, 800.0, 0.75), 3e-3, {"bytes_limit": 16 * GIB})  # nothing in use reported
+        curves.step(StepRow(7, 2.5, 1000.0, 0.25, 250), 1e-3, {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB})
+        curves.step(StepRow(8, 2.0, 900.0, 0.5, 450), 2e-3, {"bytes_in_use": GIB})  # no peak reported: in use
+        curves.step(StepRow(9, 1.5, 800.0, 0.75, 600), 3e-3, {"bytes_limit": 16 * GIB})  # nothing in use reported
     assert not (tmp_path / "p1").exists()
     assert scalars(tmp_path / "p0" / "tensorboard") == {
         "train/loss": {7: 2.5, 8: 2.0, 9: 1.5},

@@ -169,8 +169,37 @@ def trained(base):
     root = base["root"] / "sft1"
     inputs = {"checkpoint": base["ckpt"], "dataset": base["dataset"], "tokenizer": base["hf"]}
     ctx = _ctx(root, "lora_sft", inputs, dict(SFT), str(base["root"] / "remote" / "lora_sft"))
-    summary = lora_sft.run(ctx)
-    return {"ctx": ctx, "summary": summary, "inputs": inputs}
+    with pytest.MonkeyPatch.context() as mp:
+        clock = _hook_clock(mp)
+        summary = lora_sft.run(ctx)
+    return {"ctx": ctx, "summary": summary, "inputs": inputs, "clock": clock}
+
+
+def _hook_clock(mp: pytest.MonkeyPatch) -> dict[str, list]:
+    """A clock beside the stage's own, read where the TPU bench reads one (bench/tpu/_case.py): as MaxText's
+    own step-end hook returns (loraflow's hook calls it first, then logs the step and writes its curves), as
+    loraflow's step-start hook returns, and each started batch's non-padding tokens."""
+    import time
+
+    from maxtext.trainers.post_train.sft.hooks import SFTTrainingHooks
+
+    from loraflow.trainer.hooks import LoraflowHooks, tokens_in
+
+    clock: dict[str, list] = {"starts": [], "ends": [], "tokens": []}
+    start, end = LoraflowHooks.on_train_step_start, SFTTrainingHooks.on_train_step_end
+
+    def on_start(self, train_ctx):
+        start(self, train_ctx)
+        clock["starts"].append(time.perf_counter())
+        clock["tokens"].append(tokens_in(train_ctx.data_hooks.train_batch["inputs_segmentation"]))
+
+    def on_end(self, *args, **kwargs):
+        end(self, *args, **kwargs)
+        clock["ends"].append(time.perf_counter())
+
+    mp.setattr(LoraflowHooks, "on_train_step_start", on_start)
+    mp.setattr(SFTTrainingHooks, "on_train_step_end", on_end)
+    return clock
 
 
 def test_lora_sft_outputs_and_learns_parity(base, trained):
@@ -312,6 +341,36 @@ def _assert_curves_match_loss_csv(out: Path, rows: list[dict[str, str]]) -> None
     assert rates[0] < rates[10] and max(rates) == pytest.approx(SFT["learning_rate"], rel=1e-3)
 
 
+def test_lora_sft_step_times_match_a_clock_beside_the_stage(trained):
+    """loss.csv's seconds and tokens, and the summary's rates, against a clock read in the hooks beside the
+    stage's: the first row runs from the attempt's first step start (its compile included, reported apart),
+    every other from the previous step's end (the last one too: Tunix reports it after its loop), and each
+    row counts its own batch's tokens."""
+    import itertools
+    import statistics
+
+    clock, s = trained["clock"], trained["summary"]
+    rows = list(csv.DictReader((trained["ctx"].out / "loss.csv").open()))
+    ends = clock["ends"]
+    gaps = [ends[0] - clock["starts"][0]] + [b - a for a, b in itertools.pairwise(ends)]
+    assert len(rows) == len(gaps) == len(clock["tokens"]) == SFT["steps"]
+    steady = gaps[1:]
+    # a row may differ from its gap by a busy CPU's scheduling (the two clocks are read a few lines apart);
+    # a step counted twice or a compile left out differs by a whole step or more
+    slack = statistics.median(steady) / 2
+    for row, gap, tokens in zip(rows, gaps, clock["tokens"], strict=True):
+        assert float(row["seconds"]) == pytest.approx(gap, abs=slack), (row, gap)
+        assert int(row["tokens"]) == tokens, (row, tokens)
+    assert s["first_step_seconds"] == pytest.approx(gaps[0], rel=0.02, abs=1e-3)
+    assert s["first_step_seconds"] > 3 * statistics.median(steady)  # it compiles
+    assert s["median_step_seconds"] == pytest.approx(statistics.median(steady), rel=0.02, abs=1e-3)
+    assert s["mean_step_seconds"] == pytest.approx(statistics.mean(steady), rel=0.02)
+    assert s["compile_seconds"] == pytest.approx(gaps[0] - statistics.median(steady), rel=0.02, abs=2e-3)
+    assert s["tokens_per_s"] == pytest.approx(sum(clock["tokens"][1:]) / sum(steady), rel=0.02)
+    rates = [t / g for t, g in zip(clock["tokens"][1:], steady, strict=True)]
+    assert s["median_tokens_per_s"] == pytest.approx(statistics.median(rates), rel=0.02)
+
+
 def test_lora_sft_resumes_from_persisted_checkpoint(base, trained):
     """A second attempt of the same stage (fresh scratch dirs, as on a new host) resumes."""
     from loraflow.steps import lora_sft
@@ -409,8 +468,9 @@ def test_maxtext_never_starts_the_distributed_system_itself(base, hardware):
 def test_a_step_lasts_from_the_previous_step_end_to_its_own():
     """The progress lines' and loss.csv's step seconds and tokens/s count the time the trainer spends between
     the hooks (JAX dispatches a step and returns; the chip works on): on a TPU v5e a 1 B model's 0.58 s steps
-    read as 0.02 s when timed from the step's own start hook. Here the trainer spends 0.2 s between one
-    step's end and the next step's start, as the real loop does while the chip runs."""
+    read as 0.02 s when timed from the step's own start hook. The hooks come in Tunix's order: a step's end
+    after the next step's start, the last end after the loop. Here the first step compiles for 0.3 s, and
+    each later one runs 0.2 s on the chip."""
     import time
 
     import numpy as np
@@ -418,17 +478,48 @@ def test_a_step_lasts_from_the_previous_step_end_to_its_own():
     from loraflow.trainer.hooks import tokens_in
     from loraflow.trainer.step_log import StepLog
 
-    log = StepLog(lambda line: None, steps=3, log_every=1)
-    batch = {"inputs_segmentation": np.ones((2, 50), np.int32)}
-    for step in (1, 2, 3):
-        log.step_started(tokens_in(batch["inputs_segmentation"]))  # what the hooks do at each step's start
-        log.step_ended(step, 1.0)  # ... and end
-        time.sleep(0.2)  # the trainer (and the chip) at work outside the hooks
+    lines: list[str] = []
+    log = StepLog(lines.append, steps=3, log_every=1)
+    batches = [np.ones((2, n), np.int32) for n in (50, 40, 30)]
+    log.step_started(tokens_in(batches[0]))
+    time.sleep(0.3)  # step 1 compiles and runs
+    for step in (2, 3):
+        log.step_started(tokens_in(batches[step - 1]))  # the next step starts before the last one's end
+        log.step_ended(step - 1, 1.0)
+        time.sleep(0.2)
+    log.step_ended(3, 1.0)  # after the loop
     rows = log.rows
-    assert rows[0][3] < 0.1  # the attempt's first step: from its own start
-    for step, _, tps, seconds in rows[1:]:
-        assert seconds >= 0.2, (step, seconds)
-        assert tps == pytest.approx(100 / seconds)
+    assert [r.tokens for r in rows] == [100, 80, 60]  # each step its own batch's
+    assert 0.3 <= rows[0].seconds < 0.45  # the attempt's first step: from its own start
+    assert "compiling included" in lines[0] and "compiling" not in lines[1]
+    for step, _, tps, seconds, tokens in rows[1:]:
+        assert 0.2 <= seconds < 0.35, (step, seconds)  # the last one too (it read double)
+        assert tps == pytest.approx(tokens / seconds)
+
+
+def _rows(*steps: tuple[float, int]) -> list:
+    from loraflow.trainer.step_log import StepRow
+
+    return [StepRow(i + 11, 1.0, tokens / seconds, seconds, tokens) for i, (seconds, tokens) in enumerate(steps)]
+
+
+def test_step_times_keep_the_compiling_first_step_apart():
+    """The summary's figures: the attempt's first row (a resumed attempt's too) compiles; the others'
+    mean rate is their tokens over their seconds, and the median of their rates and seconds beside it."""
+    from loraflow.trainer.step_log import StepTimes, step_times
+
+    t = step_times(_rows((5.0, 100), (1.0, 100), (2.0, 50), (4.0, 200), (1.0, 100)))
+    assert t == StepTimes(
+        first_step_seconds=5.0,
+        compile_seconds=5.0 - 1.5,
+        mean_step_seconds=2.0,
+        median_step_seconds=1.5,
+        tokens_per_s=450 / 8.0,
+        median_tokens_per_s=(50 + 100) / 2,  # of 100, 25, 50, 100
+    )
+    assert step_times(_rows((0.5, 100), (1.0, 100))).compile_seconds == 0.0  # never below nothing
+    assert step_times(_rows((5.0, 100))) == StepTimes(5.0, None, None, None, None, None)
+    assert step_times([]) == StepTimes(None, None, None, None, None, None)
 
 
 # The families beyond Llama (whose steps the tests above cover): each family's tiny model (its real HF
