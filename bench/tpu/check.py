@@ -170,13 +170,27 @@ def pack_adapters(root: Path, dest: Path) -> None:
                     tar.add(path, arcname=f"{run.name}/{name}")
 
 
+def _since_call_started() -> float:
+    """Seconds since the device call began (``$CALL_STARTED``, epoch seconds), 0 where unset or unreadable."""
+    try:
+        return max(0.0, time.time() - float(os.environ.get("CALL_STARTED", "")))
+    except ValueError:
+        return 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     table = phases()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("phase", choices=sorted(table))
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/tpu-out")))
     p.add_argument("--work", type=Path, default=Path("/tmp/tpu-work"))
-    p.add_argument("--budget", type=float, default=560.0, help="seconds for the whole phase (one device call)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=560.0,
+        help="seconds for the whole device call: counted from $CALL_STARTED (epoch seconds, set first in the call: "
+        "the install's time counts too) where set, else from now",
+    )
     p.add_argument("--steps", type=int, help="train this many steps in every case (a quick rehearsal on CPU)")
     p.add_argument(
         "--cases",
@@ -188,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     root = args.work / args.phase
     root.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.budget
+    deadline = time.monotonic() + args.budget - _since_call_started()
     # An earlier call's results on this machine (a phase split over calls with --cases) are kept:
     # every call writes the whole phase so far.
     kept = root / "results.json"
