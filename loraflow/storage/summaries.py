@@ -79,12 +79,14 @@ class GateSummary:
 
     promote: bool
     reason: str
-    metric: str | None = None  # what base, tuned and delta measure
+    # The gate's settings as it recorded them; None in a summary written before it did. No default here:
+    # a setting's one default is the spec schema's (tests/control/test_defaults_once.py).
+    metric: str | None  # what base, tuned and delta measure
+    confidence: float | None  # the level of ``ci``
     base: float | None = None
     tuned: float | None = None
     delta: float | None = None
     ci: tuple[float, float] | None = None  # the ``confidence`` interval of the gain
-    confidence: float | None = None
     champion_version: int | None = None
 
     @classmethod

@@ -370,7 +370,7 @@ def test_judge_calls_a_run_that_ended_before_a_decision_failed_naming_the_tasks_
         "failed",
         ["task a failed; see its log in Airflow", "task b failed; see its log in Airflow"],
     )
-    assert handoff.judge(ALL_OK, [], GateSummary(promote=False, reason=""), None) == (
+    assert handoff.judge(ALL_OK, [], GateSummary(promote=False, reason="", metric=None, confidence=None), None) == (
         "rejected",
         ["quality gate: the tuned model was not better"],
     )

@@ -30,12 +30,12 @@ WRITTEN = {
 
 def test_the_gates_summary_reads_as_written() -> None:
     summary = GateSummary.from_object(WRITTEN, "gate")
-    assert summary == GateSummary(True, "gain +0.25 clears 0.1", "accuracy", 0.5, 0.75, 0.25, (0.1, 0.4), 0.95, 3)
+    assert summary == GateSummary(True, "gain +0.25 clears 0.1", "accuracy", 0.95, 0.5, 0.75, 0.25, (0.1, 0.4), 3)
 
 
 def test_fields_older_summaries_lack_read_as_none() -> None:
     summary = GateSummary.from_object({"promote": False, "reason": "no gain"}, "gate")
-    assert summary == GateSummary(False, "no gain")
+    assert summary == GateSummary(False, "no gain", None, None)
     assert summary.metric is summary.ci is summary.confidence is summary.champion_version is None
     assert GateSummary.from_object({**WRITTEN, "ci": None, "confidence": None}, "gate").ci is None
 
@@ -85,7 +85,7 @@ def test_a_long_value_is_shortened_in_the_error() -> None:
 def test_the_decision_file_is_read_bounded_and_checked(tmp_path: Path) -> None:
     path = tmp_path / "decision.json"
     path.write_text('{"promote": true, "reason": "ok", "evidence": [1, 2]}')
-    assert GateSummary.read(path) == GateSummary(True, "ok")
+    assert GateSummary.read(path) == GateSummary(True, "ok", None, None)
     path.write_text('{"promote": "true"}')
     with pytest.raises(SummaryError, match=f"{path} is not a gate summary"):
         GateSummary.read(path)
