@@ -272,6 +272,13 @@ TARGETS: dict[str, Target] = {
             "loraflow.steps.gate.x__suite_entry__mutmut_*",
         ],
     ),
+    # tracking.vertex: what the report logs to Vertex AI Experiments (against the Vertex stand-in).
+    "tracking": Target(
+        "control",
+        ["loraflow/reporting/vertex_tracking.py", "loraflow/steps/_tracking.py"],
+        ["tests/control/test_vertex_tracking.py"],
+        default=False,  # each mutant logs a run through google-cloud-aiplatform (20-40 s): on demand
+    ),
     # Last: the longest list of test files.
     "spec": Target(
         "control",

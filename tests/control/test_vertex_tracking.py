@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,13 +21,14 @@ from loraflow.pipeline.plan import REPORTED
 from loraflow.reporting import vertex_tracking
 from loraflow.spec.schema import VertexTrackingSpec, load_spec
 from loraflow.spec.step_configs import ReportConfig
+from loraflow.steps import _tracking
 from loraflow.steps import report as report_step
 from loraflow.storage import artifacts, gcs
 from tests.tensorboard_events import scalars
 from tests.vertex_standin import VertexStandIn
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT, REGION, EXPERIMENT = "acme-ml", "us-central1", "tiny-llama-lora"
+PROJECT, REGION, EXPERIMENT = "acme-ml", "europe-west4", "tiny-llama-lora"  # not the SDK's default region
 RUN_ID = "manual__2026-12-06T08:00:00+00:00"
 LOSS = "step,loss,tokens_per_s,seconds\n" + "".join(f"{s},{6 / s:.6f},{1000 + s},0.25\n" for s in range(1, 6))
 TRAINING = {"learning_rate": 0.001, "rank": 8, "alpha": 16.0, "steps": 5, "targets": ["q", "v"], "qtype": None}
@@ -72,14 +74,16 @@ def commit(
     )  # fmt: skip
 
 
-def committed_run(run: str, tmp_path: Path) -> dict[str, artifacts.Manifest]:
-    """lora_sft's curves (loss.csv's rows), the evaluations' scores (base at step 0, tuned at step 5), a verdict."""
+def committed_run(run: str, tmp_path: Path, promote: bool = True) -> dict[str, artifacts.Manifest]:
+    """lora_sft's curves (loss.csv's rows), the evaluations' scores and guard's (base at step 0, tuned at step 5),
+    the gate's verdict."""
     rows = list(csv.DictReader(io.StringIO(LOSS)))
     train = {
         int(r["step"]): {"train/loss": float(r["loss"]), "perf/tokens_per_s": float(r["tokens_per_s"])} for r in rows
     }
-    base, tuned = {"accuracy": 0.2, "format_rate": 0.5, "n": 10}, {"accuracy": 0.9, "format_rate": 1.0, "n": 10}
-    decision = {"promote": True, "metric": "accuracy", "reason": "accuracy rose"}
+    base = {"accuracy": 0.2, "format_rate": 0.5, "n": 10, "guard": {"set": "general-mc-v1", "accuracy": 0.3}}
+    tuned = {"accuracy": 0.9, "format_rate": 1.0, "n": 10, "guard": {"set": "general-mc-v1", "accuracy": 0.25}}
+    decision = {"promote": promote, "metric": "accuracy", "reason": "accuracy rose"}
     return {
         "lora_sft": commit(gcs.join(run, "lora_sft"), tmp_path, {"loss.csv": LOSS}, train, TRAINING),
         "evaluate_base": commit(gcs.join(run, "evaluate_base"), tmp_path, {"metrics.json": json.dumps(base)},
@@ -98,7 +102,11 @@ def report(make_ctx: Callable, manifests: dict[str, artifacts.Manifest], run: st
 
 
 def test_the_report_logs_the_runs_parameters_metrics_and_curves_to_vertex_ai_experiments(
-    standin: tuple[VertexStandIn, Any, str], make_ctx: Callable, gcs_bucket: str, tmp_path: Path
+    standin: tuple[VertexStandIn, Any, str],
+    make_ctx: Callable,
+    gcs_bucket: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The experiment is made, backed by the spec's TensorBoard; the pipeline run is one experiment run with
     lora_sft's config as parameters, the scores and verdict as metrics, and every point of the committed event
@@ -107,7 +115,12 @@ def test_the_report_logs_the_runs_parameters_metrics_and_curves_to_vertex_ai_exp
     _, tracking, tensorboard = standin
     run = f"{gcs_bucket}/arts/tiny/{RUN_ID}"
     manifests = committed_run(run, tmp_path)
-    summary = report_step.run(report(make_ctx, manifests, run, tensorboard))
+    ctx = report(make_ctx, manifests, run, tensorboard)
+    summary = report_step.run(ctx)
+    # only the event files were fetched for it
+    assert {p.name for p in (ctx.work / "curves-lora_sft").rglob("*") if p.is_file()} == {
+        n.rsplit("/", 1)[-1] for n in manifests["lora_sft"].files if n.startswith("tensorboard/")
+    }
 
     name = vertex_tracking.experiment_run_name(RUN_ID)
     assert summary["vertex_experiment_run"] == name
@@ -115,6 +128,7 @@ def test_the_report_logs_the_runs_parameters_metrics_and_curves_to_vertex_ai_exp
         f"https://console.cloud.google.com/vertex-ai/experiments/locations/{REGION}/experiments/{EXPERIMENT}"
         f"/runs/{EXPERIMENT}-{name}?project={PROJECT}"
     )
+    assert f"as run {name}: {summary['vertex_experiment_url']}" in capsys.readouterr().out  # the task log
     experiment = tracking.context(EXPERIMENT)
     assert experiment["schemaTitle"] == "system.Experiment"
     assert experiment["metadata"]["backing_tensorboard_resource"] == tensorboard
@@ -128,6 +142,7 @@ def test_the_report_logs_the_runs_parameters_metrics_and_curves_to_vertex_ai_exp
     assert logged["metadata"]["_metrics"] == {
         "base_accuracy": 0.2, "base_format_rate": 0.5, "base_n": 10, "tuned_accuracy": 0.9,
         "tuned_format_rate": 1.0, "tuned_n": 10, "first_loss": 6.0, "final_loss": 1.2, "promoted": 1.0,
+        "base_guard_accuracy": 0.3, "tuned_guard_accuracy": 0.25,
     }  # fmt: skip
 
     tensorboard_run = f"{tensorboard}/experiments/{EXPERIMENT}/runs/{name}"
@@ -163,12 +178,46 @@ def test_an_experiment_whose_tensorboard_lies_in_another_project_is_refused_and_
 
 
 def test_run_names_are_vertex_ids_and_keep_run_ids_apart() -> None:
-    names = [vertex_tracking.experiment_run_name(i) for i in (RUN_ID, RUN_ID.replace("+", "-"), "x" * 300, "__")]
-    assert len(set(names)) == 4
-    assert all(
-        len(n) <= 63 and n[0].isalnum() and set(n) <= set("abcdefghijklmnopqrstuvwxyz0123456789-") for n in names
-    )
+    ids = (RUN_ID, RUN_ID.replace("+", "-"), "x" * 300, "__", "_" + "a" * 60, "a" * 53 + "_b")
+    names = [vertex_tracking.experiment_run_name(i) for i in ids]
+    assert len(set(names)) == len(ids)
+    assert all(len(n) <= 63 and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", n) for n in names), names
     assert names[0].startswith("manual-2026-12-06t08-00-00-00-00-")
+    assert [n.rsplit("-", 1)[0] for n in names[3:]] == ["run", "a" * 54, "a" * 53]  # 54 characters of the id
+
+
+def test_a_run_without_training_logs_what_it_has(
+    standin: tuple[VertexStandIn, Any, str], make_ctx: Callable, gcs_bucket: str, tmp_path: Path
+) -> None:
+    """lora_sft failed, the gate did not promote: no parameters, the base's curves and scores, promoted 0."""
+    _, tracking, tensorboard = standin
+    run = f"{gcs_bucket}/arts/tiny/{RUN_ID}"
+    manifests = committed_run(run, tmp_path, promote=False)
+    del manifests["lora_sft"]
+    summary = report_step.run(report(make_ctx, manifests, run, tensorboard))
+    logged = tracking.context(f"{EXPERIMENT}-{summary['vertex_experiment_run']}")["metadata"]
+    assert "_params" not in logged or logged["_params"] == {}
+    assert logged["_metrics"]["promoted"] == 0.0 and "final_loss" not in logged["_metrics"]
+    points = tracking.scalars(f"{tensorboard}/experiments/{EXPERIMENT}/runs/{summary['vertex_experiment_run']}")
+    assert set(points) == {"eval/accuracy", "eval/format_rate"}
+
+
+def test_event_files_beyond_the_reports_limit_are_refused_naming_the_way_out(
+    make_ctx: Callable, gcs_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = f"{gcs_bucket}/arts/tiny/{RUN_ID}"
+    manifests = committed_run(run, tmp_path)
+    size = sum(m["size"] for n, m in manifests["lora_sft"].files.items() if n.startswith("tensorboard/"))
+    ctx = make_ctx("report", {}, {}, manifests)
+    monkeypatch.setattr(_tracking, "MAX_EVENT_BYTES", size)
+    assert set(_tracking.stage_curves(ctx)) >= {"train/loss", "eval/accuracy"}  # at the limit: read
+    monkeypatch.setattr(_tracking, "MAX_EVENT_BYTES", size - 1)
+    with pytest.raises(
+        LoraflowError,
+        match=rf"lora_sft's tensorboard/ holds {size} bytes, over the {size - 1} the "
+        r"report reads for Vertex AI Experiments; point TensorBoard at it instead \(docs/operations.md\)",
+    ):
+        _tracking.stage_curves(ctx)
 
 
 def test_tracking_is_off_unless_the_spec_sets_it_and_its_names_are_checked() -> None:
@@ -178,6 +227,10 @@ def test_tracking_is_off_unless_the_spec_sets_it_and_its_names_are_checked() -> 
         tensorboard="projects/acme-ml/locations/europe-west4/tensorboards/77", experiment=EXPERIMENT)})})  # fmt: skip
     settings = ReportConfig.from_spec(on).vertex_tracking
     assert settings is not None and (settings.project, settings.region) == ("acme-ml", "europe-west4")
+    by_number = VertexTrackingSpec(
+        tensorboard="projects/123456789012/locations/us-east1/tensorboards/5", experiment="e"
+    )
+    assert (by_number.project, by_number.region) == ("123456789012", "us-east1")  # as the console names it
     for bad in (
         {"tensorboard": "acme-ml/tensorboards/77", "experiment": EXPERIMENT},  # not a resource name
         {"tensorboard": "projects/acme-ml/locations/us-central1/tensorboards/77", "experiment": "Tiny_Llama"},
