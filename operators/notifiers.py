@@ -20,6 +20,7 @@ from airflow.sdk import BaseNotifier, Context
 
 from loraflow.pipeline import handoff
 from loraflow.reporting import notify as notices
+from loraflow.spec.stages import REPORT_HTML
 from loraflow.storage import artifacts, gcs
 from loraflow.storage.summaries import GateSummary, PublishSummary
 
@@ -48,7 +49,7 @@ def message_for(event: str, spec: PipelineSpec, context: Context) -> notices.Mes
         if published is None or not published.promoted:
             return None
         decision = GateSummary.from_xcom(ti.xcom_pull(task_ids="gate"))
-        report = gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id), "report", "report.html")
+        report = gcs.join(spec.artifact_root, spec.name, artifacts.safe_run_id(run_id), "report", REPORT_HTML)
         return notices.promotion(spec.name, run_id, published, decision, report)
     if event == "verdict":
         result_uri = (ti.xcom_pull(task_ids=ti.task_id) or {}).get("result")

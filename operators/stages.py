@@ -16,7 +16,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from loraflow.pipeline import handoff
 from loraflow.reporting.urls import browser_url, data_docs_uri, site_url
-from loraflow.spec.stages import BY_NAME, STAGE_TABLE, Link
+from loraflow.spec.stages import BY_NAME, REPORT_HTML, STAGE_TABLE, Link
 from loraflow.storage import artifacts, gcs
 from operators.links import ArtifactsLink, DataDocsLink, ExperimentLink, ReportLink, WorkloadLink, artifacts_url
 
@@ -296,7 +296,7 @@ class ReportOperator(LoraflowStageOperator):
         from airflow.sdk.exceptions import AirflowFailException
 
         result = super().execute(context)
-        uri = result["summary"].get("report") or gcs.join(result["manifest"].rsplit("/", 1)[0], "report.html")
+        uri = result["summary"].get("report") or gcs.join(result["manifest"].rsplit("/", 1)[0], REPORT_HTML)
         url = browser_url(uri, os.environ.get("STORAGE_EMULATOR_HOST"))
         context["ti"].xcom_push(key=ReportLink().xcom_key, value=url)
         self.log.info("run report: %s (%s)", url, uri)

@@ -43,6 +43,7 @@ from loraflow.reporting.urls import browser_url
 from loraflow.spec.cache import CACHE_ENV
 from loraflow.spec.locate import PIPELINES_ENV
 from loraflow.spec.schema import PipelineSpec, load_spec
+from loraflow.spec.stages import REPORT_HTML
 from loraflow.storage import artifacts, gcs
 
 DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
@@ -624,9 +625,9 @@ def save_report(v: dict[str, Any], folder: Path) -> Path | None:
     prefix = v["report"].rsplit("/", 1)[0]
     manifest = artifacts.read_manifest(prefix)
     scratch = folder / ".download"
-    artifacts.fetch(manifest, scratch, only=["report.html"])
+    artifacts.fetch(manifest, scratch, only=[REPORT_HTML])
     dest = folder / f"{artifacts.safe_run_id(v['run_id'])}.html"
-    (scratch / "report.html").replace(dest)
+    (scratch / REPORT_HTML).replace(dest)
     scratch.rmdir()
     return dest
 

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraflow.errors import LoraflowError
-from loraflow.reporting import notify
+from loraflow.reporting import notify, urls
+from loraflow.spec.stages import DATA_REPORT
 from loraflow.storage import artifacts, gcs
 from loraflow.storage.summaries import GateSummary, PublishSummary
 
@@ -332,7 +333,7 @@ def drop_version(handoff: HandoffSpec, version: str, files: dict[str, Path]) -> 
 
 def data_failures(run_prefix: str) -> list[str]:
     """The data contract's failed rules, from the report validate_data keeps when it rejects a dataset."""
-    uri = gcs.join(run_prefix, "validate_data", "_rejected", "data_report.json")
+    uri = gcs.join(run_prefix, "validate_data", urls.REJECTED, DATA_REPORT)
     try:
         report = artifacts.read_json_object(uri, max_bytes=REPORT_MAX_BYTES)
     except artifacts.JsonObjectError as exc:

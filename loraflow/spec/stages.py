@@ -39,6 +39,18 @@ class Upstream:
 
 
 Input = Source | Upstream
+
+# The files a stage writes that another stage, a notice, the hand-off or a user reads by name: each name is
+# written here once and read from here; each stage's row lists its own (``outputs``; a test pins that).
+DATA_REPORT = "data_report.json"  # validate_data: every expectation's finding (also under _rejected/)
+LOSS_CSV = "loss.csv"  # lora_sft: one row per logged step
+QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA: the quantized model's own answers
+METRICS_JSON = "metrics.json"  # evaluate_base / evaluate_tuned: the scores and the scoring settings
+PREDICTIONS_JSONL = "predictions.jsonl"  # evaluate_*: each example's prompt, answer, reference and scores
+PREDICTIONS_PARQUET = "predictions.parquet"  # evaluate_*: the same rows, as the gate reads them
+DECISION = "decision.json"  # gate: the verdict (storage.summaries.GateSummary) and its evidence
+REGISTRY_ENTRY = "registry_entry.json"  # publish: the version registered, or why none was
+REPORT_HTML = "report.html"  # report: the run report
 EnvironmentName = Literal["control", "trainer", "serving"]
 TriggerRule = Literal["all_success", "all_done"]
 # The operator's extra links (operators/links.py): the task's buttons in the Airflow UI.
@@ -64,6 +76,7 @@ class Stage:
     links: tuple[Link, ...] = ("workload", "artifacts")
     # What its output carries in OpenLineage (loraflow/pipeline/lineage.py): its summary, as facet loraflow_<this>.
     lineage_facet: str = "summary"
+    outputs: tuple[str, ...] = ()  # the files of its artifact read by name elsewhere (the names above)
 
     def upstream(self, spec: PipelineSpec) -> tuple[str, ...]:
         """The stages it runs after: those its inputs name, then those it lists in ``after``."""
@@ -113,6 +126,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         "ValidateDataConfig",
         links=("data_docs", "workload", "artifacts"),
         lineage_facet="data_contract",
+        outputs=(DATA_REPORT,),
     ),
     Stage(
         "convert_checkpoint",
@@ -130,6 +144,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         lambda spec: _evaluate_inputs(spec, Source(spec.base_model.hf_checkpoint)),
         "EvaluateConfig",
         lineage_facet="evaluation",
+        outputs=(METRICS_JSON, PREDICTIONS_JSONL, PREDICTIONS_PARQUET),
     ),
     Stage(
         "lora_sft",
@@ -143,6 +158,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         "LoraSftConfig",
         ui_color="#fce8e6",
         lineage_facet="training",
+        outputs=(LOSS_CSV, QUANTIZED_ANSWERS),
     ),
     Stage(
         "merge_adapter",
@@ -158,6 +174,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         lambda spec: _evaluate_inputs(spec, Upstream("merge_adapter")),
         "EvaluateConfig",
         lineage_facet="evaluation",
+        outputs=(METRICS_JSON, PREDICTIONS_JSONL, PREDICTIONS_PARQUET),
     ),
     Stage(
         "gate",
@@ -169,6 +186,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         # without any input changing: a cached decision could promote a model the champion beats.
         cacheable=False,
         lineage_facet="gate_decision",
+        outputs=(DECISION,),
     ),
     Stage(
         "publish",
@@ -181,6 +199,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         # gate does not promote, and a skipped upstream is no input.
         reported=False,
         lineage_facet="publication",
+        outputs=(REGISTRY_ENTRY,),
     ),
     Stage(
         "report",
@@ -197,6 +216,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
         # Every run gets its report: one the gate did not promote, one in which a stage failed.
         trigger_rule="all_done",
         links=("report", "experiment", "artifacts"),
+        outputs=(REPORT_HTML,),
     ),
 )
 

@@ -67,6 +67,7 @@ from loraflow.evaluation import guard
 from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation.examples import Example, eval_template, find_eval_file, load_examples, render_prompts
 from loraflow.reporting.curves import evaluation_scalars, scalar_writer, trained_steps
+from loraflow.spec.stages import METRICS_JSON, PREDICTIONS_JSONL, PREDICTIONS_PARQUET
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps import _guard
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
@@ -81,10 +82,6 @@ CPU_KV_CACHE_BYTES = 256 << 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 #: vLLM's CPU backend keeps the KV cache in blocks of this many tokens (its default for Llama's attention).
 KV_BLOCK_TOKENS = 128
-
-PREDICTIONS_JSONL = "predictions.jsonl"
-PREDICTIONS_PARQUET = "predictions.parquet"
-METRICS_JSON = "metrics.json"
 
 
 # ------------------------------------------------------------------------------------ config

@@ -50,6 +50,7 @@ from loraflow.evaluation import guard as guard_sets
 from loraflow.evaluation.gate_rule import Champion, ChampionComparison, Decision, GateError, GuardCheck
 from loraflow.evaluation.metrics import METRICS, Metric
 from loraflow.registry import store as registry
+from loraflow.spec.stages import DECISION, METRICS_JSON, PREDICTIONS_JSONL, PREDICTIONS_PARQUET
 from loraflow.spec.step_configs import GateConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
 from loraflow.storage import json_objects
@@ -111,16 +112,12 @@ def champion_figure(champion: dict[str, Any], metric: str, work: Path) -> float 
     return sum(outcomes.values()) / len(outcomes) if outcomes else None
 
 
-PREDICTIONS_PARQUET = "predictions.parquet"
-PREDICTIONS_JSONL = "predictions.jsonl"
-
-
 def load_eval(directory: Path, name: str, metric: str) -> tuple[dict[str, bool], dict[str, Any], Any]:
     """(id -> outcome, metrics.json, the predictions frame) of one evaluation: the outcome is ``metric``'s
     per-example column."""
-    metrics_path = directory / "metrics.json"
+    metrics_path = directory / METRICS_JSON
     if not metrics_path.exists():
-        raise GateError(f"{name}: metrics.json is missing from the evaluation artifact; re-run its evaluate stage")
+        raise GateError(f"{name}: {METRICS_JSON} is missing from the evaluation artifact; re-run its evaluate stage")
     metrics = json_objects.read_file_object(metrics_path, fix=f"{name}: re-run its evaluate stage")
     frame = _predictions(directory, name)
     return _outcomes(frame, name, metric), metrics, frame
@@ -134,7 +131,7 @@ def _predictions(directory: Path, name: str) -> Any:
         return pd.read_parquet(directory / PREDICTIONS_PARQUET)
     if (directory / PREDICTIONS_JSONL).exists():  # evaluate writes only JSONL where pyarrow is absent
         return pd.read_json(directory / PREDICTIONS_JSONL, lines=True, dtype={"id": str})
-    raise GateError(f"{name}: predictions.parquet is missing from the evaluation artifact; re-run its evaluate stage")
+    raise GateError(f"{name}: {PREDICTIONS_PARQUET} is missing from the evaluation artifact; re-run its evaluate stage")
 
 
 def _outcomes(frame: Any, name: str, metric: str) -> dict[str, bool]:
@@ -190,7 +187,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         "notes": notes,
         "rule": gate_rule.RULE,
     }
-    (ctx.out / "decision.json").write_text(json.dumps(evidence, indent=2, sort_keys=True))
+    (ctx.out / DECISION).write_text(json.dumps(evidence, indent=2, sort_keys=True))
     ctx.progress(("PROMOTE: " if decision.promote else "do not promote: ") + decision.reason)
     return summary(decision, compared, guard)
 

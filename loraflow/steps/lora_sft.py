@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.spec.stages import LOSS_CSV
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 from loraflow.trainer.converted import ConvertedModel, read_converted
@@ -31,7 +32,7 @@ from loraflow.trainer.curves import training_curves
 from loraflow.trainer.distributed import start_distributed
 from loraflow.trainer.export import PeftExport, adapter_meta, export_peft, lora_b_norm, write_adapter
 from loraflow.trainer.sft_run import SftRun
-from loraflow.trainer.step_log import LOSS_CSV, write_loss_csv
+from loraflow.trainer.step_log import write_loss_csv
 from loraflow.trainer.summary import SftSummary, summarize
 from loraflow.trainer.training import Trained, train
 

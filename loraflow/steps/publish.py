@@ -52,6 +52,7 @@ from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.registry import alias, audit
 from loraflow.registry import store as registry
 from loraflow.registry import vertex as vertex_registry
+from loraflow.spec.stages import DECISION, REGISTRY_ENTRY
 from loraflow.spec.step_configs import PublishConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, run_step
 from loraflow.storage import artifacts, gcs, json_objects
@@ -197,7 +198,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
         dict(ctx.config), has_model_input=ctx.input_manifests.get("model") is not None, output_uri=ctx.output_uri
     )
     decision = _read_decision(ctx)
-    verdict = GateSummary.from_object(decision, str(ctx.inputs["decision"] / "decision.json"))
+    verdict = GateSummary.from_object(decision, str(ctx.inputs["decision"] / DECISION))
     models = Registry(cfg.registry_uri, cfg.pipeline)
     if not verdict.promote:
         return _not_promoted(ctx, cfg, models, verdict)
@@ -243,14 +244,14 @@ def _read_decision(ctx: StepContext) -> dict[str, Any]:
     """The gate's decision.json from the ``decision`` input."""
     if "decision" not in ctx.inputs:
         raise LoraflowError(f"{STAGE}: input 'decision' is missing; give --input decision=gs://.../gate/_MANIFEST.json")
-    decision_path = ctx.inputs["decision"] / "decision.json"
+    decision_path = ctx.inputs["decision"] / DECISION
     if not decision_path.exists():
         raise LoraflowError(f"{STAGE}: {decision_path.name} is missing from the decision input; re-run the gate")
     return json_objects.read_file_object(decision_path, fix="re-run the gate")
 
 
 def _write_record(out: Path, record: dict[str, Any]) -> None:
-    (out / "registry_entry.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+    (out / REGISTRY_ENTRY).write_text(json.dumps(record, indent=2, sort_keys=True))
 
 
 def _not_promoted(ctx: StepContext, cfg: PublishConfig, models: Registry, verdict: GateSummary) -> dict[str, Any]:

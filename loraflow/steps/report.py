@@ -44,6 +44,16 @@ from loraflow.errors import ArtifactError, LoraflowError
 from loraflow.evaluation import merge_cost
 from loraflow.evaluation.metrics import METRICS, Scoring
 from loraflow.reporting import report, urls
+from loraflow.spec.stages import (
+    DATA_REPORT,
+    DECISION,
+    LOSS_CSV,
+    METRICS_JSON,
+    PREDICTIONS_JSONL,
+    QUANTIZED_ANSWERS,
+    REGISTRY_ENTRY,
+    REPORT_HTML,
+)
 from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps import _tracking
 from loraflow.steps._harness import StepContext, exit_process, run_step
@@ -51,13 +61,12 @@ from loraflow.storage import artifacts, gcs, json_objects
 from loraflow.storage.summaries import GateSummary
 
 STAGE = "report"
-QUANTIZED_ANSWERS = "quantized_answers.jsonl"  # lora_sft under QLoRA (loraflow/trainer/answers.py)
 WANTED = {
-    "validate_data": ["data_report.json"],
-    "evaluate_base": ["metrics.json", "predictions.jsonl"],
-    "evaluate_tuned": ["metrics.json", "predictions.jsonl"],
-    "lora_sft": ["loss.csv", QUANTIZED_ANSWERS],
-    "gate": ["decision.json"],
+    "validate_data": [DATA_REPORT],
+    "evaluate_base": [METRICS_JSON, PREDICTIONS_JSONL],
+    "evaluate_tuned": [METRICS_JSON, PREDICTIONS_JSONL],
+    "lora_sft": [LOSS_CSV, QUANTIZED_ANSWERS],
+    "gate": [DECISION],
 }
 # Per-example lists (the predictions show those) and the settings.
 _BULKY_METRICS = {"ids", "config", *(m.column for m in METRICS.values())}
@@ -107,9 +116,7 @@ def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
     rejected_report = _rejected_report(ctx, run_prefix)
     table = stage_rows(ctx, cfg, run_prefix, rejected_report)
     lora = ctx.input_manifests.get("lora_sft")
-    data_report = (
-        _read_json(local["validate_data"] / "data_report.json") if "validate_data" in local else rejected_report
-    )
+    data_report = _read_json(local["validate_data"] / DATA_REPORT) if "validate_data" in local else rejected_report
     docs = _data_docs(ctx, run_prefix, data_report)
     return {
         "pipeline": cfg.pipeline,
@@ -117,7 +124,7 @@ def collect(ctx: StepContext, cfg: ReportConfig) -> dict[str, Any]:
         "run_prefix": run_prefix,
         "generated_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "stages": table,
-        "loss": _read_loss(local["lora_sft"] / "loss.csv") if "lora_sft" in local else [],
+        "loss": _read_loss(local["lora_sft"] / LOSS_CSV) if "lora_sft" in local else [],
         "training_summary": lora.summary if lora is not None else {},
         "base_metrics": _eval_metrics(local, "evaluate_base"),
         "tuned_metrics": _eval_metrics(local, "evaluate_tuned"),
@@ -151,7 +158,7 @@ def _rejected_report(ctx: StepContext, run_prefix: str) -> dict[str, Any] | None
     """validate_data's evidence when it rejected the dataset (no committed output, a data report beside it)."""
     if "validate_data" in ctx.input_manifests:
         return None
-    return artifacts.read_json(gcs.join(run_prefix, "validate_data", urls.REJECTED, "data_report.json"))
+    return artifacts.read_json(gcs.join(run_prefix, "validate_data", urls.REJECTED, DATA_REPORT))
 
 
 def stage_rows(
@@ -185,11 +192,11 @@ def stage_rows(
 
 
 def _eval_metrics(local: dict[str, Path], stage: str) -> dict[str, Any]:
-    return _small(_read_json(local[stage] / "metrics.json")) if stage in local else {}
+    return _small(_read_json(local[stage] / METRICS_JSON)) if stage in local else {}
 
 
 def _predictions(local: dict[str, Path], stage: str) -> list[dict[str, Any]]:
-    return _read_jsonl(local[stage] / "predictions.jsonl") if stage in local else []
+    return _read_jsonl(local[stage] / PREDICTIONS_JSONL) if stage in local else []
 
 
 def _merge_cost(local: dict[str, Path]) -> dict[str, Any] | None:
@@ -197,7 +204,7 @@ def _merge_cost(local: dict[str, Path]) -> dict[str, Any] | None:
     if "lora_sft" not in local or "evaluate_tuned" not in local:
         return None
     answers = _read_jsonl(local["lora_sft"] / QUANTIZED_ANSWERS)
-    metrics = _read_json(local["evaluate_tuned"] / "metrics.json") or {}
+    metrics = _read_json(local["evaluate_tuned"] / METRICS_JSON) or {}
     if not answers or "config" not in metrics:
         return None
     settings = Scoring.recorded(metrics["config"], "evaluate_tuned's metrics.json")
@@ -207,7 +214,7 @@ def _merge_cost(local: dict[str, Path]) -> dict[str, Any] | None:
 def _decision(local: dict[str, Path]) -> dict[str, Any] | None:
     """The gate's decision.json without the evaluations' metrics (the report shows those itself); one
     that is not a gate summary loraflow wrote is refused (``SummaryError``), as publish refuses it."""
-    path = local["gate"] / "decision.json" if "gate" in local else None
+    path = local["gate"] / DECISION if "gate" in local else None
     decision = _read_json(path) if path else None
     if not decision:
         return decision
@@ -237,8 +244,8 @@ def _publish_entry(ctx: StepContext, run_prefix: str) -> dict[str, Any] | None:
     published = _publish_manifest(run_prefix)
     if published is None:
         return None
-    artifacts.fetch(published, ctx.work / "publish", only=["registry_entry.json"])
-    result: dict[str, Any] | None = _read_json(ctx.work / "publish" / "registry_entry.json")
+    artifacts.fetch(published, ctx.work / "publish", only=[REGISTRY_ENTRY])
+    result: dict[str, Any] | None = _read_json(ctx.work / "publish" / REGISTRY_ENTRY)
     return result
 
 
@@ -279,12 +286,12 @@ def _publish_manifest(run_prefix: str) -> artifacts.Manifest | None:
 def run(ctx: StepContext) -> dict[str, Any]:
     cfg = parse(ReportConfig, ctx.config)
     data = collect(ctx, cfg)
-    (ctx.out / "report.html").write_text(report.render(data), encoding="utf-8")
+    (ctx.out / REPORT_HTML).write_text(report.render(data), encoding="utf-8")
     (ctx.out / "loss.svg").write_text(report.loss_svg(data["loss"]), encoding="utf-8")
     # tracking.vertex: the run in Vertex AI Experiments (an error fails the task; its retry resumes the run)
     logged = _tracking.log_run(ctx, cfg.vertex_tracking, data) if cfg.vertex_tracking is not None else {}
     hits = [s["stage"] for s in data["stages"] if s["status"] == "reused"]
-    ctx.progress(f"report.html written ({len(data['stages'])} stages, {len(hits)} cache hit(s))")
+    ctx.progress(f"{REPORT_HTML} written ({len(data['stages'])} stages, {len(hits)} cache hit(s))")
     failed = data["failure"]
     if failed:
         ctx.progress(f"the run failed at {failed['stage']}: {failed['reason']}")
@@ -295,7 +302,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
             + ", ".join(f"{r['metric']} {r['quantized']:.3f} -> {r['merged']:.3f}" for r in cost["metrics"])
         )
     return {
-        "report": gcs.join(ctx.output_uri, "report.html"),
+        "report": gcs.join(ctx.output_uri, REPORT_HTML),
         "promote": data["decision"]["promote"] if data["decision"] else None,  # checked by _decision
         "cache_hits": hits,
         "failed_stage": failed["stage"] if failed else None,

@@ -59,6 +59,7 @@ from loraflow.data import chat_template
 from loraflow.data import dataset as ds
 from loraflow.errors import DataValidationError, LoraflowError
 from loraflow.spec import expectations as contract
+from loraflow.spec.stages import DATA_REPORT
 from loraflow.spec.step_configs import ValidateDataConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 
@@ -627,7 +628,7 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
 
 def _write_report(out: Path, report: dict[str, Any]) -> None:
-    (out / "data_report.json").write_text(json.dumps(_jsonable(report), indent=2, sort_keys=True, ensure_ascii=False))
+    (out / DATA_REPORT).write_text(json.dumps(_jsonable(report), indent=2, sort_keys=True, ensure_ascii=False))
 
 
 def _load_splits(ctx: StepContext, report: dict[str, Any]) -> dict[str, ds.Dataset]:

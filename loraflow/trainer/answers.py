@@ -25,9 +25,8 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.evaluation.examples import EVAL_FILE, eval_template, load_examples, render_prompts
+from loraflow.spec.stages import QUANTIZED_ANSWERS
 from loraflow.spec.step_configs import LoraSftConfig
-
-ANSWERS_JSONL = "quantized_answers.jsonl"
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,9 @@ class Answers:
 
     def write(self, out_dir: Path) -> None:
         """``quantized_answers.jsonl``: a ``{"id", "output"}`` line an answer."""
-        (out_dir / ANSWERS_JSONL).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self.rows()))
+        (out_dir / QUANTIZED_ANSWERS).write_text(
+            "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self.rows())
+        )
 
 
 def wanted(cfg: LoraSftConfig) -> bool:

@@ -15,8 +15,6 @@ from typing import NamedTuple
 from loraflow.storage import faults
 from loraflow.trainer.sft_run import Progress
 
-LOSS_CSV = "loss.csv"
-
 
 class StepRow(NamedTuple):
     step: int
