@@ -272,6 +272,8 @@ TARGETS: dict[str, Target] = {
             "loraflow.steps.gate.x__suite_entry__mutmut_*",
         ],
     ),
+    # The gate's and publish's summaries as everything after the gate reads them (issue 38 item 3).
+    "summaries": Target("control", ["loraflow/storage/summaries.py"], ["tests/control/test_summaries.py"]),
     # tracking.vertex: what the report logs to Vertex AI Experiments (against the Vertex stand-in).
     "tracking": Target(
         "control",

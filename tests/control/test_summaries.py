@@ -70,10 +70,17 @@ def test_a_field_of_the_wrong_kind_is_one_error_naming_the_object_the_field_and_
 
 
 def test_a_missing_promote_and_a_non_object_are_refused() -> None:
-    with pytest.raises(SummaryError, match=r"^gate is not a gate summary loraflow wrote \(it has no 'promote'\)"):
+    with pytest.raises(SummaryError) as err:
         GateSummary.from_object({"reason": "x"}, "gate")
-    with pytest.raises(SummaryError, match=r"it holds a list, not a JSON object"):
+    assert str(err.value) == f"gate is not a gate summary loraflow wrote (it has no 'promote'); {RERUN_GATE}"
+    with pytest.raises(SummaryError) as err:
         GateSummary.from_object([True], "gate")
+    assert (
+        str(err.value)
+        == f"gate is not a gate summary loraflow wrote (it holds a list, not a JSON object); {RERUN_GATE}"
+    )
+    # no reason recorded reads as none, so the verdicts say their own ("the tuned model was not better")
+    assert GateSummary.from_object({"promote": False}, "gate").reason == ""
 
 
 def test_a_long_value_is_shortened_in_the_error() -> None:
@@ -90,8 +97,9 @@ def test_the_decision_file_is_read_bounded_and_checked(tmp_path: Path) -> None:
     with pytest.raises(SummaryError, match=f"{path} is not a gate summary"):
         GateSummary.read(path)
     path.write_text("[" * 100 + "]" * 100)
-    with pytest.raises(JsonObjectError, match=f"{path} is not JSON loraflow reads .nested deeper"):
+    with pytest.raises(JsonObjectError, match=f"{path} is not JSON loraflow reads .nested deeper") as err:
         GateSummary.read(path)
+    assert str(err.value).endswith(RERUN_GATE)  # the fix: the gate writes it
 
 
 def test_an_xcom_without_a_summary_is_no_decision_and_a_bad_one_is_refused() -> None:
@@ -100,6 +108,9 @@ def test_an_xcom_without_a_summary_is_no_decision_and_a_bad_one_is_refused() -> 
     with pytest.raises(SummaryError, match=r"^the gate task's summary \(XCom\) is not a gate summary"):
         GateSummary.from_xcom({"summary": {"promote": "no"}})
     assert PublishSummary.from_xcom("not a dict") is None
+    with pytest.raises(SummaryError) as err:
+        PublishSummary.from_xcom({"summary": {"promoted": "yes"}})
+    assert str(err.value).startswith("the publish task's summary (XCom) is not a publish summary loraflow wrote")
     assert PublishSummary.from_xcom({"summary": {"promoted": True, "version": 4}}) == PublishSummary(True, 4)
 
 
