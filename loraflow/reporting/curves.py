@@ -62,12 +62,17 @@ def trained_steps(model_manifest: Any) -> int:
     return int(model_manifest.summary.get("adapter_steps") or 0)
 
 
-def evaluation_scalars(rates: Mapping[str, float], guard: Mapping[str, Any] | None) -> dict[str, float]:
-    """An evaluation's scalars: ``eval/<metric>`` for each scored metric and, with a guard set (metrics.json's
-    ``guard``, which names the set), ``guard/accuracy``."""
+def evaluation_scalars(
+    rates: Mapping[str, float], guard: Mapping[str, Any] | None, suites: Mapping[str, Any] | None = None
+) -> dict[str, float]:
+    """An evaluation's scalars: ``eval/<metric>`` for each scored metric, with a guard set (metrics.json's
+    ``guard``, which names the set) ``guard/accuracy``, and ``suite/<name>`` for each standard benchmark
+    (metrics.json's ``suites``: its figure)."""
     scalars = {f"eval/{name}": float(value) for name, value in rates.items()}
     if guard is not None:
         scalars["guard/accuracy"] = float(guard["accuracy"])
+    for name, entry in (suites or {}).items():
+        scalars[f"suite/{name}"] = float(entry["value"])
     return scalars
 
 

@@ -44,7 +44,9 @@ Output
     accuracy and per-question lists: :mod:`loraflow.steps._guard` scores it in the same engine).
     ``guard_predictions.jsonl``: with a guard set, one row per question with the options' scores,
     the choice and whether it is right.
-    ``tensorboard/``: the scores as TensorBoard scalars (``eval/<metric>``, ``guard/accuracy``) at
+    ``suite_samples_<name>.jsonl``: with ``evaluation.suites``, lm-eval's per-document records of each
+    standard benchmark, whose figure is metrics.json's ``suites`` (:mod:`loraflow.steps._suites`).
+    ``tensorboard/``: the scores as TensorBoard scalars (``eval/<metric>``, ``guard/accuracy``, ``suite/<name>``) at
     the evaluated model's training step (0: the base model; :mod:`loraflow.reporting.curves`).
 """
 
@@ -338,7 +340,7 @@ def _evaluate(
         written.extend(_suites.SAMPLES_FILE.format(name=name) for name in report["suites"])
     report["files"] = [*written, METRICS_JSON]
     (ctx.out / METRICS_JSON).write_text(json.dumps(report, indent=1) + "\n")
-    _write_curves(ctx, rates, report.get("guard"))
+    _write_curves(ctx, rates, report.get("guard"), report.get("suites"))
     ctx.progress(
         ", ".join(f"{name} {value:.4f}" for name, value in rates.items())
         + f" over n={metrics['n']}; {gen.total_tokens} tokens at {gen.tokens_per_s:.0f} tok/s"
@@ -353,11 +355,13 @@ def _evaluate(
     }
 
 
-def _write_curves(ctx: StepContext, rates: dict[str, float], guard_summary: dict[str, Any] | None) -> None:
+def _write_curves(
+    ctx: StepContext, rates: dict[str, float], guard_summary: dict[str, Any] | None, suites: dict[str, Any] | None
+) -> None:
     """tensorboard/: the scores at the evaluated model's training step (0: the base model), beside lora_sft's curves."""
     step = trained_steps(ctx.input_manifests.get("model"))
     with scalar_writer(ctx.out) as writer:
-        writer.add(evaluation_scalars(rates, guard_summary), step)
+        writer.add(evaluation_scalars(rates, guard_summary, suites), step)
 
 
 def _load_suites(cfg: EvaluateConfig, inputs: dict[str, Path]) -> list[Any]:

@@ -753,6 +753,7 @@ def test_a_suite_scores_as_lm_evals_own_vllm_backend_scores_it(
     ours, task, metric = metrics["suites"][suite["name"]], suite["task"], suite["metric"]
     assert ours["value"] == pytest.approx(lm_eval_reference["results"][task][metric])
     assert summary[f"suite_{suite['name']}"] == ours["value"]
+    assert _curves(out)[f"suite/{suite['name']}"] == {0: ours["value"]}  # TensorBoard, beside eval/<metric>
     their_samples = lm_eval_reference["samples"][task]
     assert ours["n"] == len(their_samples) == 12
     name = metric.split(",")[0]

@@ -53,6 +53,11 @@ def test_an_evaluation_scores_at_its_models_training_step() -> None:
         "eval/accuracy": 0.5,
         "guard/accuracy": 0.25,
     }
+    gsm8k = {"task": "gsm8k", "metric": "exact_match,strict-match", "value": 0.375, "ids": ["0"], "values": [1.0]}
+    assert evaluation_scalars({"accuracy": 0.5}, None, {"gsm8k": gsm8k}) == {
+        "eval/accuracy": 0.5,
+        "suite/gsm8k": 0.375,
+    }
 
 
 def test_the_tensorboard_command_reads_gcs_or_the_emulator_and_binds_loopback() -> None:
