@@ -85,9 +85,15 @@ def task_config(path: Path, task: str) -> dict[str, Any]:
     """The task YAML at ``path`` (staged beside its data), read bounded and checked, its data files made
     absolute paths inside its folder: the dict lm-eval is handed instead of the file."""
     where = f"suite task {path.name}"
-    if path.stat().st_size > MAX_TASK_BYTES:
+    with path.open("rb") as f:
+        data = f.read(MAX_TASK_BYTES + 1)  # no more than one byte past the bound is read
+    if len(data) > MAX_TASK_BYTES:
         raise SuiteError(f"{where} is larger than {MAX_TASK_BYTES >> 10} KiB; a task YAML is a few KB")
-    config = _parse_yaml(path.read_text(encoding="utf-8", errors="strict"), where)
+    try:
+        text = data.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise SuiteError(f"{where} is not UTF-8 text (byte {exc.start})") from None
+    config = _parse_yaml(text, where)
     _check_depth(config, where, 0)
     if config.get("task") != task:
         raise SuiteError(f"{where} defines task {config.get('task')!r}, not {task!r}: name the file after its task")

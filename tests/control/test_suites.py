@@ -69,7 +69,7 @@ def test_the_spec_refuses_bad_suites_naming_each_problem_and_the_fix() -> None:
         validate_spec(_spec(bad), "s.yaml")
     message = str(err.value)
     assert "evaluation.suites.0.name: 'GSM' is not a suite name" in message
-    assert "write METRIC,FILTER as lm-eval reports it" in message
+    assert "write METRIC,FILTER as lm-eval reports it (exact_match,strict-match; acc,none)" in message
     assert "'gsm8k; rm' is not an lm-eval task name" in message
     assert "evaluation.suites.1.source" in message and "write gs://BUCKET/PATH" in message
     assert "evaluation.suites.2.limit" in message
@@ -128,20 +128,42 @@ def test_a_staged_task_is_handed_over_with_its_data_files_inside_its_folder(tmp_
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (GOOD + "process_docs: !function utils.process\n", "uses a YAML tag .*'!function' imports Python"),
+        (
+            GOOD + "process_docs: !function utils.process\n",
+            r"^suite task t\.yaml uses a YAML tag \(could not determine a constructor for the tag '!function'\); "
+            r"'!function' imports Python and loraflow runs no code from a spec: write the step as a Jinja template or "
+            r"a filter in the YAML$",
+        ),
         (GOOD + "include: ../../lm_eval/tasks/gsm8k/gsm8k.yaml\n", "'include' is refused"),
         (GOOD + "unsafe_code: true\n", "'unsafe_code' is refused"),
-        (GOOD.replace("dataset_path: json", "dataset_path: openai/gsm8k"), "dataset_path must be one of json"),
+        (
+            GOOD.replace("dataset_path: json", "dataset_path: openai/gsm8k"),
+            r"^suite task t\.yaml: dataset_path must be one of json, csv, parquet \(files staged beside the YAML; "
+            r"nothing is downloaded at run time\), not 'openai/gsm8k'$",
+        ),
         (GOOD.replace("test: docs.jsonl", "test: ../docs.jsonl"), "must be a path relative to the task's folder"),
         (GOOD.replace("test: docs.jsonl", "test: /etc/passwd"), "must be a path relative to the task's folder"),
-        (GOOD.replace("test: docs.jsonl", "test: other.jsonl"), "'other.jsonl' is not staged beside the task YAML"),
-        (GOOD.replace("output_type: generate_until", "output_type: loglikelihood_rolling"), "is not scored by"),
+        (
+            GOOD.replace("test: docs.jsonl", "test: other.jsonl"),
+            r"^suite task t\.yaml: data file 'other\.jsonl' is not staged beside the task YAML$",
+        ),
+        (GOOD.replace("dataset_kwargs:\n  data_files:\n    test: docs.jsonl\n", ""), "data_files: .*only .got None"),
+        (
+            GOOD.replace("output_type: generate_until", "output_type: loglikelihood_rolling"),
+            r"^suite task t\.yaml: output_type 'loglikelihood_rolling' is not scored by loraflow; use one of: "
+            r"generate_until, multiple_choice, loglikelihood$",
+        ),
+        (GOOD.replace("test: docs.jsonl", "test: sub\\docs.jsonl"), "must be a path relative to the task's folder"),
+        (GOOD.replace("test: docs.jsonl", "test: 3"), "data file 3 must be a path relative"),
+        (GOOD.replace("    test: docs.jsonl", "    test: [docs.jsonl, other.jsonl]"), "'other.jsonl' is not staged"),
+        (GOOD.replace("  data_files:\n    test: docs.jsonl", "  data_files: docs.jsonl"), "data_files: .*only"),
+        (GOOD.replace("dataset_kwargs:\n  data_files:\n    test: docs.jsonl", "dataset_kwargs: [1]"), "only"),
         (GOOD.replace("task: t", "task: u"), "defines task 'u', not 't'"),
         (GOOD + "dataset_name: main\n", "dataset_path must be one of"),
         (GOOD.replace("  data_files:", "  trust_remote_code: true\n  data_files:"), "data_files: .*only"),
         ("[1, 2]", "is not a task"),
-        ("task: [", "is not valid YAML"),
-        (GOOD + "x: " + "[" * 40 + "]" * 40 + "\n", "nests deeper than 16 levels"),
+        ("task: [", r"^suite task t\.yaml is not valid YAML: while parsing a flow node$"),
+        (GOOD + "x: " + "[" * 17 + "]" * 17 + "\n", "^suite task t\\.yaml nests deeper than 16 levels$"),
     ],
 )
 def test_a_staged_task_that_would_run_code_or_read_elsewhere_is_refused(
@@ -155,6 +177,19 @@ def test_a_huge_task_file_is_refused_unread(tmp_path: Path) -> None:
     path = _task(tmp_path, GOOD + "#" * suites.MAX_TASK_BYTES)
     with pytest.raises(SuiteError, match="larger than 256 KiB"):
         suites.task_config(path, "t")
+    path.write_text(GOOD + "#" * (suites.MAX_TASK_BYTES - len(GOOD) - 1) + "\n")  # exactly the bound: read
+    assert suites.task_config(path, "t")["task"] == "t"
+
+
+def test_a_task_at_the_limits_is_read_and_one_that_is_not_text_is_refused(tmp_path: Path) -> None:
+    deep = _task(tmp_path / "a", GOOD + "x: " + "[" * 16 + "]" * 16 + "\n")  # 16 levels below the task
+    assert suites.task_config(deep, "t")["x"] == [[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]
+    two = _task(tmp_path / "b", GOOD.replace("    test: docs.jsonl", "    test: [docs.jsonl, docs.jsonl]"))
+    assert suites.task_config(two, "t")["dataset_kwargs"]["data_files"]["test"] == [str(two.parent / "docs.jsonl")] * 2
+    binary = _task(tmp_path / "c", "")
+    binary.write_bytes(GOOD.encode() + b"doc_to_choice: \xff\n")
+    with pytest.raises(SuiteError, match=r"^suite task t\.yaml is not UTF-8 text \(byte 182\)$"):
+        suites.task_config(binary, "t")
 
 
 # ------------------------------------------------------------------------------------ request translation
@@ -170,17 +205,23 @@ def test_generation_settings_become_stop_strings_and_a_budget() -> None:
         {"until": ["<|end|>"], "do_sample": False, "temperature": 0.0}, "<|end|>", 8
     ).stop == ["<|end|>"]
     assert suites.generation_request({}, "", 8) == suites.GenerationRequest([], 8)
+    assert suites.generation_request({"max_gen_toks": 1}, "", 8).max_tokens == 1  # one token is a budget
 
 
 @pytest.mark.parametrize(
     ("gen_kwargs", "message"),
     [
-        ({"do_sample": True}, "scored greedily"),
+        ({"do_sample": True}, "^a suite is scored greedily, as the eval set: set do_sample: false and temperature: 0$"),
         ({"temperature": 0.7}, "scored greedily"),
-        ({"top_p": 0.9}, r"\['top_p'\] are not supported"),
+        (
+            {"top_p": 0.9},
+            r"^generation_kwargs \['top_p'\] are not supported; a suite may set until, max_gen_toks, do_sample, "
+            r"temperature$",
+        ),
         ({"until": [""]}, "until must be strings"),
         ({"until": [3]}, "until must be strings"),
         ({"max_gen_toks": -2}, "at least 1"),
+        ({"max_gen_toks": 0.5}, "at least 1"),
     ],
 )
 def test_generation_settings_loraflow_does_not_score_are_refused(gen_kwargs: dict[str, Any], message: str) -> None:
@@ -192,6 +233,8 @@ def test_a_generation_is_cut_at_its_first_stop_string() -> None:
     assert suites.cut_at_stops("42\nQuestion: next", ["Question:", "\n"]) == "42"
     assert suites.cut_at_stops("42 Question:", ["Question:"]) == "42 "
     assert suites.cut_at_stops("42", ["Question:"]) == "42"
+    assert suites.cut_at_stops("42 Question: 7 Question: 8", ["Question:"]) == "42 "  # the first, not the last
+    assert suites.cut_at_stops("Question: 7", ["Question:"]) == ""  # a stop at the start leaves nothing
 
 
 def test_a_continuation_scores_its_own_tokens_after_the_context() -> None:
@@ -200,6 +243,7 @@ def test_a_continuation_scores_its_own_tokens_after_the_context() -> None:
     assert suites.continuation_score(logprobs, tokens, 2) == (-3.25, False)  # 9 was not the likeliest
     assert suites.continuation_score(logprobs, tokens, 3) == (-3.0, False)
     assert suites.continuation_score(logprobs[:3], tokens[:3], 1) == (-0.75, True)
+    assert suites.continuation_score(logprobs, tokens, 4) == (0.0, True)  # an empty continuation
     with pytest.raises(SuiteError, match="3 prompt log-probabilities for 4 tokens"):
         suites.continuation_score(logprobs[:3], tokens, 2)
     with pytest.raises(SuiteError, match="continuation from 0"):
@@ -219,11 +263,20 @@ def test_a_suite_result_is_its_metric_and_each_documents_value_in_document_order
     samples[10]["exact_match"] = 1.0
     samples[2]["exact_match"] = 1.0
     entry = suites.suite_result("gsm8k", "exact_match,strict-match", results, samples)
+    assert entry["task"] == "gsm8k" and entry["metric"] == "exact_match,strict-match"
     assert entry["value"] == 0.25 and entry["stderr"] == 0.1 and entry["n"] == 12
     assert entry["ids"] == [str(i) for i in range(12)]  # 2 before 10
     assert entry["values"] == [0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0]
-    with pytest.raises(SuiteError, match="reports no 'acc,none'; it reports: exact_match,strict-match"):
-        suites.suite_result("gsm8k", "acc,none", results, samples)
+    with pytest.raises(SuiteError, match=r"reports no 'acc,none'; it reports: exact_match,strict-match$"):
+        suites.suite_result("gsm8k", "acc,none", results | {"gsm8k": results["gsm8k"] | {"alias": "gsm8k"}}, samples)
+    two = {"gsm8k": results["gsm8k"] | {"exact_match,flexible-extract": 0.5}}
+    with pytest.raises(SuiteError, match=r"it reports: exact_match,flexible-extract, exact_match,strict-match$"):
+        suites.suite_result("gsm8k", "acc,none", two, samples)
+    with pytest.raises(SuiteError, match=r"reports no 'acc,none'; it reports: nothing$"):
+        suites.suite_result("gsm8k", "acc,none", {}, samples)
+    for stderr in ("N/A", float("nan")):  # lm-eval without bootstrap iterations; a single document
+        unknown = {"gsm8k": results["gsm8k"] | {"exact_match_stderr,strict-match": stderr}}
+        assert suites.suite_result("gsm8k", "exact_match,strict-match", unknown, samples)["stderr"] is None
 
 
 def _entry(values: list[int], task: str = "gsm8k") -> dict[str, Any]:
@@ -249,15 +302,47 @@ def test_a_suite_guard_is_the_paired_guard_over_its_documents() -> None:
     assert "more than the allowed 0.050" in check.reason
     assert _suite_guard(base, dropped, 0.1).passed
     assert _suite_guard(base, base, 0.0).passed
+    # the gate's bootstrap settings, its seed included: the same interval as the guard on a set of those answers
+    as_set = gate_rule.guard_check(
+        {str(i): v == 1 for i, v in enumerate(base["values"])},
+        {str(i): v == 1 for i, v in enumerate(dropped["values"])},
+        max_drop=0.05, rule="estimate", guard_set="x", confidence=GATE.confidence,
+        bootstrap_samples=GATE.bootstrap_samples, seed=GATE.seed,
+    )  # fmt: skip
+    assert check.ci == as_set.ci
+    # on 200 documents, 30 fixed and 36 broken, resampling with another seed moves the interval's ends
+    mixed_base = _entry([1] * 36 + [0] * 30 + [1] * 70 + [0] * 64)
+    mixed_tuned = _entry([0] * 36 + [1] * 30 + [1] * 70 + [0] * 64)
+    seeded = [
+        gate_rule.guard_check(
+            suites.outcomes(mixed_base, "b"), suites.outcomes(mixed_tuned, "t"), max_drop=0.05, rule="estimate",
+            guard_set="x", confidence=GATE.confidence, bootstrap_samples=GATE.bootstrap_samples, seed=seed,
+        ).ci
+        for seed in (GATE.seed, GATE.seed + 1)
+    ]  # fmt: skip
+    assert seeded[0] != seeded[1] and _suite_guard(mixed_base, mixed_tuned, 0.05).ci == seeded[0]
 
 
 def test_a_suite_guard_refuses_what_cannot_be_paired() -> None:
-    with pytest.raises(GateError, match="scored suite gsm8k differently"):
+    with pytest.raises(
+        GateError,
+        match=r"^the evaluations scored suite gsm8k differently \(base gsm8k exact_match,strict-match, tuned "
+        r"gsm8k_cot exact_match,strict-match\); re-run both evaluations with this spec$",
+    ):
         _suite_guard(_entry([1, 0]), _entry([1, 0], task="gsm8k_cot"), 0.05)
-    with pytest.raises(SuiteError, match="not right/wrong per document"):
+    flexible = _entry([1, 0]) | {"metric": "exact_match,flexible-extract"}
+    with pytest.raises(GateError, match=r"\(base gsm8k exact_match,strict-match, tuned gsm8k exact_match,flexible"):
+        _suite_guard(_entry([1, 0]), flexible, 0.05)
+    with pytest.raises(
+        SuiteError,
+        match=r"^base_eval suite gsm8k: metric exact_match,strict-match is not right/wrong per document \(values "
+        r"other than 0 and 1\); a guard needs such a metric \(exact_match, acc\)$",
+    ):
         _suite_guard(_entry([1, 0.5]), _entry([1, 0]), 0.05)
-    with pytest.raises(SuiteError, match="missing or of different lengths"):
-        _suite_guard(_entry([1, 0]) | {"values": [1]}, _entry([1, 0]), 0.05)
+    with pytest.raises(SuiteError, match=r"^tuned_eval suite gsm8k: the suite's ids and values are missing or of"):
+        _suite_guard(_entry([1, 0]), _entry([1, 0]) | {"values": [1]}, 0.05)
+    with pytest.raises(SuiteError, match="ids and values are missing"):
+        _suite_guard({k: v for k, v in _entry([1, 0]).items() if k != "ids"}, _entry([1, 0]), 0.05)
     with pytest.raises(GateError, match="cover different examples"):
         _suite_guard(_entry([1, 0]), _entry([1, 0, 1]), 0.05)
 
@@ -306,5 +391,9 @@ def test_the_gate_step_refuses_a_model_that_lost_ground_on_a_guarding_suite(tmp_
     inputs["tuned_eval"] = _evaluation(tmp_path / "t2", "1" * 95 + "0" * 5, {"gsm8k": _entry([1] * 58 + [0] * 42)})
     assert gate.run(make_ctx("gate", inputs, config))["promote"] is True
     inputs["tuned_eval"] = _evaluation(tmp_path / "t3", "1" * 95 + "0" * 5, {})
-    with pytest.raises(GateError, match="tuned_eval: the evaluation scored no suite 'gsm8k'"):
+    with pytest.raises(
+        GateError,
+        match=r"^tuned_eval: the evaluation scored no suite 'gsm8k', but gate.guard.suite asks for it; re-run its "
+        r"evaluate stage with this spec \(evaluation.suites is part of its cache key\)$",
+    ):
         gate.run(make_ctx("gate", inputs, config))
