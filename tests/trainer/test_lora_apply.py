@@ -3,7 +3,6 @@ value for value, without a second copy of the frozen weights; and lora_sft build
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,34 +16,17 @@ import pytest
 
 pytest.importorskip("maxtext")
 
-from loraflow.dev import tinymodel
 from loraflow.steps._harness import StepContext
 
-PARITY = Path(__file__).resolve().parents[2] / "pipelines" / "data" / "parity"
 TRAINING = {"rank": 8, "alpha": 16.0, "seed": 0, "batch_size": 8, "max_length": 64, "learning_rate": 3e-3}
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from loraflow.steps import convert_checkpoint
-
-    root = tmp_path_factory.mktemp("lora-apply")
-    hf = tinymodel.create(root / "hf", [PARITY / "train.jsonl"])
-    data = root / "data"
-    data.mkdir()
-    with (PARITY / "train.jsonl").open() as f, (data / "train.jsonl").open("w") as g:
-        for line in f:
-            row = json.loads(line)
-            messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
-            g.write(json.dumps({"messages": messages}) + "\n")
-    config = {
-        "model_name": tinymodel.MAXTEXT_MODEL,
-        "model_overrides": tinymodel.MAXTEXT_OVERRIDES,
-        "scan_layers": True,
-    }
-    ctx = _context(root / "convert", "convert_checkpoint", {"hf_checkpoint": hf}, config)
-    convert_checkpoint.run(ctx)
-    return {"root": root, "checkpoint": ctx.out, "dataset": data, "tokenizer": hf}
+def converted(base: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The converted tiny Llama (the trainer modules' shared ``base``); this module's runs write under a
+    folder of its own."""
+    inputs = {"checkpoint": base["ckpt"], "dataset": base["dataset"], "tokenizer": base["hf"]}
+    return {"root": tmp_path_factory.mktemp("lora-apply"), **inputs}
 
 
 def _context(folder: Path, stage: str, inputs: dict[str, Path], config: dict[str, Any]) -> StepContext:

@@ -37,7 +37,7 @@ import pytest
 
 pytest.importorskip("maxtext")
 
-from test_trainer_steps import OVERRIDES, base  # noqa: F401  (the converted tiny model, a module fixture)
+from test_trainer_steps import OVERRIDES
 
 from loraflow.dev.local_gcs import free_port
 from loraflow.launchers.local import step_environment
@@ -63,7 +63,7 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def sources(base, gcs_emulator):  # noqa: F811
+def sources(base, gcs_emulator):
     root = f"gs://{gcs_emulator.bucket}/multihost"
     ckpt = f"{root}/src/convert_checkpoint"
     files = artifacts.upload_tree(base["ckpt"], ckpt)

@@ -78,11 +78,6 @@ def _tiny_base(root: Path, family: str = "llama") -> dict:
     return {"root": root, "hf": hf, "dataset": ds, "ckpt": ctx.out, "convert_summary": summary}
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return _tiny_base(tmp_path_factory.mktemp("trainer"))
-
-
 def test_convert_writes_a_scanned_orbax_checkpoint(base):
     import orbax.checkpoint as ocp
 
