@@ -114,7 +114,14 @@ E2E := $(wildcard tests/e2e/test_*.py)
 test-e2e: envs $(CHROMIUM) $(REDIS_SERVER)
 	LORAFLOW_CHROMIUM=$(CHROMIUM) $(CONTROL) -m pytest $(E2E) -q -s --durations=15 $(PYTEST_ARGS)
 
-test: lint typecheck test-control test-trainer test-serving test-e2e  ## set up and run every check and test (what CI runs)
+# make test runs its checks in two lanes side by side (loraflow/dev/lanes.py): the end-to-end tier in one,
+# lint, types and the other tiers one after another in the other; each tier mostly keeps one of 2 cores busy
+# (walls in docs/architecture.md). The first lane streams; the other's output is printed whole per target.
+# One lane runs everything one after another: make test TEST_LANES="'lint typecheck test-control ... test-e2e'"
+TEST_LANES ?= test-e2e "lint typecheck test-control test-serving test-trainer"
+
+test: envs $(CHROMIUM) $(REDIS_SERVER)  ## set up and run every check and test (what CI runs)
+	$(CONTROL) -m loraflow.dev.lanes --make "$(MAKE)" $(TEST_LANES)
 
 clean:  ## remove the demo's state (Airflow DB, emulator data); keeps the environments
 	rm -rf .demo

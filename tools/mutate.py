@@ -185,6 +185,8 @@ TARGETS: dict[str, Target] = {
         ["tests/control/test_launch_and_runner.py"],
         deselect=RUNNER_SLOW,
     ),
+    # make test's lanes: real make on small Makefiles (seconds a mutant).
+    "lanes": Target("control", ["loraflow/dev/lanes.py"], ["tests/control/test_lanes.py"], default=False),
     "stages": Target(
         "control",
         ["operators/stages.py"],
