@@ -117,11 +117,12 @@ test-e2e: envs $(CHROMIUM) $(REDIS_SERVER)
 # make test runs its checks in two lanes side by side (loraflow/dev/lanes.py): the end-to-end tier in one,
 # lint, types and the other tiers one after another in the other; each tier mostly keeps one of 2 cores busy
 # (walls in docs/architecture.md). The first lane streams; the other's output is printed whole per target.
-# One lane runs everything one after another: make test TEST_LANES="'lint typecheck test-control ... test-e2e'"
-TEST_LANES ?= test-e2e "lint typecheck test-control test-serving test-trainer"
+# make test TEST_LANES=1 runs every target in one lane, one after another.
+TEST_LANES ?= 2
 
-test: envs $(CHROMIUM) $(REDIS_SERVER)  ## set up and run every check and test (what CI runs)
-	$(CONTROL) -m loraflow.dev.lanes --make "$(MAKE)" $(TEST_LANES)
+test: envs $(CHROMIUM) $(REDIS_SERVER)  ## set up and run every check and test (what CI runs; TEST_LANES=1: one after another)
+	$(CONTROL) -m loraflow.dev.lanes --make "$(MAKE)" $(if $(filter 1,$(TEST_LANES)),--one-lane) \
+		test-e2e "lint typecheck test-control test-serving test-trainer"
 
 clean:  ## remove the demo's state (Airflow DB, emulator data); keeps the environments
 	rm -rf .demo

@@ -1,6 +1,7 @@
 """`make test`'s checks in lanes: the make targets of a lane run one after another, the lanes side by side.
 
     python -m loraflow.dev.lanes "test-e2e" "lint typecheck test-control test-serving test-trainer"
+    python -m loraflow.dev.lanes --one-lane "test-e2e" "lint typecheck ..."   # one after another
 
 A test tier mostly keeps one core busy (one pytest process and the program it waits for), so on 2
 cores the end-to-end tier runs beside the others (docs/architecture.md has the measured walls). The
@@ -8,7 +9,7 @@ first lane's output streams as it comes, so a CI log shows progress; the other l
 a log file each (``--logs``), printed whole when the target ends, so two targets' lines never mix.
 Every target runs whatever another's result; the exit status is 1 when any failed, and a table of
 targets, results and walls (with the load average) ends the output. SIGTERM or Ctrl-C ends every
-target's process group and exits 1.
+target's process group, prints what the held targets wrote until then and the table, and exits 1.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class LanesError(ValueError):
 
 
 class Stopped(Exception):
-    """SIGTERM (or a stop under way): no new target starts."""
+    """A stop under way: no new target starts."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class Outcome:
         return self.returncode == 0
 
 
-def parse_lanes(lanes: list[str]) -> list[list[str]]:
-    """Each argument is a lane: make targets separated by spaces."""
+def parse_lanes(lanes: list[str], one_lane: bool = False) -> list[list[str]]:
+    """Each argument is a lane: make targets separated by spaces; ``one_lane`` puts them all in the first,
+    in the order given."""
     parsed = [lane.split() for lane in lanes]
     if not parsed or not all(parsed):
         raise LanesError("a lane names no make target: give each lane as one argument, e.g. 'lint test-control'")
@@ -55,7 +57,7 @@ def parse_lanes(lanes: list[str]) -> list[list[str]]:
     twice = sorted({target for target in targets if targets.count(target) > 1})
     if twice:
         raise LanesError(f"{', '.join(twice)} named twice: name each make target in one lane only")
-    return parsed
+    return [targets] if one_lane else parsed
 
 
 class Lanes:
@@ -67,19 +69,29 @@ class Lanes:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
         self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._outcomes: list[list[Outcome]] = []
 
-    def run(self, lanes: list[list[str]]) -> list[Outcome]:
-        outcomes: list[list[Outcome]] = [[] for _ in lanes]
-        threads = [
-            threading.Thread(target=self._run_lane, args=(lane, i == 0, outcomes[i]), daemon=True)
+    def run(self, lanes: list[list[str]], stop: threading.Event | None = None) -> bool:
+        """Runs the lanes until each has ended (True) or ``stop`` is set (False: call ``stop()``)."""
+        self._outcomes = [[] for _ in lanes]
+        self._threads = [
+            threading.Thread(target=self._run_lane, args=(lane, i == 0, self._outcomes[i]), daemon=True)
             for i, lane in enumerate(lanes)
         ]
-        for thread in threads:
+        for thread in self._threads:
             thread.start()
-        for thread in threads:
-            while thread.is_alive():  # the main thread stays free to take a signal
-                thread.join(timeout=1)
-        return [outcome for lane in outcomes for outcome in lane]
+        # Polls rather than joins: a signal handler that raised inside Thread.join would mark a thread
+        # still running as ended (CPython 3.12's join releases the thread's lock when interrupted).
+        stop = stop or threading.Event()
+        while any(thread.is_alive() for thread in self._threads):
+            if stop.wait(0.2):
+                return False
+        return True
+
+    def outcomes(self) -> list[Outcome]:
+        """The targets ended so far, lane by lane."""
+        return [outcome for lane in self._outcomes for outcome in lane]
 
     def _run_lane(self, targets: list[str], streamed: bool, outcomes: list[Outcome]) -> None:
         with suppress(Stopped):
@@ -125,7 +137,8 @@ class Lanes:
             self.out.flush()
 
     def stop(self, grace: float = 30) -> None:
-        """SIGTERM to every target's process group, SIGKILL to those left after ``grace`` seconds."""
+        """SIGTERM to every target's process group, SIGKILL to those left after ``grace`` seconds; then
+        waits for the lanes to write what their targets wrote (a held target's log, whole)."""
         with self._lock:
             self._stopping = True
             procs = list(self._procs)
@@ -138,6 +151,8 @@ class Lanes:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             with suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        for thread in self._threads:
+            thread.join(timeout=grace)
 
 
 def _result(outcome: Outcome) -> str:
@@ -145,7 +160,7 @@ def _result(outcome: Outcome) -> str:
 
 
 def summary(outcomes: list[Outcome], seconds: float, loads: tuple[float, float]) -> str:
-    width = max(len(o.target) for o in outcomes)
+    width = max([len(o.target) for o in outcomes], default=0)
     rows = [f"{o.target:<{width}}  {_result(o):<16}  {o.seconds:6.0f} s" for o in outcomes]
     total = (
         f"all lanes: {seconds:.0f} s on {os.cpu_count()} cores; "
@@ -154,32 +169,38 @@ def summary(outcomes: list[Outcome], seconds: float, loads: tuple[float, float])
     return "\n".join(["== make targets, their results and walls", *rows, total])
 
 
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    raise Stopped(signal.Signals(signum).name)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loraflow.dev.lanes", description=__doc__.split("\n\n")[0])
     parser.add_argument("lanes", nargs="+", help="a lane: make targets separated by spaces, run one after another")
     parser.add_argument("--make", default="make", help="the make to call (the Makefile passes $(MAKE))")
     parser.add_argument("--logs", type=Path, default=Path("build/lanes"), help="where held targets' logs go")
     parser.add_argument("-C", "--directory", type=Path, help="run make there (default: here)")
+    parser.add_argument("--one-lane", action="store_true", help="every target in one lane, in the order given")
     args = parser.parse_args(argv)
     try:
-        lanes = parse_lanes(args.lanes)
+        lanes = parse_lanes(args.lanes, args.one_lane)
     except LanesError as e:
         parser.error(str(e))
     runner = Lanes(args.make, args.logs, sys.stdout, args.directory)
-    signal.signal(signal.SIGTERM, _raise_stopped)
+    stop, signals = threading.Event(), []
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:  # a second signal changes nothing
+        signals.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGTERM, signal.SIGINT)}
     started, load = time.monotonic(), os.getloadavg()[0]
     try:
-        outcomes = runner.run(lanes)
-    except (Stopped, KeyboardInterrupt) as e:
-        print(f"stopped ({e or 'SIGINT'}): ending every target", flush=True)
-        runner.stop()
-        return 1
+        ended = runner.run(lanes, stop)
+        if not ended:
+            print(f"stopped ({signals[0]}): ending every target", flush=True)
+            runner.stop()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    outcomes = runner.outcomes()
     print(summary(outcomes, time.monotonic() - started, (load, os.getloadavg()[0])), flush=True)
-    return 0 if all(o.passed for o in outcomes) else 1
+    return 0 if ended and all(o.passed for o in outcomes) else 1
 
 
 if __name__ == "__main__":
