@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 
 from loraflow.dev import local_gcs, local_postgres, stack_guard
 from loraflow.dev.local_celery import HOSTNAME_ENV, Broker, CeleryWorkers, start_broker
+from loraflow.dev.process_groups import end_groups
 from loraflow.dev.separate_hosts import host_dirs
 from loraflow.dev.stack_guard import say
 from loraflow.errors import LoraflowError
@@ -372,7 +373,7 @@ class LocalAirflow:
 
     def stop(self) -> None:
         """End every component and worker with its process group (SIGTERM; SIGKILL after 30 s), then the broker."""
-        _end_groups([*self.procs, *self.workers.values()])
+        end_groups([*self.procs, *self.workers.values()])
         self.procs.clear()
         self.workers.clear()
         if self.broker is not None:
@@ -539,22 +540,6 @@ class LocalAirflow:
         if isinstance(content, list):
             return "\n".join(str(c.get("event", c)) if isinstance(c, dict) else str(c) for c in content)
         return str(content)
-
-
-def _end_groups(procs: list[subprocess.Popen[bytes]], grace: float = 30) -> None:
-    """End processes started in sessions of their own, each with its process group: SIGTERM to every
-    group at once, SIGKILL to each group after ``grace`` seconds (a group can outlive its leader)."""
-    for proc in procs:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
 
 
 @contextmanager

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from loraflow.dev.process_groups import end_groups
+
 
 class LanesError(ValueError):
     """Lanes that name no target, or a target twice."""
@@ -142,15 +144,7 @@ class Lanes:
         with self._lock:
             self._stopping = True
             procs = list(self._procs)
-        for proc in procs:
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            with suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        end_groups(procs, grace)
         for thread in self._threads:
             thread.join(timeout=grace)
 
