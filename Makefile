@@ -120,8 +120,10 @@ test-e2e: envs $(CHROMIUM) $(REDIS_SERVER)
 # make test TEST_LANES=1 runs every target in one lane, one after another.
 TEST_LANES ?= 2
 
+# The lanes runner is standard library only and runs on the base Python: the line names $(MAKE), so make -n
+# runs it too (its targets dry-run), before any environment exists.
 test: envs $(CHROMIUM) $(REDIS_SERVER)  ## set up and run every check and test (what CI runs; TEST_LANES=1: one after another)
-	$(CONTROL) -m loraflow.dev.lanes --make "$(MAKE)" $(if $(filter 1,$(TEST_LANES)),--one-lane) \
+	$(PY312) -m loraflow.dev.lanes --make "$(MAKE)" $(if $(filter 1,$(TEST_LANES)),--one-lane) \
 		test-e2e "lint typecheck test-control test-serving test-trainer"
 
 clean:  ## remove the demo's state (Airflow DB, emulator data); keeps the environments
