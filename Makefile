@@ -132,7 +132,7 @@ clean:  ## remove the demo's state (Airflow DB, emulator data); keeps the enviro
 # mutmut mutates a scratch copy under .mutate/ (never the tree) and runs only each module's fast tests;
 # it is installed on top of the control and trainer envs, their locked versions kept. MUTATE=spec gate_rule: some.
 .PHONY: mutate
-mutate: envs  ## mutation testing of the modules where a silent bug costs most (8-11 min on 2 cores; not in CI; docs/mutation.md)
+mutate: envs  ## mutation testing of the modules where a silent bug costs most (over 20 min on 2 cores, MUTATE= for some targets; not in CI; docs/mutation.md)
 	$(UV) pip install -q -p $(VENVS)/control -c envs/control.lock -r envs/mutate.txt
 	$(UV) pip install -q -p $(VENVS)/trainer -c envs/trainer.lock -r envs/mutate.txt
 	$(CONTROL) tools/mutate.py $(MUTATE)
