@@ -149,9 +149,20 @@ def test_mismatched_ids_are_refused() -> None:
         decide(base, {**base, "extra": True})
 
 
+def test_mismatched_ids_are_refused_naming_three_of_each_side_and_the_fix() -> None:
+    base, tuned = outcomes("01010"), outcomes("01010", prefix="x")
+    with pytest.raises(GateError) as refused:
+        decide(base, tuned)
+    assert str(refused.value) == (
+        "the two evaluations cover different examples: 5 id(s) only in base (e.g. ['e0000', 'e0001', 'e0002']), "
+        "5 only in tuned (e.g. ['x0000', 'x0001', 'x0002']); evaluate both models on the same eval set"
+    )
+
+
 def test_empty_and_bad_settings_are_refused() -> None:
-    with pytest.raises(GateError, match="no examples"):
+    with pytest.raises(GateError) as empty:
         decide({}, {})
+    assert str(empty.value) == "the evaluations hold no examples; nothing to compare"
     for confidence in (0.0, 1.0):
         with pytest.raises(GateError, match="confidence must lie strictly between 0 and 1"):
             decide(outcomes("01"), outcomes("01"), confidence=confidence)
