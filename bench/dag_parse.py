@@ -68,16 +68,19 @@ with DAG(dag_id="{name}", schedule=None, start_date=dt.datetime(2026, 1, 1, tzin
 """
 
 
-def setup() -> dict:
+SHIPPED = sorted((REPO / "pipelines").glob("*.yaml"))
+CHILD = str(Path(__file__).parent / "_parse_child.py")
+
+
+def setup() -> dict[str, Path]:
     root = WORK / "dag_parse"
     shutil.rmtree(root, ignore_errors=True)
     specs = root / "specs52"
     specs.mkdir(parents=True)
     tiny = (REPO / "pipelines" / "tiny-llama-lora.yaml").read_text()
-    shipped = sorted((REPO / "pipelines").glob("*.yaml"))
-    for p in shipped:
+    for p in SHIPPED:
         shutil.copy(p, specs / p.name)
-    for i in range(SPECS - len(shipped)):  # 52 specs in all, whatever the number shipped
+    for i in range(SPECS - len(SHIPPED)):  # 52 specs in all, whatever the number shipped
         text = re.sub(r"^name: .*$", f"name: bench-gen-{i:02d}", tiny, count=1, flags=re.M)
         text = text.replace("rank: 16", f"rank: {8 + 8 * (i % 4)}")
         (specs / f"bench-gen-{i:02d}.yaml").write_text(text)
@@ -91,15 +94,12 @@ def setup() -> dict:
     (root / "floor" / "floor_dag.py").write_text(AIRFLOW_FLOOR_DAG)
     files["floor"] = root / "floor" / "floor_dag.py"
     files["specs52"] = specs
-    files["shipped"] = len(shipped)
     return files
 
 
-def main() -> None:
-    f = setup()
-    dag_file = str(REPO / "dags" / "loraflow_pipelines.py")
-    cache = {"LORAFLOW_SPEC_CACHE_DIR": str(WORK / "dag_parse" / "spec-cache")}  # filled by the warm-up parse
-    cases = {
+def cases(f: dict[str, Path], dag_file: str, cache: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each DAG file measured: its parse's argv tail and environment."""
+    return {
         "empty DAG file": ([str(f["empty"])], {}),
         "loraflow, shipped specs": ([dag_file], {"LORAFLOW_PIPELINES_DIR": str(REPO / "pipelines"), **cache}),
         "loraflow, 52 specs": ([dag_file], {"LORAFLOW_PIPELINES_DIR": str(f["specs52"]), **cache}),
@@ -110,18 +110,19 @@ def main() -> None:
         ),
         "plain Airflow, 52 DAGs x 9 tasks": ([str(f["floor"])], {}),
     }
-    reps = 2 if QUICK else 10
-    raw: dict[str, list[dict]] = {k: [] for k in cases}
+
+
+def measure(cs: dict, warm: Path, reps: int) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Every case ``reps`` times, interleaved, after one unmeasured parse of each (compiles the modules,
+    fills the page cache); a parse that broke is retried (other engineers edit the tree meanwhile)."""
+    raw: dict[str, list[dict]] = {k: [] for k in cs}
     failures: list[dict] = []
-    for target, extra in cases.values():  # unmeasured: compiles the modules, fills the page cache
-        run([PY["control"], str(Path(__file__).parent / "_parse_child.py"), str(f["warm"]), *target], extra_env=extra)
+    for target, extra in cs.values():
+        run([PY["control"], CHILD, str(warm), *target], extra_env=extra)
     for rep in range(reps):
-        for name, (target, extra) in cases.items():
-            for _attempt in range(3):  # other engineers edit the tree meanwhile: retry a parse that broke
-                r = run(
-                    [PY["control"], str(Path(__file__).parent / "_parse_child.py"), str(f["warm"]), *target],
-                    extra_env=extra,
-                )
+        for name, (target, extra) in cs.items():
+            for _attempt in range(3):
+                r = run([PY["control"], CHILD, str(warm), *target], extra_env=extra)
                 if r["rc"] == 0 and not r["import_errors"]:
                     break
                 failures.append({"case": name, "rc": r["rc"], "errors": r.get("import_errors") or r.get("stderr_tail")})
@@ -131,26 +132,24 @@ def main() -> None:
             say(
                 f"dag_parse rep {rep + 1}/{reps} {name}: {r['parse_s']:.3f}s, {r['dags']} DAG(s), errors {list(r['import_errors'])}"
             )
+    return raw, failures
+
+
+def main() -> None:
+    f = setup()
+    dag_file = str(REPO / "dags" / "loraflow_pipelines.py")
+    cache = {"LORAFLOW_SPEC_CACHE_DIR": str(WORK / "dag_parse" / "spec-cache")}  # filled by the warm-up parse
+    specs52 = {"LORAFLOW_PIPELINES_DIR": str(f["specs52"]), **cache}
+    reps = 2 if QUICK else 10
+    raw, failures = measure(cases(f, dag_file, cache), f["warm"], reps)
     med = {k: median([r["parse_s"] for r in v]) for k, v in raw.items()}
     cpu = {k: median([r["cpu_s"] for r in v if "cpu_s" in r]) for k, v in raw.items()}
-    base = med["empty DAG file"]
     # The exact heavy-module check, in one more child that reports full module names.
     check = run(
-        [PY["control"], "-c", CHECK_SRC, str(f["warm"]), dag_file],
-        extra_env={"LORAFLOW_PIPELINES_DIR": str(f["specs52"]), "HEAVY": ",".join(HEAVY), **cache},
+        [PY["control"], "-c", CHECK_SRC, str(f["warm"]), dag_file], extra_env={"HEAVY": ",".join(HEAVY), **specs52}
     )
     prof_path = WORK / "dag_parse" / "parse52.prof"
-    run(
-        [
-            PY["control"],
-            str(Path(__file__).parent / "_parse_child.py"),
-            str(f["warm"]),
-            dag_file,
-            "--profile",
-            str(prof_path),
-        ],
-        extra_env={"LORAFLOW_PIPELINES_DIR": str(f["specs52"]), **cache},
-    )
+    run([PY["control"], CHILD, str(f["warm"]), dag_file, "--profile", str(prof_path)], extra_env=specs52)
     breakdown = run([PY["control"], "-c", BREAKDOWN_SRC, str(f["warm"]), str(f["specs52"])], extra_env=cache)
     save(
         "dag_parse",
@@ -160,11 +159,11 @@ def main() -> None:
             "retried_parses": failures,
             "reps": reps,
             "median_parse_s": med,
-            "overhead_s": {k: v - base for k, v in med.items()},
+            "overhead_s": {k: v - med["empty DAG file"] for k, v in med.items()},
             "median_cpu_s": cpu,
             "cpu_overhead_s": {k: v - cpu["empty DAG file"] for k, v in cpu.items()},
             "overhead_per_spec_ms": (med["loraflow, 52 specs"] - med["loraflow, shipped specs"])
-            / (SPECS - f["shipped"])
+            / (SPECS - len(SHIPPED))
             * 1000,
             "target_overhead_s_for_50_specs": 0.3,
             "heavy_modules_imported": check.get("heavy", check),
