@@ -497,6 +497,29 @@ class LocalAirflow:
         root = self.env.get("AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER") or str(self.home / "logs")
         return f"{root}/dag_id={dag_id}/run_id={run_id}/task_id={task_id}/attempt={try_number}.log"
 
+    def wait_for_logs(self, dag_id: str, run_id: str, tasks: list[str], timeout: float = 120) -> list[str]:
+        """Wait until each task's last try has its log in the remote log folder, if the stack has one (the
+        Celery workers'). A worker uploads a try's log once the task process ends, after the task reported
+        its state, so a finished run's last logs trail it. Returns the tasks whose logs did not arrive."""
+        root = self.env.get("AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER")
+        if not root:
+            return []
+        deadline = time.monotonic() + timeout
+        waiting = list(tasks)
+        while waiting:
+            for task_id in list(waiting):
+                tries = self.task_tries(dag_id, run_id, task_id)
+                if not tries:
+                    continue
+                last = int(tries[-1].get("try_number") or 1)
+                bucket, name = gcs.split_uri(self.task_log_path(dag_id, run_id, task_id, last))
+                if gcs.client().bucket(bucket).blob(name).exists():
+                    waiting.remove(task_id)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(1)
+        return waiting
+
     def fail_leftover_runs(self, started_at: datetime) -> list[str]:
         """Mark failed the runs an earlier stack left queued or running (stack_guard.leftover_runs): their
         processes are gone, and a new run should not share the stack with what is left of them. One line each."""

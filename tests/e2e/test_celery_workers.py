@@ -117,6 +117,7 @@ class Outcome:
         self.tasks: dict[str, str | None] = {}
         self.tries: dict[str, list[dict[str, Any]]] = {}
         self.verdict: dict[str, Any] = {}
+        self.logs_missing: list[str] = []
         self.seconds = 0.0
 
 
@@ -142,6 +143,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory, postgres: str) -> Iterator
         o.tasks = af.task_states(NAME, o.run_id)
         o.tries = {task: af.task_tries(NAME, o.run_id, task) for task in o.tasks}
         o.verdict = verdict(spec, af, o.run_id)
+        o.logs_missing = af.wait_for_logs(NAME, o.run_id, [t for t, s in o.tasks.items() if s != "skipped"])
         o.seconds = time.monotonic() - started
         say(
             f"celery stack + run: {o.seconds:.0f} s; lora_sft tries: {[(t['hostname'], t['state']) for t in o.tries['lora_sft']]}"
@@ -182,6 +184,7 @@ def test_the_lost_workers_step_program_died_with_it(outcome: Outcome) -> None:
 def test_control_steps_are_forked_from_their_task_on_a_celery_worker(outcome: Outcome) -> None:
     """The light steps start as forks of their task (loraflow/launchers/forked_step.py) on a Celery
     worker too; their logs come from GCS (remote logging), since no worker can read another's disk."""
+    assert outcome.logs_missing == [], "every task's log reaches GCS once its try ends"
     for task in ("validate_data", "gate", "publish", "report"):
         assert FORKED_NOTE in outcome.airflow.task_log(NAME, outcome.run_id, task, try_number=None), task
 
