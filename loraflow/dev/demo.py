@@ -46,6 +46,7 @@ from loraflow.spec.locate import PIPELINES_ENV
 from loraflow.spec.schema import PipelineSpec, load_spec
 from loraflow.spec.stages import REPORT_HTML
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import GateSummary
 
 DEMO_HOME = Path(os.environ.get("LORAFLOW_DEMO_HOME", REPO_ROOT / ".demo"))
 TINY_SPEC = REPO_ROOT / "pipelines" / "tiny-llama-lora.yaml"
@@ -608,7 +609,10 @@ def local_stack(
 
 
 def verdict(spec: PipelineSpec, airflow: LocalAirflow, run_id: str) -> dict[str, Any]:
-    """What a person wants at the end of a run: metrics before and after, the decision, where it all is."""
+    """What a person wants at the end of a run: metrics before and after, the decision, where it all is.
+    ``gate`` is the gate's verdict read from its manifest's summary (a ``GateSummary``; None when the gate
+    did not run; a summary loraflow did not write is a ``SummaryError`` naming the manifest), ``decision``
+    that summary whole (its evidence: the guard's, the suites')."""
     results = {task: airflow.xcom(spec.name, run_id, task) for task in airflow.task_states(spec.name, run_id)}
     gate = results.get("gate") or {}
     decision = artifacts.read_manifest(gate["manifest"]).summary if gate else {}
@@ -617,6 +621,7 @@ def verdict(spec: PipelineSpec, airflow: LocalAirflow, run_id: str) -> dict[str,
         "run_id": run_id,
         "base": (results.get("evaluate_base") or {}).get("summary", {}),
         "tuned": (results.get("evaluate_tuned") or {}).get("summary", {}),
+        "gate": GateSummary.from_object(decision, f"the summary in {gate['manifest']}") if gate else None,
         "decision": decision,
         "published": (results.get("publish") or {}).get("summary"),
         "cached": sorted(t for t, r in results.items() if r and r.get("cached")),
@@ -641,12 +646,15 @@ def save_report(v: dict[str, Any], folder: Path) -> Path | None:
 
 
 def print_verdict(v: dict[str, Any]) -> None:
-    d = v["decision"]
+    gate: GateSummary | None = v["gate"]
     say("-" * 72)
     say(f"run {v['run_id']}")
     for name in [k for k in METRICS if k in v["base"] or k in v["tuned"]] or ["accuracy"]:
         say(f"{name} before SFT: {v['base'].get(name)}  after: {v['tuned'].get(name)}")
-    say(f"gate: {'PROMOTE' if d.get('promote') else 'do not promote'} - {d.get('reason', '')}")
+    if gate is None:
+        say("gate: no decision (the gate did not run)")
+    else:
+        say(f"gate: {'PROMOTE' if gate.promote else 'do not promote'} - {gate.reason}")
     if v["published"]:
         say(f"published: {v['published']}")
     if v["cached"]:

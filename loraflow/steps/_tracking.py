@@ -12,6 +12,7 @@ from loraflow.reporting.curves import TENSORBOARD, read_scalars
 from loraflow.spec.schema import VertexTrackingSpec
 from loraflow.steps._harness import StepContext
 from loraflow.storage import artifacts
+from loraflow.storage.summaries import GateSummary
 
 CURVE_STAGES = ("lora_sft", "evaluate_base", "evaluate_tuned")
 MAX_EVENT_BYTES = 64 << 20  # a stage's event files, at most (200 steps of lora_sft: ~40 KB)
@@ -51,8 +52,9 @@ def run_metrics(data: dict[str, Any]) -> dict[str, float]:
     for key in ("first_loss", "final_loss"):
         if isinstance(data["training_summary"].get(key), int | float):
             metrics[key] = float(data["training_summary"][key])
-    if data["decision"]:
-        metrics["promoted"] = 1.0 if data["decision"].get("promote") else 0.0
+    if data["decision"]:  # decision.json, as the report read it (already refused if loraflow did not write it)
+        verdict = GateSummary.from_object(data["decision"], "the gate's decision.json")
+        metrics["promoted"] = 1.0 if verdict.promote else 0.0
     return metrics
 
 

@@ -24,6 +24,7 @@ from loraflow.spec.step_configs import ReportConfig
 from loraflow.steps import _tracking
 from loraflow.steps import report as report_step
 from loraflow.storage import artifacts, gcs
+from loraflow.storage.summaries import RERUN_GATE, SummaryError
 from tests.tensorboard_events import scalars
 from tests.vertex_standin import VertexStandIn
 
@@ -200,6 +201,21 @@ def test_a_run_without_training_logs_what_it_has(
     assert logged["_metrics"]["promoted"] == 0.0 and "final_loss" not in logged["_metrics"]
     points = tracking.scalars(f"{tensorboard}/experiments/{EXPERIMENT}/runs/{summary['vertex_experiment_run']}")
     assert set(points) == {"eval/accuracy", "eval/format_rate"}
+
+
+def test_the_verdict_is_logged_as_the_gate_wrote_it_and_a_forged_one_is_refused() -> None:
+    """``promoted`` is 1 or 0 from the gate's typed summary; a "promote" that is not a boolean ("no", which a
+    truthy read logs as promoted) is refused naming the file and the fix, as the report refuses it."""
+    nothing: dict[str, Any] = {"base_metrics": {}, "tuned_metrics": {}, "training_summary": {}}
+    assert _tracking.run_metrics({**nothing, "decision": {"promote": True, "reason": "r"}}) == {"promoted": 1.0}
+    assert _tracking.run_metrics({**nothing, "decision": {"promote": False, "reason": "r"}}) == {"promoted": 0.0}
+    assert _tracking.run_metrics({**nothing, "decision": None}) == {}  # the gate did not run
+    with pytest.raises(SummaryError) as err:
+        _tracking.run_metrics({**nothing, "decision": {"promote": "no", "reason": "r"}})
+    assert str(err.value) == (
+        "the gate's decision.json is not a gate summary loraflow wrote (its 'promote' is 'no', not a boolean); "
+        f"{RERUN_GATE}"
+    )
 
 
 def test_event_files_beyond_the_reports_limit_are_refused_naming_the_way_out(
