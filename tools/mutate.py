@@ -93,6 +93,12 @@ TRUST_CHAMPION = [
     "test_a_champion_the_gate_cannot_verify_is_refused_naming_the_version_and_the_repair",
 ]
 
+# test_suites.py's tests of the gate step guarding on a suite (gate.guard.suite)
+SUITE_GUARD_STEP = [
+    "test_the_gate_step_refuses_a_model_that_lost_ground_on_a_guarding_suite",
+    "test_the_gate_steps_suite_guard_takes_the_specs_settings_and_names_an_evaluation_without_the_suite",
+]
+
 TARGETS: dict[str, Target] = {
     # artifacts.py is read by the runner (input identities, the cache): its fast tests count here too.
     # json_objects.py is how it (and every other reader of GCS JSON) parses what a bucket writer wrote.
@@ -120,7 +126,11 @@ TARGETS: dict[str, Target] = {
     "guard": Target(
         "control",
         ["loraflow/evaluation/guard.py", "loraflow/steps/_guard.py", "loraflow/steps/gate.py"],
-        ["tests/control/test_regression_guard.py"],
+        [
+            "tests/control/test_regression_guard.py",
+            # the gate step with a guard on a suite (gate.guard.suite): _guard_check's other branch
+            *[f"tests/control/test_suites.py::{t}" for t in SUITE_GUARD_STEP],
+        ],
         [
             "loraflow.evaluation.guard.*",
             "loraflow.steps._guard.x_load__mutmut_*",

@@ -397,3 +397,38 @@ def test_the_gate_step_refuses_a_model_that_lost_ground_on_a_guarding_suite(tmp_
         r"evaluate stage with this spec \(evaluation.suites is part of its cache key\)$",
     ):
         gate.run(make_ctx("gate", inputs, config))
+
+
+def test_the_gate_steps_suite_guard_takes_the_specs_settings_and_names_an_evaluation_without_the_suite(
+    tmp_path: Path, make_ctx: Callable
+) -> None:
+    """The guard recorded in decision.json is the suite guard with the gate's own settings (each differing from
+    its default: rule, max_drop, confidence, bootstrap samples, seed); a base evaluation that scored no such suite
+    is named as the one to re-run."""
+    settings = {"confidence": 0.8, "bootstrap_samples": 300, "seed": 7}
+    config = {"min_improvement": 0.3, "guard": {"suite": "gsm8k", "max_drop": 0.2, "rule": "interval"}, **settings}
+    base_values, tuned_values = [1, 0] * 20, [1, 1, 0, 0] * 10  # the same accuracy, answers moved: a wide interval
+    inputs = {
+        "base_eval": _evaluation(tmp_path / "b", "0" * 20 + "1" * 20, {"gsm8k": _entry(base_values)}),
+        "tuned_eval": _evaluation(tmp_path / "t", "1" * 40, {"gsm8k": _entry(tuned_values)}),
+    }
+    ctx = make_ctx("gate", inputs, config)
+    gate.run(ctx)
+    recorded = json.loads((ctx.out / "decision.json").read_text())["guard"]
+    expected = gate_rule.suite_guard_check(
+        _entry(base_values), _entry(tuned_values), suite="gsm8k", max_drop=0.2, rule="interval", **settings
+    )
+    assert recorded == expected.as_dict()
+    assert recorded["seed"] == 7 and recorded["bootstrap_samples"] == 300 and recorded["rule"] == "interval"
+    default_seed = gate_rule.suite_guard_check(
+        _entry(base_values), _entry(tuned_values), suite="gsm8k", max_drop=0.2, rule="interval",
+        **(settings | {"seed": GATE.seed}),
+    )  # fmt: skip
+    assert default_seed.ci != expected.ci  # the seed is not the default's by accident
+    inputs["base_eval"] = _evaluation(tmp_path / "b2", "0" * 20 + "1" * 20, {})
+    with pytest.raises(
+        GateError,
+        match=r"^base_eval: the evaluation scored no suite 'gsm8k', but gate.guard.suite asks for it; re-run its "
+        r"evaluate stage with this spec \(evaluation.suites is part of its cache key\)$",
+    ):
+        gate.run(make_ctx("gate", inputs, config))
