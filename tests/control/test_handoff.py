@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loraflow.errors import SpecError
+from loraflow.errors import LoraflowError, SpecError
 from loraflow.pipeline import handoff
+from loraflow.reporting import notify
 from loraflow.spec.schema import HandoffSpec, PipelineSpec, load_spec, validate_spec
 from loraflow.storage import artifacts, gcs
 from loraflow.storage.summaries import GateSummary, PublishSummary
@@ -77,8 +80,30 @@ def test_handoff_and_notify_cannot_be_overridden_at_trigger_time() -> None:
 
 @pytest.mark.parametrize("version", ["a/b", "..", "", "_READY", "v 1"])
 def test_version_names_that_are_not_one_plain_segment_are_refused(version: str) -> None:
-    with pytest.raises(handoff.HandoffError, match="not a valid name"):
+    with pytest.raises(handoff.HandoffError) as err:
         handoff.apply_version(handoff_spec(), version)
+    assert str(err.value) == (
+        f"dataset version {version!r} is not a valid name; use letters, digits, '.', '_', '=' or '-' "
+        "(one path segment, e.g. 2026-12-03 or v7)"
+    )
+
+
+def test_a_version_whose_dataset_uris_grow_too_long_is_refused_naming_the_version() -> None:
+    """The spec's own ``{version}`` URIs fit GCS's 1,024-byte object names; a longer version name can make them
+    too long, and the refusal says it comes from that dataset version (not from trigger parameters)."""
+    spec = handoff_spec(prefix="gs://team/" + "a" * 1000)
+    with pytest.raises(SpecError) as err:
+        handoff.apply_version(spec, "2026-12-03-full")
+    assert str(err.value).startswith(f"dataset version gs://team/{'a' * 1000}/2026-12-03-full: 2 problem(s) in ")
+    assert "  - data.train: gs://team/... has a path of 1028 bytes; GCS object names are at most 1024 bytes: " in str(
+        err.value
+    )
+
+
+def test_a_version_is_applied_only_to_a_pipeline_with_a_handoff() -> None:
+    with pytest.raises(LoraflowError) as err:
+        handoff.apply_version(load_spec(TINY), "v1")
+    assert str(err.value) == "pipeline tiny-llama-lora has no handoff section; there is no dataset version to apply"
 
 
 # ------------------------------------------------------------------------------------ choosing (pure)
@@ -142,7 +167,19 @@ def test_a_retried_pick_keeps_the_version_its_first_try_claimed(team: HandoffSpe
     assert handoff.pick(team, "dag", "run-a").version == "v1"
     drop(team, "v2")
     again = handoff.pick(team, "dag", "run-a")
-    assert again.version == "v1" and "earlier try" in again.reason
+    assert again.version == "v1" and again.reason == "claimed by an earlier try of this run"
+
+
+def test_a_poll_never_takes_another_dags_claim_for_its_own(team: HandoffSpec) -> None:
+    """Scheduled runs of two DAGs share run ids (scheduled__<date>): a claim is this run's only if it names
+    this DAG too, or both pipelines would train the same version."""
+    run_id = "scheduled__2026-12-06T00:00:00+00:00"
+    drop(team, "v1")
+    assert handoff.pick(team, "other-dag", run_id).version == "v1"
+    drop(team, "v0")  # older, still pending
+    picked = handoff.pick(team, "dag", run_id)
+    assert picked.version == "v0" and picked.reason == f"the newest ready version under {team.prefix}"
+    assert (handoff.read_claim(team, "v1") or {}).get("dag_id") == "other-dag"
 
 
 def test_a_claim_is_held_by_one_run(team: HandoffSpec) -> None:
@@ -212,7 +249,7 @@ def test_an_event_naming_a_version_takes_exactly_that_version(team: HandoffSpec)
     drop(team, "v1")
     drop(team, "v2")
     picked = handoff.pick(team, "dag", "run-a", requested="v1")
-    assert picked.version == "v1" and "asset event" in picked.reason
+    assert picked.version == "v1" and picked.reason == "named by the triggering asset event"  # the pick's log line
     assert picked.to_xcom() == {
         "version": "v1",
         "reason": picked.reason,
@@ -233,6 +270,13 @@ def test_an_event_naming_a_version_that_is_not_ready_fails_saying_what_to_write(
         handoff.pick(team, "dag", "run-a", requested="v1")
     assert "_READY" in str(err.value) and "train.jsonl" in str(err.value)
     assert artifacts.read_json(f"{team.prefix}/v1/{handoff.CLAIM}") is None
+    with pytest.raises(handoff.HandoffError) as err:  # nothing uploaded at all
+        handoff.pick(team, "dag", "run-a", requested="v2")
+    uri = f"{team.prefix}/v2"
+    assert str(err.value) == (
+        f"dataset version {uri} has no _READY marker (files there: none); upload the files, then write "
+        f"{uri}/_READY last, then post the event"
+    )
 
 
 def test_a_judged_version_is_not_taken_even_when_named(team: HandoffSpec) -> None:
@@ -389,7 +433,8 @@ def test_a_rejected_result_names_no_model_and_keeps_the_gate_figures(team: Hando
     assert doc["gate"] == {k: GATE_NO_SUMMARY[k] for k in ("promote", "base", "tuned", "reason")}
     assert (doc["pipeline"], doc["dag_id"], doc["run_id"], doc["version"]) == ("tiny-handoff", "d", "run-1", "v1")
     assert doc["reasons"] == ["quality gate: no"] and doc["verdict"] == "rejected"
-    assert doc["format"] == handoff.RESULT_FORMAT and doc["finished_at"].endswith("Z")
+    assert doc["format"] == handoff.RESULT_FORMAT
+    assert re.fullmatch(r"20\d\d-[01]\d-[0-3]\dT[0-2]\d:[0-5]\d:[0-5]\dZ", doc["finished_at"])  # ISO 8601, UTC
     none = handoff.result_document(spec, "d", "run-1", "v1", "failed", [], None, None, None, None)
     assert none["model"] is None and none["gate"] is None
     extra = handoff.event_extra(none, "gs://x/_RESULT.json")
@@ -398,6 +443,12 @@ def test_a_rejected_result_names_no_model_and_keeps_the_gate_figures(team: Hando
                      "run_id": "run-1"}  # fmt: skip
     many = handoff.event_extra({**none, "reasons": [str(i) for i in range(30)]}, "u")
     assert many["reasons"] == [str(i) for i in range(10)]
+    # Reasons quote the dataset: ten of 300 CJK characters (6 bytes each as JSON escapes) are 18 KB, the
+    # extra stays within its quarter of a JSON notice's budget (Airflow keeps every event's extra).
+    quoted = handoff.result_document(spec, "d", "run-1", "v1", "rejected", ["行" * 400] * 12, None, None, None, None)
+    assert len(json.dumps(quoted["reasons"])) > 16 << 10
+    capped = handoff.event_extra(quoted, "gs://x/_RESULT.json")
+    assert len(json.dumps(capped)) <= notify.MAX_EXTRA_BYTES and capped["reasons"][0].startswith("行")
 
 
 def test_the_state_of_a_version_reports_its_markers(team: HandoffSpec) -> None:
@@ -442,6 +493,17 @@ def test_a_handoff_prefix_ending_in_a_capital_x_is_scanned_whole(gcs_bucket: str
     assert [s.version for s in handoff.scan(team)] == ["v1"]
 
 
+def test_a_handoff_prefix_that_is_a_whole_bucket_is_scanned(gcs_bucket: str) -> None:
+    """A data team's own bucket as the prefix (gs://BUCKET, which the spec takes): its versions lie at the root."""
+    name = f"handoff-{uuid.uuid4().hex[:8]}"
+    gcs.client().create_bucket(name)
+    team = HandoffSpec(prefix=f"gs://{name}")
+    drop(team, "v1")
+    assert [s.version for s in handoff.scan(team)] == ["v1"]
+    picked = handoff.pick(team, "dag", "run-a")
+    assert picked.version == "v1" and picked.train == f"gs://{name}/v1/train.jsonl"
+
+
 # ------------------------------------------------------------------------------------ hostile markers
 
 
@@ -479,6 +541,23 @@ def test_a_garbage_claim_on_an_old_version_is_skipped_and_reported_never_crashin
     assert nothing.version is None and nothing.skipped == picked.skipped
     with pytest.raises(handoff.HandoffError, match=says):  # named by an event: refused, naming it
         handoff.pick(team, "dag", "run-c", requested="v1")
+
+
+def test_a_claim_names_its_dag_and_run_in_1_to_250_characters(team: HandoffSpec) -> None:
+    """The bounds docs/data-handoff.md and the refusal state: 1 and 250 characters are a claim, 0 and 251 not."""
+    uri = f"{team.prefix}/v1/{handoff.CLAIM}"
+    for dag_id, run_id in (("d", "r"), ("d" * 250, "r" * 250)):
+        put(team, f"v1/{handoff.CLAIM}", json.dumps({"dag_id": dag_id, "run_id": run_id}).encode())
+        assert handoff.read_claim(team, "v1") == {"dag_id": dag_id, "run_id": run_id}
+    for dag_id, run_id in (("", "r"), ("d", ""), ("d" * 251, "r"), ("d", "r" * 251)):
+        put(team, f"v1/{handoff.CLAIM}", json.dumps({"dag_id": dag_id, "run_id": run_id}).encode())
+        with pytest.raises(handoff.BadClaimError) as err:
+            handoff.read_claim(team, "v1")
+        assert str(err.value) == (
+            f"{uri} names no dag_id and run_id (strings of 1-250 characters): it is not a claim loraflow writes, so "
+            "no run takes that version; publish the data again under a new version name (or, if no run is training "
+            "it, delete that _CLAIM)"
+        )
 
 
 def test_a_bad_claim_written_after_the_scan_is_skipped_and_the_next_version_taken(
@@ -532,8 +611,12 @@ def test_a_claim_naming_this_run_on_a_version_without_ready_is_not_taken(team: H
     drop(team, "v1")
     picked = handoff.pick(team, "dag", "run-next")
     assert picked.version == "v1" and "newest ready version" in picked.reason
-    assert len(picked.skipped) == 1 and f"{team.prefix}/v3" in picked.skipped[0]
-    assert "names this run but the version has no _READY" in picked.skipped[0]
+    uri = f"{team.prefix}/v3"
+    assert picked.skipped == (
+        f"{uri}/_CLAIM names this run but the version has no _READY marker of its own: not taken (loraflow claims "
+        f"only ready versions, so that claim was written by someone else); write {uri}/_READY last when the "
+        "version is complete, or publish it under a new version name",
+    )
 
 
 def test_a_nested_ready_is_not_the_versions_own(team: HandoffSpec) -> None:
@@ -573,7 +656,29 @@ def test_the_versions_a_pick_skipped_reach_the_verdict_and_the_task_log(
 def test_a_data_report_that_cannot_be_read_is_no_crash(gcs_bucket: str, caplog: pytest.LogCaptureFixture) -> None:
     run = f"{gcs_bucket}/artifacts/p/run1"
     bucket, path = gcs.split_uri(f"{run}/validate_data/_rejected/data_report.json")
-    for body in (b"not json", b"[1]", b'{"failures": "abc", "load_problems": 7}'):
+    uri = f"{run}/validate_data/_rejected/data_report.json"
+    said = {  # the warning names the report and its problem (the verdict then names no rule)
+        b"not json": f"the data report {uri} cannot be read (is not JSON (Expecting value: line 1 column 1 (char 0))); "
+        "the verdict names no data-contract rule",
+        b"[1]": f"the data report {uri} cannot be read (is not a JSON object (it holds a list)); the verdict "
+        "names no data-contract rule",
+        b'{"failures": "abc", "load_problems": 7}': f"the data report {uri} lists its problems as no list; the "
+        "verdict names no data-contract rule",
+    }
+    for body, warning in said.items():
+        caplog.clear()
         gcs.client().bucket(bucket).blob(path).upload_from_string(body)
         assert handoff.data_failures(run) == []
-    assert "data_report.json" in caplog.text
+        assert [r.getMessage() for r in caplog.records] == [warning]
+
+
+def test_a_long_rejected_data_report_still_names_its_rules(gcs_bucket: str) -> None:
+    """validate_data keeps every failure (the verdict caps its reasons): a report of 2,000 of them (~150 KiB)
+    is read whole, up to REPORT_MAX_BYTES, not the 64 KiB of a small object."""
+    run = f"{gcs_bucket}/artifacts/p/run1"
+    bucket, path = gcs.split_uri(f"{run}/validate_data/_rejected/data_report.json")
+    failures = [f"train: row {i} has an empty completion (line {i + 1} of train.jsonl)" for i in range(2000)]
+    body = json.dumps({"success": False, "failures": failures})
+    assert len(body) > 128 << 10
+    gcs.client().bucket(bucket).blob(path).upload_from_string(body)
+    assert handoff.data_failures(run) == failures
