@@ -197,6 +197,8 @@ TARGETS: dict[str, Target] = {
     ),
     # make test's lanes: real make on small Makefiles (seconds a mutant).
     "lanes": Target("control", ["loraflow/dev/lanes.py"], ["tests/control/test_lanes.py"], default=False),
+    # plan --fit's arithmetic and slices (the prediction itself compiles for a TPU: tests/trainer/test_fit.py).
+    "fit": Target("control", ["loraflow/spec/fit.py"], ["tests/control/test_fit.py"], default=False),
     "stages": Target(
         "control",
         ["operators/stages.py"],

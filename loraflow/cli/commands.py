@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from loraflow.cli.daily import add_commands
 from loraflow.errors import LoraflowError, SpecError
@@ -48,7 +49,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from loraflow.pipeline.plan import describe
     from loraflow.spec.schema import load_spec
 
-    plan = describe(load_spec(args.spec), args.run_id)
+    spec = load_spec(args.spec)
+    if args.fit:
+        return cmd_fit(spec, args.json)
+    plan = describe(spec, args.run_id)
     requests = [launcher.plan_request for launcher in LAUNCHERS.values() if launcher.plan_request]
     if args.json:
         print(json.dumps(plan, indent=2))
@@ -63,6 +67,89 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"  {request.title} (not sent; CACHE_KEY and LOCK are filled in at run time):")
             print("  " + json.dumps(s[request.key], indent=2).replace("\n", "\n  "))
     return 0
+
+
+def cmd_fit(spec: Any, as_json: bool) -> int:
+    """``plan --fit``: the predicted peak HBM per chip of the spec's lora_sft on its slice (computed in the
+    trainer environment, :mod:`loraflow.trainer.fit`); 0 when it fits, 1 when it does not."""
+    from loraflow.spec.fit import lora_sft_slice
+    from loraflow.spec.step_configs import LoraSftConfig
+
+    target = lora_sft_slice(spec.compute_for("lora_sft"))
+    config = LoraSftConfig.from_spec(spec).wire()
+    result = run_fit(config, target.machine_type, target.topology)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(fit_text(spec.name, config, result))
+    return 0 if result["verdict"]["fits"] else 1
+
+
+def run_fit(config: dict[str, Any], machine_type: str, topology: str) -> dict[str, Any]:
+    """``python -m loraflow.trainer.fit`` in the trainer environment: its JSON answer (the control
+    environment never imports JAX)."""
+    import subprocess
+
+    from loraflow.launchers.environments import ENVIRONMENTS
+
+    python = ENVIRONMENTS["trainer"].local_python()
+    argv = [str(python), "-m", "loraflow.trainer.fit", "--config-json", json.dumps(config)]
+    ran = subprocess.run(
+        [*argv, "--machine-type", machine_type, "--topology", topology], capture_output=True, text=True, check=False
+    )
+    lines = ran.stdout.strip().splitlines()
+    try:
+        answer: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        answer = {}
+    if "error" in answer:
+        raise LoraflowError(str(answer["error"]))
+    if ran.returncode != 0 or "verdict" not in answer:
+        tail = "\n".join(ran.stderr.strip().splitlines()[-15:])
+        raise LoraflowError(f"the prediction failed in the trainer environment (exit {ran.returncode}):\n{tail}")
+    return answer
+
+
+def fit_text(name: str, config: dict[str, Any], result: dict[str, Any]) -> str:
+    """What ``plan --fit`` prints: the slice, the peak and its parts, the verdict, the largest batch."""
+    asked, verdict, step = result["asked"], result["verdict"], result["asked"]["step"]
+    per_chip = asked["per_device_batch"]
+    lines = [
+        f"pipeline {name}: lora_sft on {result['describe']}, {_size(result['hbm_bytes'])} of HBM per chip "
+        f"({result['hbm_source']})",
+        f"  batch {config['batch_size']} ({per_chip:g} per chip) x {config['max_length']} tokens, "
+        f"{config['dtype']}, quantization {config['quantization']}: predicted peak {_size(asked['peak_bytes'])} "
+        f"per chip (at least {_size(asked['floor_bytes'])} if the frozen weights the step returns unchanged take "
+        "no memory of their own)",
+        f"    train step (XLA's memory analysis): arguments {_size(step['argument_bytes'])}, outputs "
+        f"{_size(step['output_bytes'] - step['alias_bytes'])} not over donated ones, temporaries "
+        f"{_size(step['temp_bytes'])}; set-up {_size(asked['setup_bytes'])}",
+    ]
+    margin = verdict["margin_bytes"]
+    if verdict["fits"]:
+        lines.append(f"  fits: {_size(margin)} to spare")
+    else:
+        maybe = asked["floor_bytes"] <= result["hbm_bytes"]
+        lines.append(
+            f"  does NOT fit: {_size(-margin)} short"
+            + (
+                f" (it may still run: its floor leaves {_size(result['hbm_bytes'] - asked['floor_bytes'])})"
+                if maybe
+                else ""
+            )
+        )
+    largest = verdict["largest_batch"]
+    if largest > 0:
+        lines.append(
+            f"  largest per-device batch that fits: {largest} (training.batch_size {largest * result['chips']})"
+        )
+    elif largest == 0:
+        lines.append("  no batch fits: not even one row per chip; use more chips or QLoRA (lora.quantization)")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _quote(arg: str) -> str:
@@ -106,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("spec", type=Path)
     pl.add_argument("--run-id", default="RUN_ID", help="run id to show in the artifact URIs")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument(
+        "--fit",
+        action="store_true",
+        help="predict lora_sft's peak HBM per chip on the slice compute.lora_sft names (no chip needed; minutes: "
+        "the train step is compiled for that TPU in the trainer environment); says whether it fits, the margin and "
+        "the largest per-device batch that fits; exit 1 when it does not fit",
+    )
     pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("spec-reference", help="print the spec reference (markdown) generated from the schema")
     r.set_defaults(fn=cmd_spec_reference)

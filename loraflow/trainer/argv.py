@@ -85,19 +85,22 @@ def _data_args(data: PreparedData, tokenizer_dir: Path) -> list[str]:
     ]
 
 
-def _batch_args(cfg: LoraSftConfig) -> list[str]:
-    """The global batch split over every device of every process; rows packed or padded; no shuffle.
+def _batch_args(cfg: LoraSftConfig, devices: int | None = None) -> list[str]:
+    """The global batch split over every device of every process (``devices``: JAX's count, or the
+    slice's when the step is compiled for chips that are not here); rows packed or padded; no shuffle.
 
     ``dtype`` is both MaxText's compute and weight dtype: with bfloat16 activations and float32
     weights, qwix's LoRA branch (float32 factors) promotes a layer's output to float32 and the layer
     scan refuses a carry that changes dtype. The frozen base weights, the LoRA factors and Adam's
     moments are then all held in ``dtype`` (half the memory in bfloat16)."""
-    import jax
+    if devices is None:
+        import jax
 
+        devices = jax.device_count()
     return [
         f"dtype={cfg.dtype}",
         f"weight_dtype={cfg.dtype}",
-        f"per_device_batch_size={cfg.batch_size / jax.device_count()}",
+        f"per_device_batch_size={cfg.batch_size / devices}",
         f"max_target_length={cfg.max_length}",
         f"packing={str(bool(cfg.packing)).lower()}",
         "enable_data_shuffling=false",

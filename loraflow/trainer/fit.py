@@ -1,0 +1,322 @@
+"""Will it fit? lora_sft's peak memory per TPU chip, predicted on a machine with no chip.
+
+MaxText's own ahead-of-time route (``maxtext/trainers/pre_train/train_compile.py``): libtpu describes the
+slice's chips (``jax.experimental.topologies``) without any being there, and XLA compiles for them. Here
+the program compiled is lora_sft's own train step: MaxText's config from the spec's training and LoRA
+settings (:mod:`loraflow.trainer.argv`), the model built as shapes only (MaxText's abstract model, LoRA
+or QLoRA applied under ``nnx.eval_shape`` as the QLoRA host build does), the optimizer MaxText's SFT
+set-up chooses, Tunix's step function jitted as Tunix jits it (the optimizer donated). No weight is
+allocated: an 8B model compiles in about 2 GiB of host memory.
+
+The predicted peak is the larger of the step's and the set-up's:
+
+* the step's: XLA's own peak of the compiled program (its arguments, the outputs not aliased to a
+  donated argument, and its temporaries: ``peak_memory_in_bytes`` of its memory analysis);
+* the set-up's: MaxText's SFT set-up builds the model in the weight dtype on the chips before LoRA is
+  applied (and QLoRA quantizes only then), so the full-precision model plus what LoRA adds; with QLoRA
+  on one chip the model is built in host memory and the chip holds the quantized state and, while it is
+  placed, one more copy of its largest array (:mod:`loraflow.trainer.host_build`).
+
+``python -m loraflow.trainer.fit --config-json CFG --slice v5e-1 --hbm-bytes N`` prints the prediction
+as JSON (what ``loraflow plan --fit`` runs in this environment); :mod:`loraflow.spec.fit` holds the
+arithmetic of fitting and the slices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from loraflow.errors import LoraflowError
+from loraflow.spec import fit as rule
+from loraflow.spec.step_configs import LoraSftConfig, parse
+from loraflow.trainer import argv as mt_argv
+
+MAX_STEP_DOWN = 3  # compiles below a candidate batch that the line put one row too high
+# libtpu, loaded only to describe chips, not to own them: several predictions may run at once (its
+# lock file is for processes that use a chip), and its start-up warnings about a TPU host's
+# metadata (TPU_WORKER_HOSTNAMES, the accelerator type) do not apply.
+LIBTPU_ENV = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """XLA's memory analysis of the compiled train step, per chip."""
+
+    argument_bytes: int  # the model, the optimizer's state, the batch
+    output_bytes: int
+    alias_bytes: int  # outputs written over donated arguments (the optimizer's state)
+    temp_bytes: int  # activations, gradients, scratch
+    peak_bytes: int  # XLA's peak for the program: arguments + outputs - aliased + temporaries
+
+
+@dataclass(frozen=True)
+class Prediction:
+    per_device_batch: float
+    step: StepPeak
+    state_bytes: int  # the trained model's state per chip: base weights (quantized or not), adapter, optimizer
+    setup_bytes: int  # the set-up's peak per chip
+    peak_bytes: int  # max(step, set-up)
+    # max(set-up, the step's arguments + temporaries + the adapter it updates): the peak if the frozen
+    # weights the step returns unchanged take no memory of their own (as measured on v5e with nf4)
+    floor_bytes: int
+
+
+def _bits(dtype: Any) -> int:
+    """Bits per element where the array lives: 4-bit types are packed two to a byte on a TPU."""
+    import jax
+    import numpy as np
+
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # a key of JAX's default PRNG: two uint32
+        return 64
+    name = np.dtype(dtype).name
+    return 4 if name in ("int4", "uint4", "float4_e2m1fn") else np.dtype(dtype).itemsize * 8
+
+
+def _per_chip(tree: Any) -> int:
+    """Bytes per chip of a tree of shapes with shardings (one shard of each array)."""
+    import math
+
+    import jax
+
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not hasattr(leaf, "shape"):
+            continue
+        sharding = getattr(leaf, "sharding", None)
+        shard = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += (math.prod(shard) * _bits(leaf.dtype) + 7) // 8
+    return total
+
+
+def maxtext_config(cfg: LoraSftConfig, slice_name: str, chips: int, per_device_batch: float, work: str) -> Any:
+    """MaxText's config of lora_sft's run, for ``per_device_batch`` rows per chip on the slice
+    ``slice_name`` (MaxText's compile_topology, e.g. v5e-1): the spec's model, training and LoRA settings,
+    no data or checkpoint (shapes only)."""
+    from maxtext.configs import pyconfig
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
+
+    if not cfg.model_name:
+        raise LoraflowError("lora_sft's config names no model (base_model.maxtext_model); the prediction needs one")
+    batch = cfg.model_copy(update={"batch_size": max(1, round(per_device_batch * chips))})
+    argv = [
+        "lora_sft_fit",
+        os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
+        *mt_argv.overrides_args(cfg.model_name, dict(cfg.model_overrides or {})),
+        "hardware=tpu",
+        "skip_jax_distributed_system=true",
+        "scan_layers=true",  # convert_checkpoint's layout (ConvertCheckpointConfig.scan_layers)
+        f"compile_topology={slice_name}",
+        "compile_topology_num_slices=1",
+        *mt_argv._batch_args(batch, devices=chips),  # the stage's own pieces of MaxText's command line
+        *mt_argv._optimizer_args(cfg),
+        *mt_argv._target_args(cfg),
+        *mt_argv._quantization_args(cfg),
+        "jax_cache_dir=",  # no persistent compilation cache: these programs are for chips that are not here
+        f"base_output_directory={work}",
+        f"run_name={mt_argv.RUN_NAME}",
+        "enable_checkpointing=false",
+        "eval_interval=-1",
+        "enable_goodput_recording=false",
+        "monitor_goodput=false",
+        "enable_tensorboard=false",
+    ]
+    return pyconfig.initialize_pydantic(argv)
+
+
+def _sharded(state: Any, shardings: Any) -> Any:
+    import jax
+
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+
+def abstract_trainer(config: Any, mesh: Any) -> tuple[Any, Any]:
+    """(MaxText's SFT trainer over the abstract LoRA model and optimizer, the abstract model before LoRA)."""
+    import jax
+    import optax
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from jax.sharding import NamedSharding
+    from maxtext.optimizers import optimizers
+    from maxtext.trainers.post_train.sft import train_sft
+    from maxtext.utils import lora_utils, maxtext_utils, model_creation_utils, sharding
+
+    create, base = model_creation_utils.create_nnx_abstract_model(config, mesh)
+    with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+        # mesh=None: traced arrays have no sharding to move (as the QLoRA host build applies it)
+        lora = nnx.eval_shape(lambda: lora_utils.apply_lora_to_model(create(), None, config))
+        graphdef, state = nnx.split(lora)
+        model = nnx.merge(graphdef, _sharded(state, sharding.nnx_construct_named_sharding(state, mesh)))
+        # setup_trainer_state's optimizer, schedule and clipping
+        tx = optimizers.get_optimizer(config, maxtext_utils.create_learning_rate_schedule(config), model)
+        if config.gradient_clipping_threshold > 0:
+            tx = optax.chain(optax.clip_by_global_norm(max_norm=config.gradient_clipping_threshold), tx)
+        optimizer_class = nnx.Optimizer
+
+        def abstract_optimizer(model: Any, tx: Any, *, wrt: Any) -> Any:
+            # Tunix makes the optimizer from the model: here as shapes, sharded as Tunix shards it
+            made = nnx.eval_shape(lambda m: optimizer_class(m, tx, wrt=wrt), model)
+            graph, opt_state = nnx.split(made)
+            specs = nnx.get_partition_spec(opt_state)
+            shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
+            return nnx.merge(graph, _sharded(opt_state, shardings))
+
+        nnx.Optimizer = abstract_optimizer  # type: ignore[misc]
+        try:
+            trainer = train_sft.MaxTextPeftTrainer(model, tx, train_sft.get_tunix_config(config))
+        finally:
+            nnx.Optimizer = optimizer_class  # type: ignore[misc]
+        trainer = train_sft.use_maxtext_loss_function(trainer, config)
+    return trainer, base
+
+
+def step_peak(trainer: Any, config: Any, mesh: Any) -> StepPeak:
+    """Tunix's train step (``nnx.jit``, the optimizer donated) compiled for the slice on a batch of shapes
+    sharded as Tunix shards each batch; XLA's memory analysis of it."""
+    import jax
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from jax.sharding import NamedSharding, PartitionSpec
+    from maxtext.utils import maxtext_utils
+
+    batch = maxtext_utils.get_shaped_batch(
+        config, batch_sharding=NamedSharding(mesh, PartitionSpec(*trainer.config.data_sharding_axis))
+    )
+    with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+        step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+        stats = step.lower(trainer.model, trainer.optimizer, batch).compile().memory_analysis()
+    if stats is None:
+        raise LoraflowError("XLA gave no memory analysis for the compiled step (libtpu too old?)")
+    arguments, outputs = int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)
+    alias, temp = int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or arguments + outputs - alias + temp)
+    return StepPeak(arguments, outputs, alias, temp, peak)
+
+
+def setup_peak(cfg: LoraSftConfig, trainer: Any, base: Any, chips: int) -> int:
+    """The set-up's peak per chip (module doc)."""
+    from flax import nnx
+
+    lora_state = nnx.state(trainer.model)
+    if cfg.quantization != "none" and chips == 1:  # built in host memory, placed array by array
+        largest = max((_per_chip(leaf) for leaf in _leaves(lora_state)), default=0)
+        return _per_chip(lora_state) + largest
+    new = _per_chip(nnx.state(trainer.model, nnx.LoRAParam))
+    if cfg.quantization != "none":  # the quantized kernels are made while the full model is alive
+        new = _per_chip(lora_state)
+    return _per_chip(nnx.state(base)) + new
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if hasattr(leaf, "shape")]
+
+
+def known_topology(target: rule.Slice) -> None:
+    """Refuses a slice MaxText has no chips' description for, naming those of the generation it has."""
+    from maxtext.utils import accelerator_to_spec_map as specs
+
+    names = specs.UserFacingNameToSystemCharacteristics
+    if target.maxtext_name in names:
+        return
+    prefix = target.generation.name + ":"
+    same = sorted(
+        {
+            t.removeprefix(prefix)
+            for c in names.values()
+            if (t := str(getattr(c, "topology_name", ""))).startswith(prefix)
+        },
+        key=lambda t: [int(d) for d in t.split("x") if d.isdigit()],
+    )
+    raise LoraflowError(
+        f"compute.lora_sft.tpu_topology {target.topology}: MaxText knows no {target.generation.name} slice of "
+        f"{target.chips} chips ({target.maxtext_name}); set one of {', '.join(same)}"
+    )
+
+
+def predict(cfg: LoraSftConfig, target: rule.Slice, per_device_batch: float) -> Prediction:
+    """The predicted peak per chip of lora_sft's training of ``cfg`` at ``per_device_batch`` on ``target``."""
+    import jax
+    from flax import nnx
+    from maxtext.trainers.pre_train import train_compile
+
+    known_topology(target)
+    with tempfile.TemporaryDirectory(prefix="loraflow-fit-") as work:
+        config = maxtext_config(cfg, target.maxtext_name, target.chips, per_device_batch, work)
+        mesh = train_compile.get_topology_mesh(config)
+        trainer, base = abstract_trainer(config, mesh)
+        step = step_peak(trainer, config, mesh)
+        state = _per_chip(nnx.state(trainer.model)) + _per_chip(nnx.state(trainer.optimizer))
+        adapter = _per_chip(nnx.state(trainer.model, nnx.LoRAParam))
+        setup = setup_peak(cfg, trainer, base, target.chips)
+        del trainer, base
+        jax.clear_caches()
+    floor = max(setup, step.argument_bytes + step.temp_bytes + adapter)
+    return Prediction(per_device_batch, step, state, setup, max(step.peak_bytes, setup), floor)
+
+
+def sizing(cfg: LoraSftConfig, target: rule.Slice, search: bool = True) -> dict[str, Any]:
+    """The prediction at the config's batch and, with ``search``, the largest per-device batch that fits:
+    the peak at a second batch, the line through both (:func:`loraflow.spec.fit.largest_batch`), and the
+    candidate compiled to check it (one row less while it does not fit, at most MAX_STEP_DOWN times)."""
+    hbm = target.generation.hbm_bytes
+    asked = cfg.batch_size / target.chips
+    first = predict(cfg, target, asked)
+    peaks = {asked: first.peak_bytes}
+    largest = None
+    if search:
+        second = asked * 2 if asked >= 1 else 1.0
+        peaks[second] = predict(cfg, target, second).peak_bytes
+        candidate = rule.largest_batch(list(peaks.items()), hbm)
+        compiled = 0
+        while candidate >= 1 and compiled <= MAX_STEP_DOWN:
+            if candidate not in peaks:
+                peaks[candidate] = predict(cfg, target, candidate).peak_bytes
+                compiled += 1
+            if rule.fits(peaks[candidate], hbm):
+                largest = candidate
+                break
+            candidate -= 1
+        if largest is None:  # none left, or the line overshot by more rows than were checked
+            whole = [int(b) for b, p in peaks.items() if float(b).is_integer() and rule.fits(p, hbm)]
+            largest = max(whole, default=0)
+    return {
+        "slice": target.maxtext_name,
+        "describe": target.describe(),
+        "chips": target.chips,
+        "hbm_bytes": hbm,
+        "hbm_source": target.generation.source,
+        "asked": asdict(first),
+        "peaks": sorted([b, p] for b, p in peaks.items()),
+        "verdict": asdict(rule.verdict(first.peak_bytes, hbm, largest if largest is not None else -1)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loraflow.trainer.fit", description=__doc__.splitlines()[0])
+    p.add_argument("--config-json", required=True, help="lora_sft's config (loraflow plan --json shows it)")
+    p.add_argument("--machine-type", required=True, help="compute.lora_sft.machine_type, e.g. ct5lp-hightpu-1t")
+    p.add_argument("--topology", default=None, help="compute.lora_sft.tpu_topology, e.g. 1x1")
+    p.add_argument("--no-search", action="store_true", help="only the asked batch (one compile)")
+    args = p.parse_args(argv)
+    for key, value in LIBTPU_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        cfg = parse(LoraSftConfig, json.loads(args.config_json))
+        target = rule.slice_of(args.machine_type, args.topology)
+        result = sizing(cfg, target, search=not args.no_search)
+    except LoraflowError as exc:
+        print(json.dumps({"error": str(exc)}))
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

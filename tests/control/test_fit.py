@@ -1,0 +1,199 @@
+"""`loraflow plan --fit`: the slice a spec's lora_sft runs on, the arithmetic of fitting, what the command
+prints and refuses. The prediction itself (the step compiled for the TPU) is tests/trainer/test_fit.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow.cli import commands, main
+from loraflow.errors import LoraflowError
+from loraflow.spec import fit
+from loraflow.spec.compute import compute_from
+
+PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
+GIB = 2**30
+TPU = "  lora_sft:\n    launcher: vertex\n    image: us-docker.pkg.dev/acme-ml/loraflow/trainer:0.1.0\n"
+
+
+def _spec(tmp_path: Path, lora_sft: str) -> Path:
+    """tiny-llama-qlora with ``lora_sft`` (YAML lines under compute) as its compute entry."""
+    text = (PIPELINES / "tiny-llama-qlora.yaml").read_text()
+    text = text.replace(
+        "compute:\n  default:\n    launcher: local\n", "compute:\n  default:\n    launcher: local\n" + lora_sft
+    )
+    path = tmp_path / "tiny-llama-qlora.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_slice_is_read_from_the_machine_and_topology() -> None:
+    four = fit.lora_sft_slice(
+        compute_from(launcher="vertex", image="i:1", machine_type="ct5lp-hightpu-4t", tpu_topology="4x4")
+    )
+    assert (four.generation.name, four.chips, four.maxtext_name) == ("v5e", 16, "v5e-16")
+    assert four.generation.hbm_bytes == 16_909_336_064  # the v5e chip's own limit, measured
+    # v4 and v5p slices are named by TensorCores (two a chip), the others by chips
+    assert fit.slice_of("ct5p-hightpu-4t", "2x2x1").maxtext_name == "v5p-8"
+    assert fit.slice_of("ct6e-standard-4t", "2x2").maxtext_name == "v6e-4"
+    # one host and no topology: the host's own shape
+    assert fit.slice_of("ct5lp-hightpu-1t", None).topology == "1x1"
+    assert fit.slice_of("ct5lp-hightpu-8t", None).chips == 8
+    assert fit.slice_of("ct6e-standard-4t", None).describe() == "TPU v6e 2x2 (4 chips)"
+    assert fit.slice_of("ct5lp-hightpu-1t", "1x1").describe() == "TPU v5e 1x1 (1 chip)"
+
+
+def test_a_compute_entry_that_is_no_tpu_is_refused_saying_what_it_is() -> None:
+    from loraflow.spec.compute import LocalCompute
+
+    with pytest.raises(LoraflowError) as err:
+        fit.lora_sft_slice(LocalCompute())
+    assert str(err.value).startswith("compute.lora_sft runs on no TPU (launcher local): --fit predicts")
+    assert str(err.value).endswith(
+        "(launcher vertex or gke, machine_type e.g. ct5lp-hightpu-1t, tpu_topology e.g. 1x1)"
+    )
+    with pytest.raises(LoraflowError, match=r"runs on no TPU \(machine_type n2-highmem-32\)"):
+        fit.lora_sft_slice(compute_from(launcher="vertex", image="i:1", machine_type="n2-highmem-32"))
+    # a TPU entry without a topology: the host's own shape
+    one_host = fit.lora_sft_slice(compute_from(launcher="gke", image="i:1", machine_type="ct5lp-hightpu-4t"))
+    assert (one_host.topology, one_host.chips, one_host.machine_type) == ("2x2", 4, "ct5lp-hightpu-4t")
+
+
+@pytest.mark.parametrize(
+    ("machine", "topology", "says"),
+    [
+        ("ct9x-hightpu-4t", "2x2", "no TPU generation loraflow knows (known: ct5lp-* (v5e), ct6e-* (v6e), ct5p-*"),
+        ("ct5lp-hightpu", None, "tpu_topology is not set for ct5lp-hightpu; set it"),
+        ("ct5lp-hightpu-2t", None, "tpu_topology is not set for ct5lp-hightpu-2t; set it"),
+        ("ct5lp-hightpu-4t", "2x0", "'2x0' is not like 2x2 or 2x2x1"),
+        ("ct5lp-hightpu-4t", "4", "'4' is not like 2x2 or 2x2x1"),
+        ("ct5lp-hightpu-4t", "2x2x2x2", "is not like 2x2"),
+    ],
+)
+def test_a_slice_loraflow_cannot_size_is_refused_naming_the_fix(machine: str, topology: str | None, says: str) -> None:
+    with pytest.raises(LoraflowError, match=r"compute\.lora_sft") as err:
+        fit.slice_of(machine, topology)
+    assert says in str(err.value)
+
+
+def test_largest_batch_is_where_the_line_through_two_peaks_crosses_the_chip() -> None:
+    # 2 GiB of state, 1 GiB a row: 16 GiB holds 14 rows, not 15
+    peaks = [(1.0, 3 * GIB), (2.0, 4 * GIB)]
+    assert fit.largest_batch(peaks, 16 * GIB) == 14
+    assert fit.largest_batch(peaks, 16 * GIB - 1) == 13
+    assert fit.largest_batch([(8.0, 10 * GIB), (2.0, 4 * GIB), (4.0, 6 * GIB)], 16 * GIB) == 14  # the extremes
+    assert fit.largest_batch(peaks, 2 * GIB) == 0  # the state alone fills the chip
+    assert fit.largest_batch(peaks, 3 * GIB) == 1
+    # the batch costing nothing more: the state decides
+    assert fit.largest_batch([(1.0, 5 * GIB), (2.0, 5 * GIB)], 16 * GIB) == 2
+    assert fit.largest_batch([(1.0, 17 * GIB), (2.0, 17 * GIB)], 16 * GIB) == 0
+    # a byte or less a row still grows: the line, not the state alone, decides
+    assert fit.largest_batch([(1.0, 100), (3.0, 101)], 1000) == 1801
+    assert fit.largest_batch([(1.0, 5 * GIB), (2.0, 5 * GIB)], 5 * GIB) == 2  # exactly full fits
+    with pytest.raises(ValueError, match=r"^largest_batch needs the peak at two batches at least$"):
+        fit.largest_batch([(1.0, GIB)], 16 * GIB)
+    with pytest.raises(ValueError, match=r"^largest_batch needs two different batches, got \[1\.0\]$"):
+        fit.largest_batch([(1.0, GIB), (1.0, GIB)], 16 * GIB)
+
+
+def test_the_verdict_says_fits_and_by_how_much() -> None:
+    assert fit.verdict(10 * GIB, 16 * GIB, 14) == fit.Verdict(True, 6 * GIB, 14)
+    assert fit.verdict(16 * GIB, 16 * GIB, 8) == fit.Verdict(True, 0, 8)  # exactly full still fits
+    assert fit.verdict(17 * GIB, 16 * GIB, 3) == fit.Verdict(False, -GIB, 3)
+
+
+def test_fit_on_a_spec_without_tpu_compute_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(PIPELINES / "tiny-llama-lora.yaml"), "--fit"]) == 1
+    err = capsys.readouterr().err
+    assert "compute.lora_sft runs on no TPU (launcher local)" in err
+    assert "machine_type e.g. ct5lp-hightpu-1t, tpu_topology e.g. 1x1" in err
+
+
+def test_fit_on_an_unknown_tpu_names_the_known_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = _spec(tmp_path, TPU + "    machine_type: ct9x-hightpu-4t\n    tpu_topology: 2x2\n")
+    assert main(["plan", str(spec), "--fit"]) == 1
+    assert "ct9x-hightpu-4t: no TPU generation loraflow knows" in capsys.readouterr().err
+
+
+def _answer(fits: bool, largest: int) -> dict[str, Any]:
+    step = {"argument_bytes": 3 * GIB, "output_bytes": 3 * GIB, "alias_bytes": GIB // 2, "temp_bytes": 2 * GIB}
+    peak = 7 * GIB + GIB // 2 if fits else 18 * GIB
+    return {
+        "slice": "v5e-4",
+        "describe": "TPU v5e 2x2 (4 chips)",
+        "chips": 4,
+        "hbm_bytes": 16 * GIB,
+        "hbm_source": "measured",
+        "asked": {
+            "per_device_batch": 2.0,
+            "step": step,
+            "setup_bytes": GIB,
+            "peak_bytes": peak,
+            "floor_bytes": 5 * GIB,
+        },
+        "peaks": [[2.0, peak], [4.0, peak + GIB]],
+        "verdict": {"fits": fits, "margin_bytes": 16 * GIB - peak, "largest_batch": largest},
+    }
+
+
+def test_fit_prints_the_peak_the_verdict_and_the_largest_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asked: dict[str, Any] = {}
+
+    def run_fit(config: dict[str, Any], machine_type: str, topology: str) -> dict[str, Any]:
+        asked.update(config=config, machine_type=machine_type, topology=topology)
+        return _answer(True, 6)
+
+    monkeypatch.setattr(commands, "run_fit", run_fit)
+    spec = _spec(tmp_path, TPU + "    machine_type: ct5lp-hightpu-4t\n    tpu_topology: 2x2\n")
+    assert main(["plan", str(spec), "--fit"]) == 0
+    out = capsys.readouterr().out
+    # the trainer is asked about the spec's own lora_sft config on its slice
+    assert asked["machine_type"] == "ct5lp-hightpu-4t" and asked["topology"] == "2x2"
+    assert asked["config"]["quantization"] == "nf4" and asked["config"]["model_name"] == "llama3.1-8b"
+    assert "lora_sft on TPU v5e 2x2 (4 chips), 16.00 GiB of HBM per chip" in out
+    assert "batch 8 (2 per chip) x 128 tokens, float32, quantization nf4: predicted peak 7.50 GiB per chip" in out
+    assert "at least 5.00 GiB" in out
+    assert "outputs 2.50 GiB not over donated ones, temporaries 2.00 GiB; set-up 1.00 GiB" in out
+    assert "fits: 8.50 GiB to spare" in out
+    assert "largest per-device batch that fits: 6 (training.batch_size 24)" in out
+
+
+def test_fit_says_when_it_does_not_fit_and_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(tmp_path, TPU + "    machine_type: ct5lp-hightpu-4t\n    tpu_topology: 2x2\n")
+    monkeypatch.setattr(commands, "run_fit", lambda *a: _answer(False, 0))
+    assert main(["plan", str(spec), "--fit"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit: 2.00 GiB short (it may still run: its floor leaves 11.00 GiB)" in out
+    assert "no batch fits: not even one row per chip" in out
+    monkeypatch.setattr(commands, "run_fit", lambda *a: _answer(False, 1))
+    assert main(["plan", str(spec), "--fit", "--json"]) == 1
+    assert '"largest_batch": 1' in capsys.readouterr().out
+
+
+def test_a_failed_prediction_is_an_error_not_a_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trainer environment's refusal (e.g. a topology MaxText does not know) reaches the user as it is."""
+    import subprocess
+
+    spec = _spec(tmp_path, TPU + "    machine_type: ct5lp-hightpu-4t\n    tpu_topology: 3x5\n")
+    said = '{"error": "compute.lora_sft.tpu_topology 3x5: MaxText knows no v5e slice of 15 chips"}'
+
+    def ran(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        assert argv[1:3] == ["-m", "loraflow.trainer.fit"] and argv[-2:] == ["--topology", "3x5"]
+        return subprocess.CompletedProcess(argv, 1, said + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", ran)
+    assert main(["plan", str(spec), "--fit"]) == 1
+    assert "error: compute.lora_sft.tpu_topology 3x5: MaxText knows no v5e slice" in capsys.readouterr().err
+    monkeypatch.setattr(
+        subprocess, "run", lambda argv, **kw: subprocess.CompletedProcess(argv, 1, "", "Traceback\nBoom")
+    )
+    assert main(["plan", str(spec), "--fit"]) == 1
+    assert "the prediction failed in the trainer environment (exit 1):\nTraceback\nBoom" in capsys.readouterr().err

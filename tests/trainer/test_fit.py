@@ -1,0 +1,87 @@
+"""Will it fit? lora_sft's train step compiled for a TPU v5e chip on this CPU (libtpu describes the chip,
+none is here), the tiny model's: the prediction grows with the batch, a batch too large is refused with
+the largest that fits named, a slice MaxText does not know is refused naming those it does.
+
+The accuracy against the chip's own measured peaks (1.5 B to 8 B) is bench/fit_bench.py's, not a test:
+docs/benchmarks.md, "Will it fit?"."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from loraflow.errors import LoraflowError
+from loraflow.spec import fit as rule
+from loraflow.spec.schema import load_spec
+from loraflow.spec.step_configs import LoraSftConfig
+
+PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
+V5E = rule.slice_of("ct5lp-hightpu-1t", "1x1")
+
+
+@pytest.fixture(autouse=True)
+def _libtpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraflow.trainer.fit import LIBTPU_ENV
+
+    for key, value in LIBTPU_ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture(scope="module")
+def cfg() -> LoraSftConfig:
+    """The tiny QLoRA pipeline's lora_sft config, as the planner sends it, in bfloat16 (the TPU specs')."""
+    spec = load_spec(PIPELINES / "tiny-llama-qlora.yaml")
+    return LoraSftConfig.from_spec(spec).model_copy(update={"dtype": "bfloat16"})
+
+
+@pytest.fixture(scope="module")
+def two_batches(cfg: LoraSftConfig) -> tuple[object, object]:
+    from loraflow.trainer.fit import predict
+
+    return predict(cfg, V5E, 2.0), predict(cfg, V5E, 8.0)
+
+
+def test_the_prediction_grows_with_the_batch(two_batches: tuple[object, object]) -> None:
+    small, large = two_batches
+    assert dataclasses.is_dataclass(small) and dataclasses.is_dataclass(large)
+    s, big = dataclasses.asdict(small), dataclasses.asdict(large)  # type: ignore[arg-type]
+    # the batch's six int32 arrays of 128 tokens are the only arguments that grow (6 rows more, at most:
+    # the chip pads small arrays to its tiles)
+    assert 0 < big["step"]["argument_bytes"] - s["step"]["argument_bytes"] <= 6 * 6 * 128 * 4
+    assert big["step"]["temp_bytes"] > s["step"]["temp_bytes"]  # activations and their gradients
+    assert big["peak_bytes"] > s["peak_bytes"] >= s["step"]["argument_bytes"] + s["step"]["temp_bytes"]
+    assert s["state_bytes"] == big["state_bytes"] > 0
+    # the optimizer's state is donated: its outputs take no memory of their own
+    assert 0 < s["step"]["alias_bytes"] < s["step"]["output_bytes"]
+    # QLoRA on one chip is built in host memory: the chip's set-up holds about the quantized state
+    assert s["setup_bytes"] < s["peak_bytes"] and s["floor_bytes"] <= s["peak_bytes"]
+
+
+def test_a_batch_too_large_is_refused_with_the_largest_that_fits_named(
+    cfg: LoraSftConfig, two_batches: tuple[object, object]
+) -> None:
+    from loraflow.trainer.fit import predict, sizing
+
+    small, large = (dataclasses.asdict(p) for p in two_batches)  # type: ignore[call-overload]
+    # a chip between the peaks at 2 and 8 rows: batch 8 does not fit, some batch from 2 to 7 does
+    hbm = (small["peak_bytes"] + large["peak_bytes"]) // 2
+    chip = dataclasses.replace(V5E, generation=dataclasses.replace(V5E.generation, hbm_bytes=hbm))
+    result = sizing(cfg.model_copy(update={"batch_size": 8}), chip)
+    verdict, peaks = result["verdict"], dict((b, p) for b, p in result["peaks"])
+    assert verdict["fits"] is False and verdict["margin_bytes"] == hbm - result["asked"]["peak_bytes"] < 0
+    largest = verdict["largest_batch"]
+    assert 2 <= largest < 8
+    assert peaks[largest] <= hbm  # compiled, not only extrapolated
+    above = peaks.get(largest + 1) or predict(cfg, chip, float(largest + 1)).peak_bytes
+    assert above > hbm  # and one row more does not fit
+
+
+def test_a_slice_maxtext_does_not_know_is_refused_naming_those_it_does() -> None:
+    from loraflow.trainer.fit import known_topology
+
+    known_topology(rule.slice_of("ct5lp-hightpu-4t", "4x4"))
+    with pytest.raises(LoraflowError) as err:
+        known_topology(rule.slice_of("ct5lp-hightpu-4t", "3x5"))
+    assert "MaxText knows no v5e slice of 15 chips (v5e-15); set one of 1x1, 2x2, 2x4, 4x4" in str(err.value)
