@@ -3,7 +3,7 @@ none is here), the tiny model's: the prediction grows with the batch, a batch to
 the largest that fits named, a slice MaxText does not know is refused naming those it does.
 
 The accuracy against the chip's own measured peaks (1.5 B to 8 B) is bench/fit_bench.py's, not a test:
-docs/benchmarks.md, "Will it fit?"."""
+docs/production.md, "Will it fit?"."""
 
 from __future__ import annotations
 
