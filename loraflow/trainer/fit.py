@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -53,6 +54,13 @@ class StepPeak:
     alias_bytes: int  # outputs written over donated arguments (the optimizer's state)
     temp_bytes: int  # activations, gradients, scratch
     peak_bytes: int  # XLA's peak for the program: arguments + outputs - aliased + temporaries
+    # False: XLA refused to compile the step, its temporaries alone over the chip's memory (the figures
+    # are then its temporaries as XLA's refusal states them and the rest counted from the shapes)
+    compiled: bool = True
+
+
+# XLA's compile-time refusal: "... the total memory required for HLO temporaries (21.01G) exceeds ..."
+_HBM_OOM = re.compile(r"memory required for HLO temporaries \(([0-9.]+)([KMGT])\)")
 
 
 @dataclass(frozen=True)
@@ -189,13 +197,32 @@ def step_peak(trainer: Any, config: Any, mesh: Any) -> StepPeak:
     )
     with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
         step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
-        stats = step.lower(trainer.model, trainer.optimizer, batch).compile().memory_analysis()
+        lowered = step.lower(trainer.model, trainer.optimizer, batch)
+        try:
+            stats = lowered.compile().memory_analysis()
+        except jax.errors.JaxRuntimeError as exc:
+            refused = _HBM_OOM.search(str(exc))
+            if refused is None:
+                raise
+            temp = int(float(refused.group(1)) * 1024 ** " KMGT".index(refused.group(2)))
+            return _uncompiled(trainer, batch, temp)
     if stats is None:
         raise LoraflowError("XLA gave no memory analysis for the compiled step (libtpu too old?)")
     arguments, outputs = int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)
     alias, temp = int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)
     peak = int(getattr(stats, "peak_memory_in_bytes", 0) or arguments + outputs - alias + temp)
     return StepPeak(arguments, outputs, alias, temp, peak)
+
+
+def _uncompiled(trainer: Any, batch: Any, temp: int) -> StepPeak:
+    """The step XLA refused to compile for the chip: its temporaries as the refusal states them, the
+    arguments (model, optimizer, batch) and outputs (model, optimizer) counted from the shapes, the
+    optimizer's state written over its donated self as in a compiled step."""
+    from flax import nnx
+
+    model, optimizer = _per_chip(nnx.state(trainer.model)), _per_chip(nnx.state(trainer.optimizer))
+    arguments, outputs = model + optimizer + _per_chip(batch), model + optimizer
+    return StepPeak(arguments, outputs, optimizer, temp, arguments + outputs - optimizer + temp, compiled=False)
 
 
 def setup_peak(cfg: LoraSftConfig, trainer: Any, base: Any, chips: int) -> int:

@@ -78,6 +78,22 @@ def test_a_batch_too_large_is_refused_with_the_largest_that_fits_named(
     assert above > hbm  # and one row more does not fit
 
 
+def test_a_step_xla_refuses_for_the_chip_is_a_prediction_over_its_memory(
+    cfg: LoraSftConfig, two_batches: tuple[object, object]
+) -> None:
+    """XLA refuses to compile a step whose temporaries alone exceed the chip (CompileTimeHbmOom): that is a
+    verdict (does not fit, by how much), not a failure."""
+    from loraflow.trainer.fit import predict
+
+    small = dataclasses.asdict(two_batches[0])  # type: ignore[call-overload]
+    huge = predict(cfg, V5E, 65536.0)  # 8.4 M tokens a chip: the logits alone are over 16 GiB
+    assert huge.step.compiled is False and small["step"]["compiled"] is True
+    assert huge.step.temp_bytes > V5E.generation.hbm_bytes  # as XLA's refusal states it
+    assert huge.peak_bytes > huge.step.temp_bytes + huge.state_bytes
+    assert huge.step.argument_bytes > small["step"]["argument_bytes"]  # the batch's shapes counted
+    assert not rule.fits(huge.peak_bytes, V5E.generation.hbm_bytes)
+
+
 def test_a_slice_maxtext_does_not_know_is_refused_naming_those_it_does() -> None:
     from loraflow.trainer.fit import known_topology
 
