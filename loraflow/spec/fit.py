@@ -34,7 +34,7 @@ class Generation:
 _V5E_LIMIT = 16_909_336_064
 _SHARE = _V5E_LIMIT / (16 * GIB)
 GENERATIONS: dict[str, Generation] = {
-    "ct5lp": Generation("v5e", _V5E_LIMIT, 1, "measured on a v5e chip (bytes_limit)"),
+    "ct5lp": Generation("v5e", _V5E_LIMIT, 1, "measured on a v5e chip: its bytes_limit"),
     "ct6e": Generation("v6e", int(32 * GIB * _SHARE), 1, "32 GiB less v5e's reserve (not measured)"),
     "ct5p": Generation("v5p", int(95 * GIB * _SHARE), 2, "95 GiB less v5e's reserve (not measured)"),
     "ct4p": Generation("v4", int(32 * GIB * _SHARE), 2, "32 GiB less v5e's reserve (not measured)"),
