@@ -42,6 +42,18 @@ def _restore(ckpt: Path) -> dict:
     return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v) for path, v in flat}
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Gemma 3 (text layout) and its MaxText conversion, made once for the module's tests that only
+    read them (``hf``, ``text``: the converted checkpoint's folder)."""
+    from loraflow.steps import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("gemma3")
+    hf = tinymodel.create(root / "hf", family="gemma3")
+    convert_checkpoint.convert(hf, root / "text", TINY.maxtext_model, TINY.maxtext_overrides)
+    return {"hf": hf, "text": root / "text"}
+
+
 def _released_layout(text_only: Path, dest: Path, image_rows: int = 0) -> Path:
     """The tiny model as Google releases Gemma 3 12B/27B: a multimodal config whose text_config is the
     language model's, and its tensors under language_model.model.* (no vision tower: MaxText's text
@@ -68,16 +80,15 @@ def _released_layout(text_only: Path, dest: Path, image_rows: int = 0) -> Path:
     return dest
 
 
-def test_the_converted_checkpoint_is_gemma3s_definition_in_either_layout(tmp_path: Path) -> None:
+def test_the_converted_checkpoint_is_gemma3s_definition_in_either_layout(converted: dict, tmp_path: Path) -> None:
     import ml_dtypes
     import numpy as np
     from safetensors.numpy import load_file
 
     from loraflow.steps import convert_checkpoint
 
-    hf = tinymodel.create(tmp_path / "hf", family="gemma3")
-    convert_checkpoint.convert(hf, tmp_path / "text", TINY.maxtext_model, TINY.maxtext_overrides)
-    mt = _restore(tmp_path / "text")
+    hf = converted["hf"]
+    mt = _restore(converted["text"])
     w = load_file(str(hf / "model.safetensors"))
 
     assert not any("lm_head" in k or "logits_dense" in k for k in mt)  # tied: the embedding is the output
@@ -228,7 +239,7 @@ def test_the_tiny_tokenizer_has_gemmas_turn_tokens_and_template(tmp_path: Path) 
     assert "Answer with a number.\n\nWhat is 4+4?" in texts[1]  # the system turn, folded into the user's
 
 
-def test_maxtexts_forward_applies_the_sliding_window_as_the_model_defines_it(tmp_path: Path) -> None:
+def test_maxtexts_forward_applies_the_sliding_window_as_the_model_defines_it(converted: dict, tmp_path: Path) -> None:
     """The converted tiny Gemma 3 in MaxText (as lora_sft trains it: scanned, dot_product attention)
     scores a prompt four windows long as the independent numpy Gemma 3 with its 16-token window does,
     not as the same model without it. vLLM's side: tests/serving/test_gemma3_serving.py."""
@@ -244,8 +255,7 @@ def test_maxtexts_forward_applies_the_sliding_window_as_the_model_defines_it(tmp
     from loraflow.steps import convert_checkpoint
     from loraflow.trainer.argv import overrides_args
 
-    hf = tinymodel.create(tmp_path / "hf", family="gemma3")
-    convert_checkpoint.convert(hf, tmp_path / "mt", TINY.maxtext_model, TINY.maxtext_overrides)
+    hf = converted["hf"]
     cfg, weights = json.loads((hf / "config.json").read_text()), load_file(str(hf / "model.safetensors"))
     window = cfg["sliding_window"]
     ids = [1, *np.random.default_rng(0).integers(5, cfg["vocab_size"], 4 * window - 1).tolist()]
@@ -263,7 +273,7 @@ def test_maxtexts_forward_applies_the_sliding_window_as_the_model_defines_it(tmp
     argv += ["skip_jax_distributed_system=true", "scan_layers=true", "attention=dot_product", "dtype=float32"]
     argv += [
         f"max_target_length={len(ids)}",
-        f"load_parameters_path={tmp_path / 'mt' / convert_checkpoint.PARAMS_RELPATH}",
+        f"load_parameters_path={converted['text'] / convert_checkpoint.PARAMS_RELPATH}",
     ]
     argv += ["enable_checkpointing=false", f"base_output_directory={tmp_path / 'run'}", "run_name=forward"]
     config = pyconfig.initialize(argv)
