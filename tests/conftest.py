@@ -22,6 +22,21 @@ def spec_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own persistent JAX compilation cache, empty at start, never the user's ~/jax_cache
+    (tests/jax_cache.py): every process of the session (step programs, the hosts of a multi-host job,
+    Airflow's workers) compiles each program once and reads it back after."""
+    from tests import jax_cache
+
+    folder = tmp_path_factory.mktemp("jax-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        for name in (jax_cache.DIR_ENV, jax_cache.MIN_SECONDS_ENV):
+            mp.setenv(name, os.environ.get(name, ""))  # restored at the end of the session
+        jax_cache.point_at(folder)
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def gcs_emulator() -> Iterator[local_gcs.Emulator]:
     """A GCS emulator on 127.0.0.1 for the whole session; the client library is pointed at it."""

@@ -56,7 +56,9 @@ SMOKE_STAGES = (
 )
 RESULTS = REPO / "bench" / "results" / "images.json"
 # The step's environment minus what names this machine: the image sets its own PATH and PYTHONPATH.
-HOST_ONLY = frozenset({"PATH", "HOME", "PYTHONPATH", "TMPDIR", "LORAFLOW_ENVS_DIR", "LORAFLOW_SCRATCH"})
+HOST_ONLY = frozenset(
+    {"PATH", "HOME", "PYTHONPATH", "TMPDIR", "LORAFLOW_ENVS_DIR", "LORAFLOW_SCRATCH", "JAX_COMPILATION_CACHE_DIR"}
+)
 # One DAG per spec and the registry's DAG, with no import error: the DAG processor's view inside the image.
 DAG_PARSE = """
 import json, pathlib

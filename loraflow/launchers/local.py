@@ -84,6 +84,10 @@ _PASSTHROUGH = (
     "LORAFLOW_ENVS_DIR",
     "JAX_PLATFORMS",
     "XLA_FLAGS",
+    # JAX's persistent compilation cache, where the worker's deployer sets one (the test suite: a folder
+    # of its session, every compilation kept; loraflow.trainer.argv.compile_cache_args)
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
     "LORAFLOW_FAULT",
     "LORAFLOW_FAULT_STATE",
     "LORAFLOW_LOG_LEVEL",

@@ -45,7 +45,7 @@ from loraflow import models
 from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import ConvertCheckpointConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
-from loraflow.trainer.argv import hardware_args, overrides_args
+from loraflow.trainer.argv import compile_cache_args, hardware_args, overrides_args
 from loraflow.trainer.converted import CHECKPOINT_JSON
 
 Progress = Callable[[str], None]  # a line for the task log after each tensor is written
@@ -149,6 +149,7 @@ def _converter_args(
         "to_maxtext",
         *overrides_args(model_name, overrides),
         *hardware_args(config.get("hardware")),
+        *compile_cache_args(),
         f"scan_layers={str(bool(scan_layers)).lower()}",
         f"base_output_directory={out_dir / CKPT_SUBDIR}",
         "run_name=convert",

@@ -46,6 +46,19 @@ def hardware_args(hardware: str | None) -> list[str]:
     return args
 
 
+def compile_cache_args() -> list[str]:
+    """Where JAX's persistent compilation cache lies: ``JAX_COMPILATION_CACHE_DIR`` when the step's
+    environment names one, else MaxText's ``jax_cache_dir`` default (``~/jax_cache``).
+
+    MaxText points the cache at its ``jax_cache_dir`` whatever JAX's own variable says, so the variable is
+    passed on here. The test suite sets it to a folder of its session (``tests/conftest.py``: every step
+    program of the run compiles the tiny model's programs once); the local launcher passes it through
+    from the worker. A spec cannot set it (``loraflow.spec.env_rules``: the cache holds native code that
+    is run as found)."""
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    return [f"jax_cache_dir={folder}"] if folder else []
+
+
 def sft_argv(
     cfg: LoraSftConfig, model: ConvertedModel, data: PreparedData, tokenizer_dir: Path, base_output: str
 ) -> list[str]:
@@ -57,6 +70,7 @@ def sft_argv(
         os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
         *overrides_args(model.name, model.overrides),
         *hardware_args(cfg.hardware),
+        *compile_cache_args(),
         f"scan_layers={str(bool(model.scan_layers)).lower()}",
         f"load_parameters_path={model.parameters_path}",
         *_data_args(data, tokenizer_dir),

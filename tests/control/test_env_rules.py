@@ -103,7 +103,8 @@ def test_every_variable_the_launchers_set_themselves_is_refused(monkeypatch: pyt
     (but the tunables a spec may set, which the launchers merely default)."""
     candidates = ["PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT",
                   "GOOGLE_APPLICATION_CREDENTIALS", "LORAFLOW_SCRATCH", "LORAFLOW_ENVS_DIR", "LORAFLOW_FAULT",
-                  "LORAFLOW_FAULT_STATE", "JAX_PLATFORMS", "XLA_FLAGS", "LORAFLOW_LOG_LEVEL"]  # fmt: skip
+                  "LORAFLOW_FAULT_STATE", "JAX_PLATFORMS", "XLA_FLAGS", "LORAFLOW_LOG_LEVEL", "JAX_COMPILATION_CACHE_DIR",
+                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]  # fmt: skip
     for name in candidates:
         monkeypatch.setenv(name, os.environ.get(name, "x"))
     compute = compute_from(**VERTEX, hosts=2)

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("maxtext")
 
 from loraflow.steps._harness import StepContext
+from tests.jax_cache import compiled_afresh
 
 TRAINING = {"rank": 8, "alpha": 16.0, "seed": 0, "batch_size": 8, "max_length": 64, "learning_rate": 3e-3}
 
@@ -164,10 +165,11 @@ def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, quantiza
     assert any("restored into host memory" in n for n in notes) and any("model placed on" in n for n in notes)
 
 
-def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(converted):
+def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(converted, tmp_path):
     """Quantizing on the host is one compiled program over the whole layer stack; its scratch must stay
     about one layer's, whatever the depth (an 8B model's stack in f32 is ~30 GiB: more than a TPU host
-    has beside the model). Compiled from shapes only, for a 16-layer model: nothing is allocated."""
+    has beside the model). Compiled from shapes only, for a 16-layer model: nothing is allocated (and
+    compiled here, not read from the session's compilation cache)."""
     import jax
     import qwix
     from flax import nnx
@@ -195,7 +197,7 @@ def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(convert
         _, abstract = model_creation_utils.create_nnx_abstract_model(config, devices=host)
         qwix.apply_lora_to_model = compile_only
         try:
-            with jax.set_mesh(abstract.mesh), pytest.raises(Compiled):
+            with compiled_afresh(tmp_path / "jax-cache"), jax.set_mesh(abstract.mesh), pytest.raises(Compiled):
                 lora_utils.apply_lora_to_model(abstract, abstract.mesh, config)
         finally:
             qwix.apply_lora_to_model = eager

@@ -24,6 +24,7 @@ pytest.importorskip("maxtext")
 
 from loraflow.dev import tinymodel
 from loraflow.steps._harness import StepContext
+from tests.jax_cache import compiled_afresh
 from tests.tensorboard_events import scalars
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,7 +165,8 @@ def trained(base):
     root = base["root"] / "sft1"
     inputs = {"checkpoint": base["ckpt"], "dataset": base["dataset"], "tokenizer": base["hf"]}
     ctx = _ctx(root, "lora_sft", inputs, dict(SFT), str(base["root"] / "remote" / "lora_sft"))
-    with pytest.MonkeyPatch.context() as mp:
+    # compiled here, not read from the session's compilation cache: its first step's time is checked
+    with pytest.MonkeyPatch.context() as mp, compiled_afresh(root / "jax-cache"):
         clock = _hook_clock(mp)
         summary = lora_sft.run(ctx)
     return {"ctx": ctx, "summary": summary, "inputs": inputs, "clock": clock}
@@ -250,7 +252,8 @@ def test_qlora_nf4_trains_exports_and_merges_into_the_full_precision_base(base, 
         str(tmp_path / "remote"),
     )
     ctx.progress = lines.append  # type: ignore[method-assign]
-    s = lora_sft.run(ctx)
+    with compiled_afresh(tmp_path / "jax-cache"):  # its compiled train step's memory is checked
+        s = lora_sft.run(ctx)
     # The model as it trained (quantized base + adapter) answered the first 40 eval prompts itself.
     answers = [json.loads(line) for line in (ctx.out / "quantized_answers.jsonl").read_text().splitlines()]
     references = [json.loads(line)["completion"] for line in (PARITY / "eval.jsonl").read_text().splitlines()]
@@ -455,9 +458,29 @@ def test_maxtext_never_starts_the_distributed_system_itself(base, hardware):
     argv = sft_argv(cfg, model, data, base["hf"], str(base["root"] / f"argv-{hardware}"))
     assert "skip_jax_distributed_system=true" in argv and f"hardware={hardware}" in argv
     if hardware == "cpu":
+        import jax
+
         mt = pyconfig.initialize_pydantic(argv)
         assert mt.skip_jax_distributed_system is True
         assert {str(mt.dtype).lower(), str(mt.weight_dtype).lower()} == {"dtype.bfloat16"}
+        # MaxText points JAX's compilation cache at its jax_cache_dir (~/jax_cache unless told): here the
+        # folder the environment names, the session's own (tests/conftest.py)
+        assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
+def test_the_compilation_cache_a_step_is_given_is_the_one_maxtext_uses(monkeypatch, tmp_path):
+    """JAX_COMPILATION_CACHE_DIR (the worker's, passed through by the local launcher) reaches MaxText as its
+    jax_cache_dir in both trainer steps' command lines; without it MaxText keeps its own default."""
+    from loraflow.steps.convert_checkpoint import _converter_args
+    from loraflow.trainer.argv import compile_cache_args
+
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    assert compile_cache_args() == [f"jax_cache_dir={tmp_path}"]
+    assert f"jax_cache_dir={tmp_path}" in _converter_args(tmp_path, "llama3.1-8b", OVERRIDES, True, {})
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert not any(
+        a.startswith("jax_cache_dir=") for a in _converter_args(tmp_path, "llama3.1-8b", OVERRIDES, True, {})
+    )
 
 
 def test_a_step_lasts_from_the_previous_step_end_to_its_own():
