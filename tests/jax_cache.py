@@ -6,7 +6,8 @@ run and read back by every later training, conversion and step program of the ru
 in the processes it starts (the step programs pass the folder on to MaxText:
 ``loraflow.trainer.argv.compile_cache_args``). What is kept is keyed by the program, its compile options
 and the JAX/XLA version, so a changed program compiles again; a test that checks what a compilation
-takes or makes compiles inside :func:`compiled_afresh`.
+takes or makes compiles inside :func:`compiled_afresh`; one whose program must meet no persistent cache at
+all (as ``plan --fit`` runs) inside :func:`uncached`.
 """
 
 from __future__ import annotations
@@ -49,3 +50,19 @@ def compiled_afresh(scratch: Path) -> Iterator[None]:
     finally:
         point_at(session)
         shutil.copytree(scratch, session, dirs_exist_ok=True)
+
+
+@contextmanager
+def uncached() -> Iterator[None]:
+    """Inside, this process neither reads nor keeps any compilation (``plan --fit`` compiles for chips that are
+    not here with no persistent cache: ``loraflow.trainer.fit``); the session's cache again afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()

@@ -8,6 +8,7 @@ docs/production.md, "Will it fit?"."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,18 @@ from loraflow.errors import LoraflowError
 from loraflow.spec import fit as rule
 from loraflow.spec.schema import load_spec
 from loraflow.spec.step_configs import LoraSftConfig
+from tests import jax_cache
 
 PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 V5E = rule.slice_of("ct5lp-hightpu-1t", "1x1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_compilation_cache() -> Iterator[None]:
+    """The steps compiled here, as plan --fit compiles them: never read from or kept in the session's
+    persistent compilation cache (tests/jax_cache.py)."""
+    with jax_cache.uncached():
+        yield
 
 
 @pytest.fixture(autouse=True)
