@@ -74,12 +74,16 @@ def sft_argv(
         f"scan_layers={str(bool(model.scan_layers)).lower()}",
         f"load_parameters_path={model.parameters_path}",
         *_data_args(data, tokenizer_dir),
-        *_batch_args(cfg),
-        *_optimizer_args(cfg),
+        *training_args(cfg),
         *_output_args(cfg, base_output),
-        *_target_args(cfg),
-        *_quantization_args(cfg),
     ]
+
+
+def training_args(cfg: LoraSftConfig, devices: int | None = None) -> list[str]:
+    """The spec's training and LoRA settings as MaxText's: the batch (split over ``devices``, see
+    :func:`_batch_args`), the optimizer, LoRA's targets and quantization. lora_sft's command line and
+    ``plan --fit``'s compile (:mod:`loraflow.trainer.fit`) both take them from here."""
+    return [*_batch_args(cfg, devices), *_optimizer_args(cfg), *_target_args(cfg), *_quantization_args(cfg)]
 
 
 def _data_args(data: PreparedData, tokenizer_dir: Path) -> list[str]:

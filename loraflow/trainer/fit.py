@@ -17,8 +17,8 @@ The predicted peak is the larger of the step's and the set-up's:
   on one chip the model is built in host memory and the chip holds the quantized state and, while it is
   placed, one more copy of its largest array (:mod:`loraflow.trainer.host_build`).
 
-``python -m loraflow.trainer.fit --config-json CFG --slice v5e-1 --hbm-bytes N`` prints the prediction
-as JSON (what ``loraflow plan --fit`` runs in this environment); :mod:`loraflow.spec.fit` holds the
+``python -m loraflow.trainer.fit --config-json CFG --machine-type ct5lp-hightpu-1t --topology 1x1`` prints
+the prediction as JSON (what ``loraflow plan --fit`` runs in this environment); :mod:`loraflow.spec.fit` holds the
 arithmetic of fitting and the slices.
 """
 
@@ -121,10 +121,7 @@ def maxtext_config(cfg: LoraSftConfig, slice_name: str, chips: int, per_device_b
         "scan_layers=true",  # convert_checkpoint's layout (ConvertCheckpointConfig.scan_layers)
         f"compile_topology={slice_name}",
         "compile_topology_num_slices=1",
-        *mt_argv._batch_args(batch, devices=chips),  # the stage's own pieces of MaxText's command line
-        *mt_argv._optimizer_args(cfg),
-        *mt_argv._target_args(cfg),
-        *mt_argv._quantization_args(cfg),
+        *mt_argv.training_args(batch, devices=chips),  # the stage's own training settings
         "jax_cache_dir=",  # no persistent compilation cache: these programs are for chips that are not here
         f"base_output_directory={work}",
         f"run_name={mt_argv.RUN_NAME}",
