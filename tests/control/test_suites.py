@@ -374,6 +374,14 @@ def _evaluation(folder: Path, task_pattern: str, suites_scored: dict[str, Any]) 
     return folder
 
 
+def _no_suite(side: str) -> str:
+    """The gate's refusal, whole, of an evaluation (``side``: base_eval or tuned_eval) that scored no gsm8k."""
+    return (
+        rf"^{side}: the evaluation scored no suite 'gsm8k', but gate.guard.suite asks for it; re-run its "
+        r"evaluate stage with this spec \(evaluation.suites is part of its cache key\)$"
+    )
+
+
 def test_the_gate_step_refuses_a_model_that_lost_ground_on_a_guarding_suite(tmp_path: Path, make_ctx: Callable) -> None:
     config = {"min_improvement": 0.3, "guard": {"suite": "gsm8k", "max_drop": 0.05}}
     base = {"gsm8k": _entry([1] * 60 + [0] * 40)}
@@ -391,11 +399,7 @@ def test_the_gate_step_refuses_a_model_that_lost_ground_on_a_guarding_suite(tmp_
     inputs["tuned_eval"] = _evaluation(tmp_path / "t2", "1" * 95 + "0" * 5, {"gsm8k": _entry([1] * 58 + [0] * 42)})
     assert gate.run(make_ctx("gate", inputs, config))["promote"] is True
     inputs["tuned_eval"] = _evaluation(tmp_path / "t3", "1" * 95 + "0" * 5, {})
-    with pytest.raises(
-        GateError,
-        match=r"^tuned_eval: the evaluation scored no suite 'gsm8k', but gate.guard.suite asks for it; re-run its "
-        r"evaluate stage with this spec \(evaluation.suites is part of its cache key\)$",
-    ):
+    with pytest.raises(GateError, match=_no_suite("tuned_eval")):
         gate.run(make_ctx("gate", inputs, config))
 
 
@@ -426,9 +430,5 @@ def test_the_gate_steps_suite_guard_takes_the_specs_settings_and_names_an_evalua
     )  # fmt: skip
     assert default_seed.ci != expected.ci  # the seed is not the default's by accident
     inputs["base_eval"] = _evaluation(tmp_path / "b2", "0" * 20 + "1" * 20, {})
-    with pytest.raises(
-        GateError,
-        match=r"^base_eval: the evaluation scored no suite 'gsm8k', but gate.guard.suite asks for it; re-run its "
-        r"evaluate stage with this spec \(evaluation.suites is part of its cache key\)$",
-    ):
+    with pytest.raises(GateError, match=_no_suite("base_eval")):
         gate.run(make_ctx("gate", inputs, config))
