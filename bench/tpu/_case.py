@@ -229,9 +229,13 @@ def _random_init(size: str, root: Path, hf_dir: Path) -> dict[str, Any]:
     return {"parameters": parameters(SIZES[size]), "init": "random"}
 
 
-def _step_clock(ends: list[float]) -> None:
+def _step_clock(ends: list[float], memory: list[list[int]]) -> None:
     """MaxText's SFT hooks, with each step's end time read into ``ends`` (the same clock for both modes:
-    loraflow's hooks subclass whatever ``SFTTrainingHooks`` is when the stage builds its trainer)."""
+    loraflow's hooks subclass whatever ``SFTTrainingHooks`` is when the stage builds its trainer) and the
+    chip's memory then into ``memory``: bytes in use, the peak so far, and the arrays Python holds on the
+    chip (their bytes and count). Tunix keeps up to ``max_inflight_computations`` steps queued on the chip,
+    so what is in use beyond the held arrays is the queued steps' outputs and scratch."""
+    import jax
     from maxtext.trainers.post_train.sft import hooks as sft_hooks
 
     base = sft_hooks.SFTTrainingHooks
@@ -240,9 +244,30 @@ def _step_clock(ends: list[float]) -> None:
         def on_train_step_end(self, *args: Any, **kwargs: Any) -> Any:
             out = super().on_train_step_end(*args, **kwargs)
             ends.append(time.perf_counter())
+            stats = jax.devices()[0].memory_stats() or {}
+            held = [a for a in jax.live_arrays() if not a.is_deleted()]
+            memory.append(
+                [
+                    int(stats.get("bytes_in_use", 0)),
+                    int(stats.get("peak_bytes_in_use", 0)),
+                    sum(int(a.nbytes) for a in held),
+                    len(held),
+                ]
+            )
             return out
 
     sft_hooks.SFTTrainingHooks = Clocked
+
+
+def _inflight(steps: int) -> None:
+    """At most ``steps`` train steps queued on the chip (Tunix's ``max_inflight_computations``, 2 unless
+    MaxText's config says otherwise), for both modes: MaxText's set-up reads its Tunix config here."""
+    import dataclasses
+
+    from maxtext.trainers.post_train.sft import train_sft
+
+    made = train_sft.get_tunix_config
+    train_sft.get_tunix_config = lambda config: dataclasses.replace(made(config), max_inflight_computations=steps)
 
 
 def _own_compile_cache(folder: Path) -> None:
@@ -256,7 +281,8 @@ def _own_compile_cache(folder: Path) -> None:
 
 
 def run_name(case: dict[str, Any]) -> str:
-    return f"{case['size']}-{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}"
+    queued = f"-inflight{case['inflight']}" if "inflight" in case else ""
+    return f"{case['size']}-{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}{queued}"
 
 
 def _context(root: Path, case: dict[str, Any], config: dict[str, Any]) -> Any:
@@ -283,7 +309,10 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
     ctx = _context(root, case, config)
     _own_compile_cache(root / "runs" / run_name(case) / "jax_cache")
     ends: list[float] = []
-    _step_clock(ends)
+    memory: list[list[int]] = []
+    _step_clock(ends, memory)
+    if "inflight" in case:
+        _inflight(int(case["inflight"]))
     t = time.perf_counter()
     said: list[tuple[float, str, int | None]] = []  # when the stage said what (and the chip's peak then)
     say = ctx.progress
@@ -317,6 +346,7 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
         "step_s_median": statistics.median(gaps) if gaps else None,
         "step_s_mean": statistics.mean(gaps) if gaps else None,
         "step_s_all": [round(g, 5) for g in gaps],
+        "memory_by_step": memory,  # per step end: [bytes in use, peak so far, bytes held, arrays held]
         "tokens_per_step": tokens,
         "flops_per_token": model_flops_per_token(SIZES[size], seq),
         "parameters": parameters(SIZES[size]),

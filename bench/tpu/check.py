@@ -73,7 +73,15 @@ def phases() -> dict[str, list[dict[str, Any]]]:
     # The moonshot: QLoRA of an 8B Llama-3.1-shaped model from a converted checkpoint, through lora_sft,
     # which builds and quantizes the model in host memory on one chip (its prepare takes most of a call).
     moonshot = [{"kind": "prepare", "size": "8b"}, _train("8b", "loraflow", "bfloat16", "nf4", 8)]
-    return {"tiny": tiny, **large, "8b": frontier, "8b-qlora": moonshot, **serving()}
+    # Where the step's peak comes from: the 1.5 B model's LoRA, nf4 and int8 steps, each step's memory
+    # recorded, with Tunix's default two steps queued on the chip and with one (plan --fit's question).
+    memory = [
+        {"kind": "prepare", "size": "1b"},
+        *[_train("1b", "loraflow", "bfloat16", q, 10) for q in ("none", "nf4", "int8")],
+        {**_train("1b", "loraflow", "bfloat16", "none", 10), "inflight": 1},
+        {**_train("1b", "loraflow", "bfloat16", "nf4", 10), "inflight": 1},
+    ]
+    return {"tiny": tiny, **large, "8b": frontier, "8b-qlora": moonshot, "memory": memory, **serving()}
 
 
 def _evaluate(name: str, model: str, dtype: str, **extra: Any) -> dict[str, Any]:
