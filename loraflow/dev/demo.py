@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.dev import local_gcs, local_postgres, stack_guard
+from loraflow.dev.db_template import DATABASE, DB_TEMPLATE_ENV, db_template, sqlite_url
 from loraflow.dev.local_celery import HOSTNAME_ENV, Broker, CeleryWorkers, start_broker
 from loraflow.dev.process_groups import end_groups
 from loraflow.dev.separate_hosts import host_dirs
@@ -208,7 +209,7 @@ class LocalAirflow:
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": str(parallelism),
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database_url or f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database_url or sqlite_url(home),
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__API__BASE_URL": self.url,
@@ -288,7 +289,7 @@ class LocalAirflow:
     def start(self, timeout: float = 420) -> None:  # generous: a loaded machine starts it slowly
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        subprocess.run([self.airflow, "db", "migrate"], env=self.env, check=True, stdout=subprocess.DEVNULL)
+        self._migrate()
         if self.celery is not None:
             self.broker = start_broker(self.home / "redis", self.broker_port, env=self.env)
             stack_guard.record(self.env, self.broker.process.pid)  # Redis renames itself: the marker is lost
@@ -308,6 +309,16 @@ class LocalAirflow:
             except (OSError, LoraflowError):
                 time.sleep(2)
         raise LoraflowError(f"Airflow did not come up on {self.url} within {timeout:.0f} s; see {logs}")
+
+    def _migrate(self) -> None:
+        """``airflow db migrate``, or, for a new SQLite database with ``$LORAFLOW_AIRFLOW_DB_TEMPLATE`` set,
+        a copy of the database the first such stack migrated in that folder (``loraflow.dev.db_template``)."""
+        template = os.environ.get(DB_TEMPLATE_ENV)
+        on_sqlite = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == sqlite_url(self.home)
+        if template and on_sqlite and not (self.home / DATABASE).exists():
+            db_template(Path(template), Path(self.airflow)).copy_to(self.home)
+            return
+        subprocess.run([self.airflow, "db", "migrate"], env=self.env, check=True, stdout=subprocess.DEVNULL)
 
     def _warm_execution_api(self) -> None:
         """The API server builds its execution API (what task processes call) on the first request to
