@@ -199,6 +199,10 @@ TARGETS: dict[str, Target] = {
     "lanes": Target("control", ["loraflow/dev/lanes.py"], ["tests/control/test_lanes.py"], default=False),
     # plan --fit's arithmetic and slices (the prediction itself compiles for a TPU: tests/trainer/test_fit.py).
     "fit": Target("control", ["loraflow/spec/fit.py"], ["tests/control/test_fit.py"], default=False),
+    # The end-to-end stacks' one migrate per test run (its copies' paths and keys, when a stack copies).
+    "db_template": Target(
+        "control", ["loraflow/dev/db_template.py"], ["tests/control/test_db_template.py"], default=False
+    ),
     "stages": Target(
         "control",
         ["operators/stages.py"],

@@ -5,8 +5,11 @@ end-to-end stack runs (tests/e2e)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,8 @@ from loraflow.errors import LoraflowError
 FAKE_MIGRATE = """#!/bin/sh
 [ "$1 $2" = "db migrate" ] || exit 2
 echo migrate "$AIRFLOW_HOME" >> "{calls}"
+echo "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN $AIRFLOW__CORE__LOAD_EXAMPLES" >> "{calls}.env"
+[ -e "$AIRFLOW_HOME/../fail" ] && exit 3
 cat > "$AIRFLOW_HOME/airflow.cfg" <<CFG
 [core]
 dags_folder = $AIRFLOW_HOME/dags
@@ -55,7 +60,7 @@ def options(config: Path) -> dict[str, str]:
 
 
 def test_a_copy_is_what_migrate_in_its_own_home_writes_with_secrets_of_its_own(tmp_path: Path, airflow: Path) -> None:
-    template = db_template.db_template(tmp_path / "template", airflow)
+    template = db_template.db_template(tmp_path / "session" / "template", airflow)  # its parent made too
     first, second = tmp_path / "stack-1" / "airflow", tmp_path / "stack-2" / "airflow"
     template.copy_to(first)
     template.copy_to(second)
@@ -67,22 +72,38 @@ def test_a_copy_is_what_migrate_in_its_own_home_writes_with_secrets_of_its_own(t
     assert str(template.home) not in (first / "airflow.cfg").read_text()
     for secret in ("fernet_key", "secret_key", "jwt_secret"):
         assert copied[secret] not in (made[secret], options(second / "airflow.cfg")[secret]), secret
-    assert len(copied["fernet_key"]) == 44  # a Fernet key: 32 bytes, URL-safe base64
+    assert len(base64.urlsafe_b64decode(copied["fernet_key"])) == 32  # as Fernet.generate_key() makes one
+    assert len(base64.b64decode(copied["secret_key"])) == len(base64.b64decode(copied["jwt_secret"])) == 16
     assert stat.S_IMODE((first / "airflow.cfg").stat().st_mode) == 0o600  # it holds the keys
     assert (first / "airflow.db").read_bytes() == (template.home / "airflow.db").read_bytes()
     assert calls(tmp_path) == [f"migrate {template.home}"]
 
 
 def test_the_template_is_migrated_once_and_again_after_a_migrate_that_did_not_finish(
-    tmp_path: Path, airflow: Path
+    tmp_path: Path, airflow: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "postgresql://someone-elses/airflow")
+    monkeypatch.setattr(sys, "executable", str(airflow.with_name("python")))  # the airflow beside this Python
     folder = tmp_path / "template"
-    db_template.db_template(folder, airflow)
-    db_template.db_template(folder, airflow)
+    db_template.db_template(folder)
+    db_template.db_template(folder)
     assert len(calls(tmp_path)) == 1
+    # its own SQLite database, never the one the environment names; no example DAGs
+    assert (tmp_path / "calls.env").read_text() == f"sqlite:///{folder / 'home' / 'airflow.db'} False\n"
     (folder / "home" / "migrated").unlink()  # as a migrate killed half-way leaves it
-    db_template.db_template(folder, airflow)
+    db_template.db_template(folder)
     assert len(calls(tmp_path)) == 2
+
+
+def test_a_migrate_that_failed_stops_the_stack_and_leaves_no_template(tmp_path: Path, airflow: Path) -> None:
+    folder = tmp_path / "template"
+    folder.mkdir()
+    (folder / "fail").touch()
+    with pytest.raises(subprocess.CalledProcessError):
+        db_template.db_template(folder, airflow)
+    (folder / "fail").unlink()
+    db_template.db_template(folder, airflow)
+    assert len(calls(tmp_path)) == 2  # made again, not taken from the failed try
 
 
 def test_a_config_airflow_wrote_differently_is_refused_not_copied_with_the_templates_keys(tmp_path: Path) -> None:
