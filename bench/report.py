@@ -821,8 +821,9 @@ def sec_tpu(d: dict) -> list[str]:
         "`train_model`'s wall beyond steps x the median step (the first step's compile and the checkpoint writes; "
         "each case compiles from a persistent compilation cache of its own); *stage* = lora_sft's own summary "
         "(the figures of its task log and loss.csv): tokens/s over the mean / median step after the first, and "
-        "the first step's compile (beyond a median step) apart; *peak HBM* = the process's peak on the chip (set-up and checkpoint "
-        "load included); *state* = model + optimizer arrays as lora_sft measures them; *model TFLOP/s* = LoRA "
+        "the first step's compile (beyond a median step) apart; *peak HBM* = the process's peak of arrays on the chip "
+        "(`peak_bytes_in_use`, set-up and checkpoint load included; the chip reserves the loaded programs' "
+        "temporaries apart, on top: bench/tpu/README.md); *state* = model + optimizer arrays as lora_sft measures them; *model TFLOP/s* = LoRA "
         "model FLOPs per token (4 x linear parameters + 6 x LoRA parameters + causal attention, no "
         "rematerialisation) x tokens/s; *util* = that over the chip's measured bf16 matmul rate"
         + (f" ({peak:.0f} TFLOP/s, 8192^3 products)." if peak else "."),

@@ -119,8 +119,8 @@ def fit_text(name: str, config: dict[str, Any], result: dict[str, Any]) -> str:
         f"({result['hbm_source']})",
         f"  batch {config['batch_size']} ({per_chip:g} per chip) x {config['max_length']} tokens, "
         f"{config['dtype']}, quantization {config['quantization']}: predicted peak {_size(asked['peak_bytes'])} "
-        f"per chip (at least {_size(asked['floor_bytes'])} if the frozen weights the step returns unchanged take "
-        "no memory of their own)",
+        f"per chip (up to {_size(asked['queued_bytes'])} while a second step is queued, where the chip has room "
+        "for it)",
         f"    train step (XLA's memory analysis): arguments {_size(step['argument_bytes'])}, outputs "
         f"{_size(step['output_bytes'] - step['alias_bytes'])} not over donated ones, temporaries "
         f"{_size(step['temp_bytes'])}; set-up {_size(asked['setup_bytes'])}",
@@ -129,15 +129,7 @@ def fit_text(name: str, config: dict[str, Any], result: dict[str, Any]) -> str:
     if verdict["fits"]:
         lines.append(f"  fits: {_size(margin)} to spare")
     else:
-        maybe = asked["floor_bytes"] <= result["hbm_bytes"]
-        lines.append(
-            f"  does NOT fit: {_size(-margin)} short"
-            + (
-                f" (it may still run: its floor leaves {_size(result['hbm_bytes'] - asked['floor_bytes'])})"
-                if maybe
-                else ""
-            )
-        )
+        lines.append(f"  does NOT fit: {_size(-margin)} short")
     largest = verdict["largest_batch"]
     if largest > 0:
         lines.append(

@@ -103,6 +103,15 @@ class Verdict:
     largest_batch: int  # per device; 0: not even one row fits
 
 
+def queued_peak(step_peak: int, output_bytes: int, alias_bytes: int, setup_bytes: int) -> int:
+    """The chip's peak while Tunix keeps a second train step queued (``max_inflight_computations``, 2): the
+    queued step's outputs are one more copy of what the step writes to new buffers (its outputs less those
+    over donated arguments). The chip holds it only where the host runs ahead and there is room (where there
+    is not, the step waits), so it says what the chip may hold above the one-step peak, never whether it
+    fits. Never below the set-up's peak."""
+    return max(setup_bytes, step_peak + output_bytes - alias_bytes)
+
+
 def fits(peak_bytes: int, hbm_bytes: int) -> bool:
     return peak_bytes <= hbm_bytes
 

@@ -11,7 +11,9 @@ allocated: an 8B model compiles in about 2 GiB of host memory.
 The predicted peak is the larger of the step's and the set-up's:
 
 * the step's: XLA's own peak of the compiled program (its arguments, the outputs not aliased to a
-  donated argument, and its temporaries: ``peak_memory_in_bytes`` of its memory analysis);
+  donated argument, and its temporaries: ``peak_memory_in_bytes`` of its memory analysis). On a TPU the
+  temporaries are reserved for the loaded program apart from the arrays (the chip's ``bytes_reserved``,
+  not its ``bytes_in_use``): the chip's memory in use is the sum of both, and that is what is predicted;
 * the set-up's: MaxText's SFT set-up builds the model in the weight dtype on the chips before LoRA is
   applied (and QLoRA quantizes only then), so the full-precision model plus what LoRA adds; with QLoRA
   on one chip the model is built in host memory and the chip holds the quantized state and, while it is
@@ -69,10 +71,8 @@ class Prediction:
     step: StepPeak
     state_bytes: int  # the trained model's state per chip: base weights (quantized or not), adapter, optimizer
     setup_bytes: int  # the set-up's peak per chip
-    peak_bytes: int  # max(step, set-up)
-    # max(set-up, the step's arguments + temporaries + the adapter it updates): the peak if the frozen
-    # weights the step returns unchanged take no memory of their own (as measured on v5e with nf4)
-    floor_bytes: int
+    peak_bytes: int  # max(step, set-up): what must fit
+    queued_bytes: int  # with a second step queued, where there is room (loraflow.spec.fit.queued_peak)
 
 
 def _bits(dtype: Any) -> int:
@@ -277,12 +277,11 @@ def predict(cfg: LoraSftConfig, target: rule.Slice, per_device_batch: float) -> 
         trainer, base = abstract_trainer(config, mesh)
         step = step_peak(trainer, config, mesh)
         state = _per_chip(nnx.state(trainer.model)) + _per_chip(nnx.state(trainer.optimizer))
-        adapter = _per_chip(nnx.state(trainer.model, nnx.LoRAParam))
         setup = setup_peak(cfg, trainer, base, target.chips)
         del trainer, base
         jax.clear_caches()
-    floor = max(setup, step.argument_bytes + step.temp_bytes + adapter)
-    return Prediction(per_device_batch, step, state, setup, max(step.peak_bytes, setup), floor)
+    queued = rule.queued_peak(step.peak_bytes, step.output_bytes, step.alias_bytes, setup)
+    return Prediction(per_device_batch, step, state, setup, max(step.peak_bytes, setup), queued)
 
 
 def sizing(cfg: LoraSftConfig, target: rule.Slice, search: bool = True) -> dict[str, Any]:
