@@ -165,11 +165,13 @@ def trained(base):
     root = base["root"] / "sft1"
     inputs = {"checkpoint": base["ckpt"], "dataset": base["dataset"], "tokenizer": base["hf"]}
     ctx = _ctx(root, "lora_sft", inputs, dict(SFT), str(base["root"] / "remote" / "lora_sft"))
+    lines: list[str] = []
+    ctx.progress = lines.append  # type: ignore[method-assign]
     # compiled here, not read from the session's compilation cache: its first step's time is checked
     with pytest.MonkeyPatch.context() as mp, compiled_afresh(root / "jax-cache"):
         clock = _hook_clock(mp)
         summary = lora_sft.run(ctx)
-    return {"ctx": ctx, "summary": summary, "inputs": inputs, "clock": clock}
+    return {"ctx": ctx, "summary": summary, "inputs": inputs, "clock": clock, "progress": lines}
 
 
 def _hook_clock(mp: pytest.MonkeyPatch) -> dict[str, list]:
@@ -211,6 +213,8 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
     assert last < first - 1.0, (first, last)
     assert s["lora_b_norm"] > 0
     _assert_curves_match_loss_csv(out, rows)
+    # its trainer was built with LoRA applied under jit (loraflow.trainer.lora_apply): no second copy of the base
+    assert any(line.startswith("LoRA applied under jit: ") for line in trained["progress"]), trained["progress"]
 
     meta = json.loads((out / "adapter" / "loraflow_adapter.json").read_text())
     assert meta["rank"] == 16 and meta["alpha"] == 32.0 and meta["steps"] == SFT["steps"]
