@@ -31,12 +31,15 @@ def _no_compilation_cache() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(autouse=True)
-def _libtpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def _libtpu_env() -> Iterator[None]:
+    """libtpu loaded as plan --fit loads it (several at once allowed), for the module's fixtures' compiles too."""
     from loraflow.trainer.fit import LIBTPU_ENV
 
-    for key, value in LIBTPU_ENV.items():
-        monkeypatch.setenv(key, value)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in LIBTPU_ENV.items():
+            mp.setenv(key, value)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +47,28 @@ def cfg() -> LoraSftConfig:
     """The tiny QLoRA pipeline's lora_sft config, as the planner sends it, in bfloat16 (the TPU specs')."""
     spec = load_spec(PIPELINES / "tiny-llama-qlora.yaml")
     return LoraSftConfig.from_spec(spec).model_copy(update={"dtype": "bfloat16"})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _each_step_compiled_once() -> Iterator[None]:
+    """Each of the module's steps compiled once: a prediction is a function of the config, the slice's chips and
+    the per-chip batch (it sets the config's own batch size from that; the chip's memory size, which a test
+    below shrinks, only judges the prediction), so a step ``sizing`` would compile again (the asked batch, a
+    batch its search checks) is the one compiled before, its prediction kept; each is a real compile's."""
+    from loraflow.trainer import fit
+
+    compiled: dict[tuple[str, str, int, float], object] = {}
+    real = fit.predict
+
+    def predict(cfg: LoraSftConfig, target: rule.Slice, per_device_batch: float) -> object:
+        key = (cfg.model_dump_json(exclude={"batch_size"}), target.maxtext_name, target.chips, per_device_batch)
+        if key not in compiled:
+            compiled[key] = real(cfg, target, per_device_batch)
+        return compiled[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fit, "predict", predict)
+        yield
 
 
 @pytest.fixture(scope="module")
