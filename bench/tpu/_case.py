@@ -150,17 +150,17 @@ def device_facts() -> dict[str, Any]:
     return facts
 
 
-def peak_memory() -> dict[str, Any]:
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    keys = ("peak_bytes_in_use", "bytes_limit", "bytes_in_use", "peak_bytes_reserved", "bytes_reserved")
-    return {k: stats.get(k) for k in keys}
-
-
 # A TPU reserves each loaded program's temporaries (XLA's temp_size) apart from the arrays it allocates:
 # they show in bytes_reserved, not in bytes_in_use. The chip's memory in use is the sum of both.
 MEMORY_BY_STEP = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved", "peak_bytes_reserved")
+
+
+def peak_memory() -> dict[str, Any]:
+    """The chip's memory figures (MEMORY_BY_STEP) and its limit."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: stats.get(k) for k in ("bytes_limit", *MEMORY_BY_STEP)}
 
 
 # ------------------------------------------------------------------------------------ cases
