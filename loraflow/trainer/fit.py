@@ -5,8 +5,8 @@ slice's chips (``jax.experimental.topologies``) without any being there, and XLA
 the program compiled is lora_sft's own train step: MaxText's config from the spec's training and LoRA
 settings (:mod:`loraflow.trainer.argv`), the model built as shapes only (MaxText's abstract model, LoRA
 or QLoRA applied under ``nnx.eval_shape`` as the QLoRA host build does), the optimizer MaxText's SFT
-set-up chooses, Tunix's step function jitted as Tunix jits it (the optimizer donated). No weight is
-allocated: an 8B model compiles in about 2 GiB of host memory.
+set-up chooses, Tunix's step function jitted as the stage jits it (:mod:`loraflow.trainer.donation`: the
+model and the optimizer donated). No weight is allocated: an 8B model compiles in about 2 GiB of host memory.
 
 The predicted peak is the larger of the step's and the set-up's:
 
@@ -39,6 +39,7 @@ from loraflow.errors import LoraflowError
 from loraflow.spec import fit as rule
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.trainer import argv as mt_argv
+from loraflow.trainer import donation
 
 MAX_STEP_DOWN = 3  # compiles below a candidate batch that the line put one row too high
 # libtpu, loaded only to describe chips, not to own them: several predictions may run at once (its
@@ -53,7 +54,7 @@ class StepPeak:
 
     argument_bytes: int  # the model, the optimizer's state, the batch
     output_bytes: int
-    alias_bytes: int  # outputs written over donated arguments (the optimizer's state)
+    alias_bytes: int  # outputs written over donated arguments (the model and the optimizer's state)
     temp_bytes: int  # activations, gradients, scratch
     peak_bytes: int  # XLA's peak for the program: arguments + outputs - aliased + temporaries
     # False: XLA refused to compile the step, its temporaries alone over the chip's memory (the figures
@@ -181,10 +182,9 @@ def abstract_trainer(config: Any, mesh: Any) -> tuple[Any, Any]:
 
 
 def step_peak(trainer: Any, config: Any, mesh: Any) -> StepPeak:
-    """Tunix's train step (``nnx.jit``, the optimizer donated) compiled for the slice on a batch of shapes
-    sharded as Tunix shards each batch; XLA's memory analysis of it."""
+    """The stage's train step (:func:`loraflow.trainer.donation.jit_train_step`) compiled for the slice on a
+    batch of shapes sharded as Tunix shards each batch; XLA's memory analysis of it."""
     import jax
-    from flax import nnx
     from flax.core.spmd import logical_axis_rules
     from jax.sharding import NamedSharding, PartitionSpec
     from maxtext.utils import maxtext_utils
@@ -193,8 +193,7 @@ def step_peak(trainer: Any, config: Any, mesh: Any) -> StepPeak:
         config, batch_sharding=NamedSharding(mesh, PartitionSpec(*trainer.config.data_sharding_axis))
     )
     with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
-        step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
-        lowered = step.lower(trainer.model, trainer.optimizer, batch)
+        lowered = donation.jit_train_step(trainer).lower(trainer.model, trainer.optimizer, batch)
         try:
             stats = lowered.compile().memory_analysis()
         except jax.errors.JaxRuntimeError as exc:
@@ -214,12 +213,12 @@ def step_peak(trainer: Any, config: Any, mesh: Any) -> StepPeak:
 def _uncompiled(trainer: Any, batch: Any, temp: int) -> StepPeak:
     """The step XLA refused to compile for the chip: its temporaries as the refusal states them, the
     arguments (model, optimizer, batch) and outputs (model, optimizer) counted from the shapes, the
-    optimizer's state written over its donated self as in a compiled step."""
+    outputs written over their donated selves as in a compiled step."""
     from flax import nnx
 
-    model, optimizer = _per_chip(nnx.state(trainer.model)), _per_chip(nnx.state(trainer.optimizer))
-    arguments, outputs = model + optimizer + _per_chip(batch), model + optimizer
-    return StepPeak(arguments, outputs, optimizer, temp, arguments + outputs - optimizer + temp, compiled=False)
+    state = _per_chip(nnx.state(trainer.model)) + _per_chip(nnx.state(trainer.optimizer))
+    arguments = state + _per_chip(batch)
+    return StepPeak(arguments, state, state, temp, arguments + temp, compiled=False)
 
 
 def setup_peak(cfg: LoraSftConfig, trainer: Any, base: Any, chips: int) -> int:

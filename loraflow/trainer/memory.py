@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from loraflow.trainer import donation
 from loraflow.trainer.host_build import device_bytes
 
 MIB = 2**20
@@ -76,14 +77,17 @@ def compiled_step_bytes(trainer: Any, mesh: Any, logical_axis_rules: Any, batch:
     if batch is None:
         return None
     import jax
-    from flax import nnx
     from flax.core.spmd import logical_axis_rules as axis_rules
     from tunix.sft import sharding_utils
 
     with jax.set_mesh(mesh), axis_rules(logical_axis_rules):
         sharded = sharding_utils.shard_input(batch, trainer.config.data_sharding_axis)
-        step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
-        stats = step.lower(trainer.model, trainer.optimizer, sharded).compile().memory_analysis()
+        stats = (
+            donation.jit_train_step(trainer)
+            .lower(trainer.model, trainer.optimizer, sharded)
+            .compile()
+            .memory_analysis()
+        )
     if stats is None:  # a backend without the analysis
         return None
     return StepBytes(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes), int(stats.temp_size_in_bytes))

@@ -4,6 +4,8 @@
 * staged checkpoints on several hosts: :class:`loraflow.trainer.per_host_checkpoints.PerHostCheckpointManager`;
 * LoRA applied under ``jax.jit`` (:mod:`loraflow.trainer.lora_apply`): MaxText's eager application copies
   the frozen layer stack once more, which alone stops a 3B model fitting one 16 GiB chip;
+* the train step donates the model as well as the optimizer (:mod:`loraflow.trainer.donation`): Tunix's
+  step writes the unchanged frozen weights to new buffers, one more copy of the model on the chip;
 * QLoRA on one chip: the model built in host memory (:mod:`loraflow.trainer.host_build`), so the chip
   never holds the full-precision model (MaxText's set-up does, which alone stops an 8B nf4 model fitting
   one 16 GiB chip). On several chips MaxText's set-up shards the full-precision model across them.
@@ -17,7 +19,7 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import LoraSftConfig
-from loraflow.trainer import host_build, lora_apply
+from loraflow.trainer import donation, host_build, lora_apply
 from loraflow.trainer.checkpoints import Checkpoints
 from loraflow.trainer.curves import TrainingCurves
 from loraflow.trainer.sft_run import Progress
@@ -53,9 +55,11 @@ def setup_trainer(
             lora_apply.applied_under_jit(progress),  # no second copy of the frozen weights
             host_build.built_on_host(progress) if builds_on_host(cfg) else contextlib.nullcontext(),
         ):
-            return train_sft.setup_trainer_state(mt_config)
+            trainer, mesh = train_sft.setup_trainer_state(mt_config)
     finally:
         sft_hooks.SFTTrainingHooks, tunix_checkpoints.CheckpointManager = original_hooks, original_manager
+    donation.donate_the_model(trainer, progress)
+    return trainer, mesh
 
 
 def builds_on_host(cfg: LoraSftConfig) -> bool:

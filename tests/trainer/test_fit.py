@@ -86,13 +86,16 @@ def test_the_prediction_grows_with_the_batch(two_batches: tuple[object, object])
     # the chip pads small arrays to its tiles)
     assert 0 < big["step"]["argument_bytes"] - s["step"]["argument_bytes"] <= 6 * 6 * 128 * 4
     assert big["step"]["temp_bytes"] > s["step"]["temp_bytes"]  # activations and their gradients
-    assert big["peak_bytes"] > s["peak_bytes"] >= s["step"]["argument_bytes"] + s["step"]["temp_bytes"]
+    assert big["peak_bytes"] > s["peak_bytes"] >= max(s["step"]["temp_bytes"], s["state_bytes"])
     assert s["state_bytes"] == big["state_bytes"] > 0
-    # the optimizer's state is donated: its outputs take no memory of their own
-    assert 0 < s["step"]["alias_bytes"] < s["step"]["output_bytes"]
+    # the model and the optimizer are donated (loraflow.trainer.donation): the step writes them over what it
+    # was given (the whole state, padded to the chip's tiles); only the loss, its auxiliaries and the gradient
+    # norm, a few scalars, take memory of their own (the frozen weights alone are over 500 KiB here)
+    assert s["step"]["alias_bytes"] >= s["state_bytes"]
+    assert 0 < s["step"]["output_bytes"] - s["step"]["alias_bytes"] <= 16 * 1024
     # QLoRA on one chip is built in host memory: the chip's set-up holds about the quantized state
     assert s["setup_bytes"] < s["peak_bytes"]
-    # a second step queued holds one more copy of what the step returns, less the donated optimizer
+    # a second step queued holds one more copy of what the step returns, less what it writes over
     step = s["step"]
     assert s["queued_bytes"] == s["peak_bytes"] + step["output_bytes"] - step["alias_bytes"]
 

@@ -215,6 +215,9 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
     _assert_curves_match_loss_csv(out, rows)
     # its trainer was built with LoRA applied under jit (loraflow.trainer.lora_apply): no second copy of the base
     assert any(line.startswith("LoRA applied under jit: ") for line in trained["progress"]), trained["progress"]
+    # and its step donates the model (loraflow.trainer.donation): no copy of the frozen weights a step
+    donated = "train step jitted with model and optimizer donated: no copy of the frozen weights"
+    assert trained["progress"].count(donated) == 1, trained["progress"]
 
     meta = json.loads((out / "adapter" / "loraflow_adapter.json").read_text())
     assert meta["rank"] == 16 and meta["alpha"] == 32.0 and meta["steps"] == SFT["steps"]

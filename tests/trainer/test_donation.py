@@ -1,0 +1,88 @@
+"""The train step donates the model as well as the optimizer (loraflow.trainer.donation), in Tunix's own
+training loop: the frozen weights a step was given are written over, not copied, and training is otherwise
+the same. That lora_sft's trainer runs this way is checked on its training in test_trainer_steps.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tunix.sft import peft_trainer
+
+from loraflow.errors import LoraflowError
+from loraflow.trainer import donation
+
+
+class Tiny(nnx.Module):
+    """One frozen weight and a trainable LoRA delta."""
+
+    def __init__(self) -> None:
+        self.frozen = nnx.Param(jnp.full((4, 4), 0.5))
+        self.lora = nnx.LoRAParam(jnp.zeros((4, 4)))
+
+    def __call__(self, x: Any) -> Any:
+        return x @ (self.frozen[...] + self.lora[...])
+
+
+def _trained(donate: bool, steps: int = 3) -> tuple[Tiny, Any, list[str]]:
+    """A Tiny trained ``steps`` steps by Tunix's PeftTrainer, the model donated or not; (model, its frozen
+    array before training, progress lines)."""
+    model = Tiny()
+    before = model.frozen[...]
+    config = peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=steps)
+    trainer = peft_trainer.PeftTrainer(model, optax.sgd(0.1), config)
+    trainer = trainer.with_loss_fn(lambda m, x, y: jnp.mean((m(x) - y) ** 2)).with_gen_model_input_fn(lambda b: b)
+    said: list[str] = []
+    if donate:
+        donation.donate_the_model(trainer, said.append)
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
+    trainer.train([{"x": jnp.asarray(rows), "y": jnp.ones((2, 4))}] * steps)
+    return model, before, said
+
+
+def test_the_frozen_weights_given_to_a_step_are_written_over_and_training_is_unchanged() -> None:
+    donated, given, said = _trained(donate=True)
+    kept, kept_given, _ = _trained(donate=False)
+    assert given.is_deleted()  # written over by the step's output: no second copy
+    assert not kept_given.is_deleted()  # Tunix's own jit donates the optimizer only
+    assert said == ["train step jitted with model and optimizer donated: no copy of the frozen weights"]
+    np.testing.assert_array_equal(np.asarray(donated.frozen[...]), np.full((4, 4), 0.5, np.float32))
+    assert float(jnp.abs(donated.lora[...]).sum()) > 0  # the adapter trained ...
+    np.testing.assert_array_equal(np.asarray(donated.lora[...]), np.asarray(kept.lora[...]))  # ... as before
+
+
+class _NotTunix:
+    """A trainer whose jit no longer donates the optimizer alone (a changed Tunix release)."""
+
+    def __init__(self, donate_argnames: Any) -> None:
+        self.donate_argnames = donate_argnames
+
+    def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False) -> Any:
+        if skip_jit:
+            return None, None
+        return nnx.jit(lambda model, optimizer: 0, donate_argnames=self.donate_argnames), None
+
+
+@pytest.mark.parametrize("argnames", [None, ("optimizer", "model"), "optimizer"])
+def test_a_trainer_that_no_longer_donates_the_optimizer_alone_is_refused(argnames: Any) -> None:
+    trainer = _NotTunix(argnames)
+    donation.donate_the_model(trainer, print)
+    with pytest.raises(LoraflowError, match=r"no longer jits its train step.*update it for this Tunix release"):
+        trainer.jit_train_and_eval_step()
+    assert trainer.jit_train_and_eval_step(skip_jit=True) == (None, None)  # nothing jitted: nothing to widen
+
+
+def test_the_widened_jit_is_restored_afterwards() -> None:
+    jit = nnx.jit
+    _trained(donate=True, steps=1)
+    assert nnx.jit is jit
