@@ -42,24 +42,30 @@ $(VENVS)/.uv/bin/uv:
 
 envs: $(VENVS)/control/.synced $(VENVS)/trainer/.synced $(VENVS)/serving/.synced $(NATIVE)  ## create the three environments from their lock files, build the merge kernel
 
-# Every environment's modules are compiled to bytecode once, as it is installed (uv does not by default):
-# where PYTHONDONTWRITEBYTECODE is set (as on the machines make test was measured on) every process compiled
-# each module it imported from source, every time (importing MaxText took 30 CPU s against 10, vLLM 14
-# against 5, Airflow 6 against 3), and the tests start dozens of step, host and Airflow processes.
+# Bytecode: uv installs none, and where PYTHONDONTWRITEBYTECODE is set (as on the machines make test runs on)
+# every process compiled each module it imported from source, every time (importing MaxText took 30 CPU s
+# against 10, vLLM 14 against 5, Airflow 6 against 3), and the tests start dozens of step, host and Airflow
+# processes. So every command make runs runs with it unset: the first process to import a module writes its
+# .pyc into the environment, and every later one (pytest, the step programs, Airflow's processes, the hosts of a
+# multi-host job: all started under make) reads it. That is cheaper than compiling each environment whole at
+# set-up (uv's --compile-bytecode: 231 CPU s for the three, ~87,000 files, of which the serving tier imports 26 %;
+# docs/architecture.md). Run pytest outside make with PYTHONDONTWRITEBYTECODE unset for the same.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(VENVS)/control/.synced: envs/control.lock pyproject.toml | $(UV)
 	$(UV) venv -q --allow-existing $(VENVS)/control --python $(PY312)
-	$(UV) pip sync -q --compile-bytecode -p $(VENVS)/control envs/control.lock
+	$(UV) pip sync -q -p $(VENVS)/control envs/control.lock
 	$(UV) pip install -q -p $(VENVS)/control --no-deps -e .
 	touch $@
 
 $(VENVS)/trainer/.synced: envs/trainer.lock | $(UV)
 	$(UV) venv -q --allow-existing $(VENVS)/trainer --python $(PY312)
-	$(UV) pip sync -q --compile-bytecode -p $(VENVS)/trainer envs/trainer.lock
+	$(UV) pip sync -q -p $(VENVS)/trainer envs/trainer.lock
 	touch $@
 
 $(VENVS)/serving/.synced: envs/serving.lock | $(UV)
 	$(UV) venv -q --allow-existing $(VENVS)/serving --python $(PY311)
-	$(UV) pip sync -q --compile-bytecode -p $(VENVS)/serving --find-links $(TORCH_WHEELS) envs/serving.lock
+	$(UV) pip sync -q -p $(VENVS)/serving --find-links $(TORCH_WHEELS) envs/serving.lock
 	touch $@
 
 # The accelerator serving builds (docker/serving.Dockerfile SERVING_BUILD=tpu|cuda) are only ever installed
