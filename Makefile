@@ -96,8 +96,9 @@ typecheck: envs  ## mypy over the core, operators and dags
 test-control: envs
 	$(CONTROL) -m pytest tests/control -q
 
+# The trainer tier's 20 slowest steps are listed at its end (CI's log shows where its time goes).
 test-trainer: envs
-	$(TRAINER) -m pytest tests/trainer -q
+	$(TRAINER) -m pytest tests/trainer -q --durations=20
 
 test-serving: envs
 	$(SERVING) -m pytest tests/serving -q
