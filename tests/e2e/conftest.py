@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,11 @@ import pytest
 
 from loraflow.dev import local_postgres
 from loraflow.dev.db_template import DB_TEMPLATE_ENV
+from loraflow.dev.shared_stack import SharedStack, together
+
+SHARED = "shared_stack"
+# The modules (node ids) whose tests use the shared stack and have not all run yet.
+_SHARED_USERS = pytest.StashKey[set[str]]()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,3 +33,57 @@ def postgres() -> Iterator[str]:
     yields its SQLAlchemy URL."""
     with local_postgres.running() as url:
         yield url
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that use the shared stack run one after another (where the first of them would run),
+    so that the stack is up only while they run: it stops after the last of them."""
+    users = {_module(item) for item in items if SHARED in getattr(item, "fixturenames", ())}
+    config.stash[_SHARED_USERS] = users
+    if not users:
+        return
+    order = together([_module(item) for item in items], users)
+    items[:] = [items[i] for i in order]
+
+
+@pytest.fixture(scope="session")
+def shared_stack_lineage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared stack's OpenLineage events go: the provider's file transport, one JSON file per
+    event (test_tiny_pipeline.py follows its runs' lineage; the other modules' runs report theirs too)."""
+    return tmp_path_factory.mktemp("lineage")
+
+
+@pytest.fixture(scope="session")
+def _shared_stack(
+    tmp_path_factory: pytest.TempPathFactory, airflow_db_template: Path, shared_stack_lineage: Path
+) -> Iterator[SharedStack]:
+    env = {
+        # OpenLineage on, as a user turns it on: the provider's [openlineage] transport, its file transport.
+        "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+            {"type": "file", "log_file_path": str(shared_stack_lineage / "ol")}
+        ),
+        # The listener emits from a child of the task, killed after this many seconds (default 10: a loaded
+        # 2-core machine can take longer to read the manifest and write the event).
+        "AIRFLOW__OPENLINEAGE__EXECUTION_TIMEOUT": "60",
+    }
+    stack = SharedStack(tmp_path_factory.mktemp("shared-stack"), env)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(request: pytest.FixtureRequest, _shared_stack: SharedStack) -> Iterator[SharedStack]:
+    """One GCS emulator + Airflow (``loraflow.dev.shared_stack``) for the modules that ask for it, instead of
+    one each: a module calls ``shared_stack.use(__name__, *its_specs)`` for the Airflow, with DAG names and an
+    artifact root of its own. Stopped after the last module that uses it."""
+    yield _shared_stack
+    left = request.config.stash.get(_SHARED_USERS, set())
+    left.discard(request.node.nodeid)
+    if not left:
+        _shared_stack.close()

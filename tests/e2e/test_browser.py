@@ -3,7 +3,9 @@ watch it succeed, open the run report from the report task's "Run report" link. 
 the data docs of a dataset whose ids and prompts carry script: none of it runs.
 
 Playwright drives the system Chromium (``apt-get install -y chromium``; ``make test-e2e`` installs it)
-against a real local Airflow and the GCS emulator (the data docs test needs the emulator only).
+against a real local Airflow and the GCS emulator (the data docs test needs the emulator only): the stack
+the end-to-end modules share (tests/e2e/conftest.py), where the tiny pipeline's copy here has a DAG name
+and an artifact root of its own.
 Screenshots of every step are kept under tests/_artifacts/browser/ (ignored by git); the test prints
 the folder. About 5 minutes.
 """
@@ -18,7 +20,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from loraflow.dev.demo import LocalAirflow, local_stack, prepare
+from loraflow.dev.demo import LocalAirflow, prepare
+from loraflow.dev.shared_stack import SharedStack
+from loraflow.spec.schema import load_spec
 from tests.bad_datasets import SCRIPT_PAYLOADS, script_payload_dataset
 
 if TYPE_CHECKING:
@@ -28,7 +32,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
-DAG = "tiny-llama-lora"
+DAG = "tiny-browser"
 CHROMIUM = Path(os.environ.get("LORAFLOW_CHROMIUM", "/usr/lib/chromium/chromium"))
 SHOTS = REPO / "tests" / "_artifacts" / "browser"
 DOCS_SHOTS = REPO / "tests" / "_artifacts" / "browser-data-docs"
@@ -44,15 +48,28 @@ def shots() -> Path:
     return SHOTS
 
 
-def test_trigger_from_the_form_and_open_the_run_report(tmp_path_factory: pytest.TempPathFactory, shots: Path) -> None:
+def browser_spec(folder: Path) -> Path:
+    """The tiny pipeline as a user has it, under a DAG name and an artifact root of its own in the shared stack."""
+    text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {DAG}")
+    text = text.replace(
+        "artifact_root: gs://loraflow-demo/artifacts", "artifact_root: gs://loraflow-demo/browser-artifacts"
+    )
+    path = folder / f"{DAG}.yaml"
+    path.write_text(text)
+    spec = load_spec(path)
+    assert (spec.name, spec.artifact_root) == (DAG, "gs://loraflow-demo/browser-artifacts")
+    return path
+
+
+def test_trigger_from_the_form_and_open_the_run_report(
+    tmp_path_factory: pytest.TempPathFactory, shots: Path, shared_stack: SharedStack
+) -> None:
     from playwright.sync_api import sync_playwright
 
     assert CHROMIUM.exists(), f"{CHROMIUM} is missing: install Chromium with `apt-get install -y chromium`"
     home = tmp_path_factory.mktemp("browser")
-    pipelines = home / "pipelines"
-    pipelines.mkdir()
-    shutil.copy(TINY, pipelines)
-    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow, sync_playwright() as pw:
+    airflow = shared_stack.use(__name__, browser_spec(home))
+    with sync_playwright() as pw:
         prepare(TINY, home)
         airflow.wait_for_dag(DAG)
         airflow.call("PATCH", f"/dags/{DAG}", {"is_paused": False})

@@ -4,7 +4,8 @@ The data team drops dataset version v1 (files, then _READY) and posts an Asset e
 REST API naming it: the asset-scheduled pipeline trains exactly v1 and writes the verdict beside it
 (_RESULT.json), as an Asset event and as notices in a file. While that run trains, the team drops a
 broken v2 and a scheduled-style poll (a plain trigger) takes it: rejected, with the data contract's
-reasons. Then a poll and a repeated event for v1 find nothing new to train. One stack, ~5 minutes.
+reasons. Then a poll and a repeated event for v1 find nothing new to train. On the stack the end-to-end
+modules share (tests/e2e/conftest.py), with an artifact root of its own; ~5 minutes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from loraflow.dev.demo import LocalAirflow, local_stack, prepare
+from loraflow.dev.demo import LocalAirflow, prepare
+from loraflow.dev.shared_stack import SharedStack
 from loraflow.pipeline import handoff
 from loraflow.spec.schema import load_spec
 from loraflow.storage import artifacts, gcs
@@ -31,12 +33,15 @@ TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
 PARITY = REPO / "pipelines" / "data" / "parity"
 DAG = "tiny-handoff"
 PREFIX = "gs://loraflow-demo/handoff/parity"
+# Its own artifact root in the shared stack: no stage of its runs comes from another module's cache.
+ARTIFACT_ROOT = "gs://loraflow-demo/handoff-artifacts"
 
 
 def handoff_spec(folder: Path, notices: Path) -> Path:
     """The tiny pipeline, scheduled on the hand-off prefix's Asset, its data taken from the hand-off."""
     data = yaml.safe_load(TINY.read_text())
     data["name"] = DAG
+    data["artifact_root"] = ARTIFACT_ROOT
     data["schedule"] = {"asset": PREFIX}
     data["handoff"] = {"prefix": PREFIX}
     del data["data"]["train"], data["data"]["eval"]
@@ -101,40 +106,39 @@ class Story:
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory: pytest.TempPathFactory):
+def story(tmp_path_factory: pytest.TempPathFactory, shared_stack: SharedStack):
     home = tmp_path_factory.mktemp("handoff")
-    pipelines = home / "pipelines"
-    pipelines.mkdir()
     notices = home / "notices.jsonl"
-    spec = load_spec(handoff_spec(pipelines, notices))
+    spec_path = handoff_spec(home, notices)
+    spec = load_spec(spec_path)
     assert spec.handoff is not None
     bad = broken_dataset(home / "bad")
-    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
-        prepare(TINY, home)  # the tiny model (the hand-off spec shares its base_model)
-        airflow.wait_for_dag(DAG)
-        airflow.call("PATCH", f"/dags/{DAG}", {"is_paused": False})
-        s = Story(airflow, notices)
-        good = {n: PARITY / n for n in ("train.jsonl", "eval.jsonl")}
-        handoff.drop_version(spec.handoff, "v1", good)
-        post_event(airflow, PREFIX, {"version": "v1", "note": "weekly export"})
-        s.r["v1_run"] = new_asset_run(airflow, set())
-        s.r["v1_pick"] = wait_for_task(airflow, s.r["v1_run"], handoff.PICK_TASK)
-        # v1 is claimed and training: the team drops a broken v2; the next poll must take v2, not v1.
-        handoff.drop_version(spec.handoff, "v2", {n: bad / n for n in ("train.jsonl", "eval.jsonl")})
-        s.r["v2_run"] = airflow.trigger(DAG)
-        s.r["v2_state"] = airflow.wait_for_run(DAG, s.r["v2_run"])
-        s.r["v1_state"] = airflow.wait_for_run(DAG, s.r["v1_run"])
-        s.r["v1_result"] = read_result("v1")
-        # Nothing new: a poll and a repeated event for v1 both train nothing.
-        s.r["poll_run"] = airflow.trigger(DAG)
-        post_event(airflow, PREFIX, {"version": "v1"})
-        s.r["repeat_run"] = new_asset_run(airflow, {s.r["v1_run"]})
-        s.r["poll_state"] = airflow.wait_for_run(DAG, s.r["poll_run"])
-        s.r["repeat_state"] = airflow.wait_for_run(DAG, s.r["repeat_run"])
-        verdict_id = asset_id(airflow, handoff.verdict_asset_uri(spec.name))
-        _, events = airflow.call("GET", f"/assets/events?asset_id={verdict_id}&limit=50")
-        s.r["verdict_events"] = {e["source_run_id"]: e["extra"] for e in events.get("asset_events", [])}
-        yield s
+    airflow = shared_stack.use(__name__, spec_path)
+    prepare(TINY, home)  # the tiny model (the hand-off spec shares its base_model)
+    airflow.wait_for_dag(DAG)
+    airflow.call("PATCH", f"/dags/{DAG}", {"is_paused": False})
+    s = Story(airflow, notices)
+    good = {n: PARITY / n for n in ("train.jsonl", "eval.jsonl")}
+    handoff.drop_version(spec.handoff, "v1", good)
+    post_event(airflow, PREFIX, {"version": "v1", "note": "weekly export"})
+    s.r["v1_run"] = new_asset_run(airflow, set())
+    s.r["v1_pick"] = wait_for_task(airflow, s.r["v1_run"], handoff.PICK_TASK)
+    # v1 is claimed and training: the team drops a broken v2; the next poll must take v2, not v1.
+    handoff.drop_version(spec.handoff, "v2", {n: bad / n for n in ("train.jsonl", "eval.jsonl")})
+    s.r["v2_run"] = airflow.trigger(DAG)
+    s.r["v2_state"] = airflow.wait_for_run(DAG, s.r["v2_run"])
+    s.r["v1_state"] = airflow.wait_for_run(DAG, s.r["v1_run"])
+    s.r["v1_result"] = read_result("v1")
+    # Nothing new: a poll and a repeated event for v1 both train nothing.
+    s.r["poll_run"] = airflow.trigger(DAG)
+    post_event(airflow, PREFIX, {"version": "v1"})
+    s.r["repeat_run"] = new_asset_run(airflow, {s.r["v1_run"]})
+    s.r["poll_state"] = airflow.wait_for_run(DAG, s.r["poll_run"])
+    s.r["repeat_state"] = airflow.wait_for_run(DAG, s.r["repeat_run"])
+    verdict_id = asset_id(airflow, handoff.verdict_asset_uri(spec.name))
+    _, events = airflow.call("GET", f"/assets/events?asset_id={verdict_id}&limit=50")
+    s.r["verdict_events"] = {e["source_run_id"]: e["extra"] for e in events.get("asset_events", [])}
+    yield s
 
 
 def test_the_asset_event_trains_exactly_the_named_version_and_accepts_it(story: Story) -> None:

@@ -1,5 +1,7 @@
 """The tiny pipeline end to end on a real local Airflow (API server, scheduler, DAG processor)
-against the GCS emulator: every stage runs its real library. Takes several minutes."""
+against the GCS emulator: every stage runs its real library. The stack is the one the end-to-end modules
+share (tests/e2e/conftest.py); these specs keep the default artifact root, the others have roots of their
+own. Takes several minutes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import csv
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -19,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
+from loraflow.dev.demo import LocalAirflow, prepare, verdict
 from loraflow.dev.local_gcs import free_port
+from loraflow.dev.shared_stack import SharedStack
 from loraflow.launchers.local import FORKED_NOTE
 from loraflow.reporting.curves import TENSORBOARD, tensorboard_argv
 from loraflow.spec.schema import load_spec
@@ -67,59 +69,49 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def lineage_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """OpenLineage on for this module's Airflow, as a user turns it on: the provider's [openlineage]
-    transport, here its file transport (one JSON file per event in the folder yielded)."""
-    folder = tmp_path_factory.mktemp("lineage")
-    with pytest.MonkeyPatch.context() as env:  # the stack's processes take the test's environment
-        env.setenv("AIRFLOW__OPENLINEAGE__TRANSPORT", json.dumps({"type": "file", "log_file_path": str(folder / "ol")}))
-        # The listener emits from a child of the task, killed after this many seconds (default 10: a loaded
-        # 2-core machine can take longer to read the manifest and write the event).
-        env.setenv("AIRFLOW__OPENLINEAGE__EXECUTION_TIMEOUT", "60")
-        yield folder
+def lineage_events(shared_stack_lineage: Path) -> Path:
+    """OpenLineage is on for the shared stack (tests/e2e/conftest.py), as a user turns it on: the provider's
+    [openlineage] transport, here its file transport (one JSON file per event in the folder returned)."""
+    return shared_stack_lineage
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, lineage_events: Path):
+def runs(tmp_path_factory: pytest.TempPathFactory, shared_stack: SharedStack, lineage_events: Path) -> Iterator[Runs]:
     home = tmp_path_factory.mktemp("stack")
-    pipelines = home / "pipelines"
-    pipelines.mkdir()
-    shutil.copy(TINY, pipelines)
-    shutil.copy(QLORA, pipelines)
-    for path, *_ in OTHER_FAMILIES.values():
-        shutil.copy(path, pipelines)
-    bad = bad_data_spec(pipelines, home / "bad-data")
-    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
-        spec = prepare(TINY, home)
-        prepare(bad, home, home / "bad-data")
-        airflow.wait_for_dag(spec.name)
-        airflow.wait_for_dag("tiny-bad-data")
-        r = Runs(airflow)
-        r.results["bad_param"] = airflow.call(
-            "POST", f"/dags/{spec.name}/dagRuns", {"logical_date": None, "conf": {"training_steps": 5}}
-        )
-        r.results["bad_data_run"] = airflow.trigger("tiny-bad-data")
-        r.results["first"] = airflow.trigger(spec.name)
-        r.results["first_state"] = airflow.wait_for_run(spec.name, r.results["first"])
-        r.results["first_verdict"] = verdict(spec, airflow, r.results["first"])
-        r.results["bad_data_state"] = airflow.wait_for_run("tiny-bad-data", r.results["bad_data_run"])
-        r.results["second"] = airflow.trigger(spec.name)
-        r.results["second_state"] = airflow.wait_for_run(spec.name, r.results["second"])
-        r.results["second_verdict"] = verdict(spec, airflow, r.results["second"])
-        # QLoRA (nf4) on the arithmetic task, on its own tiny model, in the same stack.
-        qlora = prepare(QLORA, home)
-        airflow.wait_for_dag(qlora.name)
-        r.results["qlora"] = airflow.trigger(qlora.name)
-        r.results["qlora_state"] = airflow.wait_for_run(qlora.name, r.results["qlora"])
-        r.results["qlora_verdict"] = verdict(qlora, airflow, r.results["qlora"])
-        # A tiny model of each other family through every stage, in the same stack.
-        for family, (path, *_) in OTHER_FAMILIES.items():
-            other = prepare(path, home)
-            airflow.wait_for_dag(other.name)
-            r.results[family] = airflow.trigger(other.name)
-            r.results[f"{family}_state"] = airflow.wait_for_run(other.name, r.results[family])
-            r.results[f"{family}_verdict"] = verdict(other, airflow, r.results[family])
-        yield r
+    bad = bad_data_spec(home, home / "bad-data")
+    specs = [TINY, QLORA, *(path for path, *_ in OTHER_FAMILIES.values()), bad]
+    # The stack's other modules' specs have artifact roots of their own: none takes these runs' cached stages.
+    airflow = shared_stack.use(__name__, *specs)
+    spec = prepare(TINY, home)
+    prepare(bad, home, home / "bad-data")
+    airflow.wait_for_dag(spec.name)
+    airflow.wait_for_dag("tiny-bad-data")
+    r = Runs(airflow)
+    r.results["bad_param"] = airflow.call(
+        "POST", f"/dags/{spec.name}/dagRuns", {"logical_date": None, "conf": {"training_steps": 5}}
+    )
+    r.results["bad_data_run"] = airflow.trigger("tiny-bad-data")
+    r.results["first"] = airflow.trigger(spec.name)
+    r.results["first_state"] = airflow.wait_for_run(spec.name, r.results["first"])
+    r.results["first_verdict"] = verdict(spec, airflow, r.results["first"])
+    r.results["bad_data_state"] = airflow.wait_for_run("tiny-bad-data", r.results["bad_data_run"])
+    r.results["second"] = airflow.trigger(spec.name)
+    r.results["second_state"] = airflow.wait_for_run(spec.name, r.results["second"])
+    r.results["second_verdict"] = verdict(spec, airflow, r.results["second"])
+    # QLoRA (nf4) on the arithmetic task, on its own tiny model, in the same stack.
+    qlora = prepare(QLORA, home)
+    airflow.wait_for_dag(qlora.name)
+    r.results["qlora"] = airflow.trigger(qlora.name)
+    r.results["qlora_state"] = airflow.wait_for_run(qlora.name, r.results["qlora"])
+    r.results["qlora_verdict"] = verdict(qlora, airflow, r.results["qlora"])
+    # A tiny model of each other family through every stage, in the same stack.
+    for family, (path, *_) in OTHER_FAMILIES.items():
+        other = prepare(path, home)
+        airflow.wait_for_dag(other.name)
+        r.results[family] = airflow.trigger(other.name)
+        r.results[f"{family}_state"] = airflow.wait_for_run(other.name, r.results[family])
+        r.results[f"{family}_verdict"] = verdict(other, airflow, r.results[family])
+    yield r
 
 
 def test_first_run_succeeds_and_sft_beats_the_base_by_30_points(runs: Runs) -> None:

@@ -1,0 +1,133 @@
+"""One local stack (``loraflow.dev.demo.local_stack``: the GCS emulator and Airflow) shared by several
+end-to-end test modules, one module after another, instead of one stack each.
+
+A stack's start costs about 53 CPU seconds on 2 cores and its stop a few more (docs/architecture.md):
+modules whose runs cannot disturb each other share one. Each module brings its own pipeline specs,
+and the stack refuses a spec whose DAG name or artifact root another module's spec has: distinct DAG
+names keep the runs, registries and Asset events apart, and an artifact root of its own keeps a module
+from taking another's stages from the cache (the stage cache is per root: ``_cache/`` beside the runs).
+
+The stack starts when the first module asks for it, with that module's specs in place; a later module's
+specs are parsed at once (a priority parsing request for each DAG file, as the UI's reparse button
+makes), not at the DAG processor's next pass. Whoever owns the stack closes it (tests/e2e/conftest.py:
+after the last module that uses it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Collection, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from loraflow.dev.demo import LocalAirflow, local_stack
+from loraflow.errors import LoraflowError
+from loraflow.spec.schema import load_spec
+from loraflow.storage import gcs
+
+# What local_stack points this process's GCS client at (the emulator's address and project).
+EMULATOR_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT")
+
+
+def together(modules: Sequence[str], sharing: Collection[str]) -> list[int]:
+    """An order for tests given as their modules, in collection order (indices into ``modules``): the tests
+    of the ``sharing`` modules one module after another, where the first of them came, so that a stack
+    they share is up only while they run; every other test keeps its place, each module its own order."""
+    grouped = [i for i, m in enumerate(modules) if m in sharing]
+    first_seen = list(dict.fromkeys(modules[i] for i in grouped))
+    order: list[int] = []
+    for i, module in enumerate(modules):
+        if module not in sharing:
+            order.append(i)
+        elif i == grouped[0]:
+            order.extend(sorted(grouped, key=lambda j: (first_seen.index(modules[j]), j)))
+    return order
+
+
+class SharedStack:
+    """A stack on ``home`` (its specs in ``home/pipelines``), started with ``env`` added to the environment
+    its processes take (e.g. OpenLineage's transport), by the first ``use``."""
+
+    def __init__(self, home: Path, env: Mapping[str, str] | None = None) -> None:
+        self.home = home
+        self.pipelines = home / "pipelines"
+        self.env = dict(env or {})
+        self.airflow: LocalAirflow | None = None
+        self.starts = 0  # how many times a stack was started on home (1 while shared as meant)
+        self.owners: dict[str, str] = {}  # artifact root -> the module whose specs have it
+        self._emulator_env: dict[str, str] = {}
+        self._exit = ExitStack()
+
+    def use(self, module: str, *specs: Path) -> LocalAirflow:
+        """The stack, with ``module``'s pipeline ``specs`` added (their DAGs parsed), and this process's
+        GCS client pointed at its emulator (another stack or emulator started since may have moved it)."""
+        for path in specs:
+            self._claim(module, path)
+        self.pipelines.mkdir(parents=True, exist_ok=True)
+        for path in specs:
+            shutil.copy(path, self.pipelines / path.name)
+        if self.airflow is None:
+            self._start()
+        elif specs:
+            self.reparse()
+        os.environ.update(self._emulator_env)
+        gcs.client.cache_clear()
+        assert self.airflow is not None
+        return self.airflow
+
+    def _claim(self, module: str, path: Path) -> None:
+        """Note ``module`` as the owner of the spec's artifact root; refuse a root another module owns, or a
+        file name already in the stack (a spec's file is named after its DAG, so no two DAGs share a name)."""
+        spec = load_spec(path)
+        if (self.pipelines / path.name).exists():
+            raise LoraflowError(
+                f"{path.name} is in the shared stack already: give {module}'s copy a DAG name of its own"
+            )
+        root = spec.artifact_root.rstrip("/")
+        owner = self.owners.setdefault(root, module)
+        if owner != module:
+            raise LoraflowError(
+                f"{module}'s {path.name} has the artifact root {root}, which {owner}'s specs have in the "
+                "shared stack: give it one of its own"
+            )
+
+    def _start(self) -> None:
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)  # the stack's processes take this process's environment as they start
+        try:
+            self.airflow = self._exit.enter_context(
+                local_stack(home=self.home, in_memory=True, pipelines_dir=self.pipelines)
+            )
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        self.starts += 1
+        self._emulator_env = {k: os.environ[k] for k in EMULATOR_ENV if k in os.environ}
+
+    def reparse(self, timeout: float = 60) -> None:
+        """Ask the DAG processor to parse every DAG file of the stack now (each file's token from one of its DAGs)."""
+        assert self.airflow is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            status, body = self.airflow.call("GET", "/dags?limit=1000")
+            dags = body.get("dags", []) if status == 200 and isinstance(body, dict) else []
+            tokens = {d["fileloc"]: d["file_token"] for d in dags if d.get("file_token")}
+            if tokens or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        if not tokens:
+            raise LoraflowError(f"the shared stack lists no DAG to reparse (HTTP {status}: {body})")
+        for token in tokens.values():
+            status, body = self.airflow.call("PUT", f"/parseDagFile/{token}")
+            if status not in (200, 201):
+                raise LoraflowError(f"the reparse request was refused (HTTP {status}: {body})")
+
+    def close(self) -> None:
+        """Stop the stack (if it runs); a later ``use`` would start a new one."""
+        self._exit.close()
+        self.airflow = None

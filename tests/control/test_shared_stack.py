@@ -1,0 +1,148 @@
+"""The stack several end-to-end modules share (loraflow/dev/shared_stack.py, tests/e2e/conftest.py): which
+specs it takes, when it asks the DAG processor to parse them, and the order that keeps it up only while the
+modules that share it run. A stand-in Airflow answers the REST calls; the real one is tests/e2e's."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow.dev import shared_stack
+from loraflow.dev.shared_stack import SharedStack, together
+from loraflow.errors import LoraflowError
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = (REPO / "pipelines" / "tiny-llama-lora.yaml").read_text()
+
+
+class StandInAirflow:
+    """Answers GET /dags with each DAG's file token and records every call."""
+
+    def __init__(self, dags: list[dict[str, str]]) -> None:
+        self.dags = dags
+        self.calls: list[tuple[str, str]] = []
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        self.calls.append((method, path))
+        if method == "GET":
+            return 200, {"dags": self.dags}
+        return 201, None
+
+
+def spec(folder: Path, name: str, root: str = "gs://loraflow-demo/artifacts", file: str = "") -> Path:
+    text = TINY.replace("name: tiny-llama-lora", f"name: {name}")
+    text = text.replace("artifact_root: gs://loraflow-demo/artifacts", f"artifact_root: {root}")
+    path = folder / f"{file or name}.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SharedStack:
+    """A shared stack whose local_stack is a stand-in: it notes the environment and specs it starts with,
+    points this process at its emulator as local_stack does, and notes its stop."""
+    s = SharedStack(tmp_path / "home", {"AIRFLOW__OPENLINEAGE__TRANSPORT": "file"})
+    s.home.mkdir()
+    seen: dict[str, Any] = {"starts": [], "stops": 0}
+
+    @contextmanager
+    def local_stack(home: Path, in_memory: bool, pipelines_dir: Path) -> Iterator[StandInAirflow]:
+        seen["starts"].append(
+            (
+                home,
+                in_memory,
+                os.environ.get("AIRFLOW__OPENLINEAGE__TRANSPORT"),
+                sorted(p.name for p in pipelines_dir.iterdir()),
+            )
+        )
+        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{len(seen['starts'])}"
+        try:
+            yield StandInAirflow([{"fileloc": "/dags/loraflow_pipelines.py", "file_token": "tok-p"}])
+        finally:
+            seen["stops"] += 1
+
+    monkeypatch.setattr(shared_stack, "local_stack", local_stack)
+    monkeypatch.delenv("AIRFLOW__OPENLINEAGE__TRANSPORT", raising=False)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    s.seen = seen  # type: ignore[attr-defined]
+    return s
+
+
+def test_modules_with_their_own_names_and_roots_share_one_start(stack: SharedStack, tmp_path: Path) -> None:
+    a = stack.use("test_a", spec(tmp_path, "tiny-a"), spec(tmp_path, "tiny-a2"))  # one module, one root, two DAGs
+    # started on its home, in memory, with the first module's specs in place
+    assert stack.seen["starts"] == [(stack.home, True, "file", ["tiny-a.yaml", "tiny-a2.yaml"])]  # type: ignore[attr-defined]
+    assert a.calls == []  # type: ignore[attr-defined]  # parsed as the stack starts: no reparse asked
+    os.environ["STORAGE_EMULATOR_HOST"] = "http://127.0.0.1:2"  # another emulator started since
+    b = stack.use("test_b", spec(tmp_path, "tiny-b", "gs://loraflow-demo/b-artifacts"))
+    assert b is a and stack.starts == 1 and len(stack.seen["starts"]) == 1  # type: ignore[attr-defined]
+    assert os.environ["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:1"  # this process points at the stack's again
+    assert (stack.pipelines / "tiny-b.yaml").exists()
+    assert a.calls == [("GET", "/dags?limit=1000"), ("PUT", "/parseDagFile/tok-p")]  # type: ignore[attr-defined]
+
+
+def test_the_env_reaches_the_stack_only(stack: SharedStack, tmp_path: Path) -> None:
+    """The stack's processes take the env as they start; this process's environment is put back after."""
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    assert stack.seen["starts"][0][2] == "file"  # type: ignore[attr-defined]
+    assert "AIRFLOW__OPENLINEAGE__TRANSPORT" not in os.environ
+    assert os.environ["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:1"  # what the stack's start set stays
+
+
+def test_an_artifact_root_of_another_module_is_refused(stack: SharedStack, tmp_path: Path) -> None:
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    with pytest.raises(
+        LoraflowError, match=re.escape("test_b's tiny-b.yaml has the artifact root gs://loraflow-demo/artifacts, ")
+    ):
+        stack.use("test_b", spec(tmp_path, "tiny-b", "gs://loraflow-demo/artifacts/"))  # the same root, a slash on
+    assert not (stack.pipelines / "tiny-b.yaml").exists()  # nothing of a refused module reaches the stack
+
+
+def test_a_file_name_already_in_the_stack_is_refused(stack: SharedStack, tmp_path: Path) -> None:
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    with pytest.raises(LoraflowError, match=r"tiny-a\.yaml is in the shared stack already: give test_b's"):
+        stack.use("test_b", spec(tmp_path, "tiny-a", "gs://loraflow-demo/b-artifacts"))  # the same DAG name
+
+
+def test_reparse_asks_once_per_dag_file(stack: SharedStack, tmp_path: Path) -> None:
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    airflow = stack.airflow
+    airflow.dags = [  # type: ignore[union-attr]
+        {"fileloc": "/dags/loraflow_pipelines.py", "file_token": "tok-p"},
+        {"fileloc": "/dags/loraflow_pipelines.py", "file_token": "tok-p"},
+        {"fileloc": "/dags/loraflow_registry.py", "file_token": "tok-r"},
+    ]
+    stack.reparse()
+    puts = [path for method, path in airflow.calls if method == "PUT"]  # type: ignore[union-attr]
+    assert sorted(puts) == ["/parseDagFile/tok-p", "/parseDagFile/tok-r"]
+
+
+def test_close_lets_a_later_use_start_a_new_stack(stack: SharedStack, tmp_path: Path) -> None:
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    stack.close()
+    assert stack.airflow is None and stack.seen["stops"] == 1  # type: ignore[attr-defined]
+    stack.close()  # closing a closed stack stops nothing twice
+    assert stack.seen["stops"] == 1  # type: ignore[attr-defined]
+    stack.use("test_b", spec(tmp_path, "tiny-b", "gs://loraflow-demo/b-artifacts"))
+    assert stack.starts == 2 and os.environ["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:2"
+
+
+def test_the_sharing_modules_run_one_after_another_where_the_first_was() -> None:
+    modules = ["a", "a", "c", "d", "b", "e", "e", "f"]
+    order = together(modules, {"a", "b", "e"})
+    assert [modules[i] for i in order] == ["a", "a", "b", "e", "e", "c", "d", "f"]
+    assert order == [0, 1, 4, 5, 6, 2, 3, 7]  # each module's tests in their own order
+    assert together(modules, set()) == list(range(len(modules)))
+    assert together(["c", "b", "a"], {"a", "b"}) == [0, 1, 2]
+
+
+def test_emulator_env_names_what_local_stack_sets() -> None:
+    from loraflow.dev import local_gcs
+
+    assert set(shared_stack.EMULATOR_ENV) == set(local_gcs.Emulator("h", "b", None).env())  # type: ignore[arg-type]
