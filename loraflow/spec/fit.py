@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +131,33 @@ def largest_batch(peaks: Sequence[tuple[float, int]], hbm_bytes: int) -> int:
         return 0 if p1 > hbm_bytes else int(b2)
     fixed = p1 - per_row * b1
     return max(0, math.floor((hbm_bytes - fixed) / per_row))
+
+
+def largest_fitting(peaks: dict[float, int], hbm_bytes: int, peak_at: Callable[[int], int], max_compiles: int) -> int:
+    """The largest whole per-device batch whose peak stays within ``hbm_bytes``, checked both ways: from
+    the line's candidate (:func:`largest_batch` over ``peaks``, ``{per-device batch: peak bytes}`` at two
+    batches or more; at least 1), one row more while it fits and one row less while it does not, until a
+    batch fits and the one above it is known not to. ``peak_at`` predicts the peak at a batch not yet in
+    ``peaks`` (a compile), and each prediction is recorded in ``peaks``; at most ``max_compiles`` of them.
+    The peak is not exactly linear in the batch (the tiny model's, since the step donates the model, is
+    not), so the line's candidate may be rows short of the largest that fits, or rows over it. Returns the largest whole batch
+    known to fit (0 when none is): with the compiles spent before the search ended, it may be short."""
+    batch = max(1, largest_batch(list(peaks.items()), hbm_bytes))
+    compiles = 0
+    while True:
+        if batch not in peaks:
+            if compiles >= max_compiles:
+                break
+            peaks[float(batch)] = peak_at(batch)
+            compiles += 1
+        if fits(peaks[batch], hbm_bytes):
+            batch += 1  # the search stops only on a batch that does not fit (or with the compiles spent)
+        elif batch == 1 or (batch - 1 in peaks and fits(peaks[batch - 1], hbm_bytes)):
+            break  # the row below it fits (or there is none): the largest that fits is known
+        else:
+            batch -= 1
+    whole = [int(b) for b, p in peaks.items() if float(b).is_integer() and fits(p, hbm_bytes)]
+    return max(whole, default=0)
 
 
 def verdict(peak_bytes: int, hbm_bytes: int, largest: int) -> Verdict:

@@ -41,7 +41,9 @@ from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.trainer import argv as mt_argv
 from loraflow.trainer import donation
 
-MAX_STEP_DOWN = 3  # compiles below a candidate batch that the line put one row too high
+# compiles after the line's two: its candidate, the row on the other side of the chip's memory, and two
+# more for a line that was a row or two off (loraflow.spec.fit.largest_fitting)
+SEARCH_COMPILES = 4
 # libtpu, loaded only to describe chips, not to own them: several predictions may run at once (its
 # lock file is for processes that use a chip), and its start-up warnings about a TPU host's
 # metadata (TPU_WORKER_HOSTNAMES, the accelerator type) do not apply.
@@ -285,29 +287,21 @@ def predict(cfg: LoraSftConfig, target: rule.Slice, per_device_batch: float) -> 
 
 def sizing(cfg: LoraSftConfig, target: rule.Slice, search: bool = True) -> dict[str, Any]:
     """The prediction at the config's batch and, with ``search``, the largest per-device batch that fits:
-    the peak at a second batch, the line through both (:func:`loraflow.spec.fit.largest_batch`), and the
-    candidate compiled to check it (one row less while it does not fit, at most MAX_STEP_DOWN times)."""
+    the peak at a second batch, the line through both (:func:`loraflow.spec.fit.largest_batch`), and its
+    candidate checked both ways (:func:`loraflow.spec.fit.largest_fitting`: one row more while it fits,
+    one row less while it does not, until a batch fits and the one above it does not; at most
+    SEARCH_COMPILES compiles after the line's two). ``peaks`` reports every batch compiled."""
     hbm = target.generation.hbm_bytes
     asked = cfg.batch_size / target.chips
     first = predict(cfg, target, asked)
     peaks = {asked: first.peak_bytes}
-    largest = None
+    largest = -1
     if search:
         second = asked * 2 if asked >= 1 else 1.0
         peaks[second] = predict(cfg, target, second).peak_bytes
-        candidate = rule.largest_batch(list(peaks.items()), hbm)
-        compiled = 0
-        while candidate >= 1 and compiled <= MAX_STEP_DOWN:
-            if candidate not in peaks:
-                peaks[candidate] = predict(cfg, target, candidate).peak_bytes
-                compiled += 1
-            if rule.fits(peaks[candidate], hbm):
-                largest = candidate
-                break
-            candidate -= 1
-        if largest is None:  # none left, or the line overshot by more rows than were checked
-            whole = [int(b) for b, p in peaks.items() if float(b).is_integer() and rule.fits(p, hbm)]
-            largest = max(whole, default=0)
+        largest = rule.largest_fitting(
+            peaks, hbm, lambda batch: predict(cfg, target, float(batch)).peak_bytes, SEARCH_COMPILES
+        )
     return {
         "slice": target.maxtext_name,
         "describe": target.describe(),
@@ -316,7 +310,7 @@ def sizing(cfg: LoraSftConfig, target: rule.Slice, search: bool = True) -> dict[
         "hbm_source": target.generation.source,
         "asked": asdict(first),
         "peaks": sorted([b, p] for b, p in peaks.items()),
-        "verdict": asdict(rule.verdict(first.peak_bytes, hbm, largest if largest is not None else -1)),
+        "verdict": asdict(rule.verdict(first.peak_bytes, hbm, largest)),
     }
 
 

@@ -3,6 +3,7 @@ prints and refuses. The prediction itself (the step compiled for the TPU) is tes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,116 @@ def test_largest_batch_is_where_the_line_through_two_peaks_crosses_the_chip() ->
         fit.largest_batch([(1.0, GIB)], 16 * GIB)
     with pytest.raises(ValueError, match=r"^largest_batch needs two different batches, got \[1\.0\]$"):
         fit.largest_batch([(1.0, GIB), (1.0, GIB)], 16 * GIB)
+
+
+class _Compiler:
+    """A synthetic peak curve standing in for the step's compiles: each batch asked for is recorded."""
+
+    def __init__(self, peak: Callable[[int], int]) -> None:
+        self.peak = peak
+        self.compiled: list[int] = []
+
+    def __call__(self, batch: int) -> int:
+        self.compiled.append(batch)
+        return self.peak(batch)
+
+
+def _linear(batch: int) -> int:  # 2 GiB of state, 1 GiB a row
+    return 2 * GIB + batch * GIB
+
+
+def _bent(per_row_above_4: int) -> Callable[[int], int]:
+    """1 GiB a row up to batch 4 (the line through 2 and 4 rows), ``per_row_above_4`` bytes a row above."""
+    return lambda batch: _linear(batch) if batch <= 4 else _linear(4) + (batch - 4) * per_row_above_4
+
+
+def _known(curve: Callable[[int], int], *batches: float) -> dict[float, int]:
+    return {b: curve(int(b)) for b in batches}
+
+
+def test_the_largest_batch_that_fits_is_confirmed_by_one_row_more_that_does_not() -> None:
+    chip = _Compiler(_linear)
+    peaks = _known(_linear, 1.0, 2.0)
+    assert fit.largest_fitting(peaks, 16 * GIB, chip, 4) == 14  # 16 GiB exactly at 14 rows: fits
+    assert chip.compiled == [14, 15]  # the line's candidate, then the row above it
+    assert peaks == {1.0: 3 * GIB, 2.0: 4 * GIB, 14.0: 16 * GIB, 15.0: 17 * GIB}  # every compile reported
+
+
+def test_a_line_that_undershoots_is_climbed_until_a_row_more_does_not_fit() -> None:
+    # 2/3 GiB a row above 4 rows: the line says 8 rows fit in 10 GiB, 10 do
+    curve = _bent(2 * GIB // 3)
+    chip = _Compiler(curve)
+    peaks = _known(curve, 2.0, 4.0)
+    assert fit.largest_batch(list(peaks.items()), 10 * GIB) == 8
+    assert fit.largest_fitting(peaks, 10 * GIB, chip, 6) == 10
+    assert chip.compiled == [8, 9, 10, 11]  # stops at the first row over, budget left
+    assert peaks[10.0] <= 10 * GIB < peaks[11.0]
+
+
+def test_a_line_that_overshoots_is_descended_until_a_row_fits() -> None:
+    # 2 GiB a row above 4 rows: the line says 8 rows fit in 10 GiB, 6 do
+    curve = _bent(2 * GIB)
+    chip = _Compiler(curve)
+    peaks = _known(curve, 2.0, 4.0)
+    assert fit.largest_fitting(peaks, 10 * GIB, chip, 6) == 6
+    assert chip.compiled == [8, 7, 6]  # 7 already known not to fit: no row above 6 compiled again
+
+
+def test_when_no_batch_fits_the_answer_is_0() -> None:
+    # the state alone over the chip: one row is known not to fit, nothing compiled
+    over = _Compiler(lambda batch: 20 * GIB + batch * GIB)
+    assert fit.largest_fitting({1.0: 21 * GIB, 2.0: 22 * GIB}, 16 * GIB, over, 4) == 0
+    assert over.compiled == []
+    # the asked 4 and 8 rows over: one row is compiled before 0 is said
+    chip = _Compiler(lambda batch: 20 * GIB + batch * GIB)
+    assert fit.largest_fitting({4.0: 24 * GIB, 8.0: 28 * GIB}, 16 * GIB, chip, 4) == 0
+    assert chip.compiled == [1]
+    # half a row fits, no whole one: 0 (batch_size 1 on two chips)
+    assert fit.largest_fitting({0.5: 15 * GIB, 1.0: 17 * GIB}, 16 * GIB, _Compiler(_linear), 4) == 0
+
+
+def test_a_line_that_says_0_is_checked_at_one_row() -> None:
+    # 2 and 4 rows over 16 GiB, the line crossing it at 0 rows; one row fits
+    chip = _Compiler(lambda batch: 15 * GIB)
+    assert fit.largest_batch([(2.0, 17 * GIB), (4.0, 18 * GIB)], 16 * GIB) == 0
+    assert fit.largest_fitting({2.0: 17 * GIB, 4.0: 18 * GIB}, 16 * GIB, chip, 4) == 1
+    assert chip.compiled == [1]
+
+
+def test_the_compile_budget_is_never_exceeded_and_the_largest_known_to_fit_is_said() -> None:
+    climbing = _bent(2 * GIB // 3)  # 10 rows fit in 10 GiB, the line says 8
+    for budget, compiled, largest in [(0, [], 4), (1, [8], 8), (2, [8, 9], 9), (3, [8, 9, 10], 10)]:
+        chip = _Compiler(climbing)
+        assert fit.largest_fitting(_known(climbing, 2.0, 4.0), 10 * GIB, chip, budget) == largest
+        assert chip.compiled == compiled
+    descending = _bent(3 * GIB)  # 5 rows fit in 10 GiB, the line says 8
+    for budget, compiled, largest in [(1, [8], 4), (2, [8, 7], 4), (3, [8, 7, 6], 4), (4, [8, 7, 6, 5], 5)]:
+        chip = _Compiler(descending)
+        assert fit.largest_fitting(_known(descending, 2.0, 4.0), 10 * GIB, chip, budget) == largest
+        assert chip.compiled == compiled
+    # a curve that never stops fitting: the budget ends the climb
+    flat = _Compiler(lambda batch: 5 * GIB)
+    assert fit.largest_fitting({1.0: 5 * GIB, 2.0: 5 * GIB}, 16 * GIB, flat, 3) == 5
+    assert flat.compiled == [3, 4, 5]
+    # only whole batches count as known to fit: 1.5 rows fitting says nothing of 2
+    assert fit.largest_fitting({1.5: 10 * GIB, 3.0: 20 * GIB}, 16 * GIB, _Compiler(_linear), 0) == 0
+
+
+def test_a_candidate_already_known_is_not_compiled_again() -> None:
+    chip = _Compiler(_linear)
+    # the asked 14 rows fill 16 GiB exactly: the line's candidate is the asked batch
+    assert fit.largest_fitting(_known(_linear, 7.0, 14.0), 16 * GIB, chip, 4) == 14
+    assert chip.compiled == [15]
+    # both sides known already: no compile at all
+    done = _Compiler(_linear)
+    assert fit.largest_fitting(_known(_linear, 14.0, 15.0), 16 * GIB, done, 4) == 14
+    assert done.compiled == []
+    # the candidate known to be over the chip (6 rows), the row below it known to fit: nothing compiled
+    below = _Compiler(_linear)
+    peaks = {2.0: 4 * GIB, 5.0: 7 * GIB, 6.0: 8 * GIB + 1, 10.0: 12 * GIB}
+    assert fit.largest_batch(list(peaks.items()), 8 * GIB) == 6
+    assert fit.largest_fitting(peaks, 8 * GIB, below, 4) == 5
+    assert below.compiled == []
 
 
 def test_a_queued_step_adds_one_copy_of_what_the_step_writes_anew() -> None:
