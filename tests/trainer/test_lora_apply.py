@@ -44,10 +44,10 @@ def _sft_context(converted: dict[str, Path], name: str, **config: Any) -> StepCo
     return _context(converted["root"] / name, "lora_sft", inputs, {**TRAINING, **config})
 
 
-def _model_and_config(ctx: StepContext) -> tuple[Any, Any, Any]:
+def _config(ctx: StepContext) -> Any:
+    """MaxText's config of the stage's training (no model built)."""
     from absl import flags
     from maxtext.configs import pyconfig
-    from maxtext.utils import model_creation_utils
 
     from loraflow.steps import lora_sft
     from loraflow.trainer.data import training_set
@@ -56,7 +56,13 @@ def _model_and_config(ctx: StepContext) -> tuple[Any, Any, Any]:
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     sft = lora_sft.sft_run(ctx)
-    mt_config = pyconfig.initialize_pydantic(maxtext_argv(sft, training_set(sft.dataset), str(ctx.work)))
+    return pyconfig.initialize_pydantic(maxtext_argv(sft, training_set(sft.dataset), str(ctx.work)))
+
+
+def _model_and_config(mt_config: Any) -> tuple[Any, Any, Any]:
+    """The model MaxText restores from the converted checkpoint, as the stage's trainer starts from it."""
+    from maxtext.utils import model_creation_utils
+
     model, mesh = model_creation_utils.from_pretrained(mt_config)
     return model, mesh, mt_config
 
@@ -68,6 +74,21 @@ def _with_lora(model: Any, mesh: Any, mt_config: Any) -> Any:
 
     with jax.set_mesh(mesh), logical_axis_rules(mt_config.logical_axis_rules):
         return lora_utils.apply_lora_to_model(model, mesh, mt_config)
+
+
+@pytest.fixture(scope="module")
+def eager_builds() -> dict[str, dict[str, Any]]:
+    """The arrays of the model MaxText's own eager set-up builds (from_pretrained, then apply_lora_to_model),
+    by quantization (:func:`_eager`): built once a module, for every test comparing a build with it."""
+    return {}
+
+
+def _eager(built: dict[str, dict[str, Any]], mt_config: Any, quantization: str) -> dict[str, Any]:
+    """The eager model's arrays for the module's training with ``quantization`` (tiles of 32): its tests'
+    configs of one quantization differ only in their work folders, so they build the same model."""
+    if quantization not in built:
+        built[quantization] = _arrays(_with_lora(*_model_and_config(mt_config)))
+    return built[quantization]
 
 
 def _arrays(model: Any) -> dict[str, Any]:
@@ -88,7 +109,7 @@ def _arrays(model: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("quantization", ["none", "nf4"])
-def test_lora_under_jit_is_the_eager_model_and_keeps_the_frozen_weights(converted, quantization):
+def test_lora_under_jit_is_the_eager_model_and_keeps_the_frozen_weights(converted, eager_builds, quantization):
     import numpy as np
     from flax import nnx
 
@@ -96,9 +117,10 @@ def test_lora_under_jit_is_the_eager_model_and_keeps_the_frozen_weights(converte
 
     extra = {"quantization": quantization, "tile_size": 32} if quantization != "none" else {}
     ctx = _sft_context(converted, f"apply-{quantization}", steps=2, **extra)
-    eager = _arrays(_with_lora(*_model_and_config(ctx)))
+    mt_config = _config(ctx)
+    eager = _eager(eager_builds, mt_config, quantization)
 
-    model, mesh, mt_config = _model_and_config(ctx)
+    model, mesh, _ = _model_and_config(mt_config)
     frozen = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     notes: list[str] = []
     with lora_apply.applied_under_jit(notes.append):
@@ -132,7 +154,7 @@ def qwix_is_restored() -> bool:
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
-def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, quantization):
+def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, eager_builds, quantization):
     """QLoRA's model restored and quantized in host memory, then placed (loraflow.trainer.host_build): the
     same model state, value for value, as MaxText's own from_pretrained + apply_lora_to_model."""
     import numpy as np
@@ -141,9 +163,9 @@ def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, quantiza
     from loraflow.trainer import host_build, lora_apply
 
     ctx = _sft_context(converted, f"host-{quantization}", steps=2, quantization=quantization, tile_size=32)
-    reference = _arrays(_with_lora(*_model_and_config(ctx)))
+    mt_config = _config(ctx)
+    reference = _eager(eager_builds, mt_config, quantization)
 
-    _, _, mt_config = _model_and_config(ctx)
     notes: list[str] = []
     with lora_apply.applied_under_jit(notes.append), host_build.built_on_host(notes.append):
         model, mesh = train_sft.model_creation_utils.from_pretrained(mt_config)
@@ -170,7 +192,7 @@ def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(convert
     from loraflow.trainer import host_build, lora_apply
 
     ctx = _sft_context(converted, "host-scratch", steps=2, quantization="nf4", tile_size=32)
-    _, _, mt_config = _model_and_config(ctx)
+    mt_config = _config(ctx)
     layers = 16
     config = host_build.host_config(mt_config.model_copy(update={"num_decoder_layers": layers}))
     eager, scratch = qwix.apply_lora_to_model, []
