@@ -114,8 +114,8 @@ $(REDIS_SERVER):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server)
 
-# CI runs every end-to-end module (3-10 minutes each on 2 cores; the tiny pipeline, hand-off and browser
-# modules share one Airflow, the others start their own: tests/e2e/conftest.py): the
+# CI runs every end-to-end module (3-10 minutes each on 2 cores; the tiny pipeline, hand-off, Vertex and
+# browser modules share one Airflow, the others start their own: tests/e2e/conftest.py): the
 # tiny pipeline, every stage killed once and finished by Airflow's retries, the data-team hand-off,
 # lora_sft on the Vertex AI stand-in under a deferring Airflow, the browser test, eight concurrent
 # runs on PostgreSQL (installed from Debian packages when missing), and the tiny pipeline on Celery

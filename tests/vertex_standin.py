@@ -108,7 +108,9 @@ class VertexStandIn:
         work_dir: Path,
         host_env: Mapping[str, str] = {},
         state_delay: float = 0.1,
+        port: int = 0,
     ) -> None:
+        """``port``: where it listens on 127.0.0.1 (0: a free port the kernel picks)."""
         self.images = dict(images)
         self.work_dir = work_dir
         self.host_env = dict(host_env)
@@ -124,7 +126,7 @@ class VertexStandIn:
         self.models = ModelRegistryStandIn(state_delay)  # Model Registry: models:upload, get, list, aliases
         self.routes.append((_MODELS, self.models.route))
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())  # the kernel picks a free port
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -397,10 +399,11 @@ def replica_env(repo: Path, extra: Mapping[str, str] = {}) -> dict[str, str]:
     return env | {"PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"} | dict(extra)
 
 
-def endpoint_env(standin: VertexStandIn, poll_seconds: float) -> dict[str, str]:
-    """The environment that points loraflow's launcher and trigger at the stand-in."""
+def endpoint_env(standin: VertexStandIn | str, poll_seconds: float) -> dict[str, str]:
+    """The environment that points loraflow's launcher and trigger at the stand-in (or at its URL, for one
+    that starts later)."""
     return {
-        "LORAFLOW_VERTEX_ENDPOINT": standin.url,
+        "LORAFLOW_VERTEX_ENDPOINT": standin if isinstance(standin, str) else standin.url,
         "LORAFLOW_VERTEX_PROJECT": "loraflow-local",
         "LORAFLOW_VERTEX_POLL_SECONDS": str(poll_seconds),
     }

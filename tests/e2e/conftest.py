@@ -10,7 +10,9 @@ import pytest
 
 from loraflow.dev import local_postgres
 from loraflow.dev.db_template import DB_TEMPLATE_ENV
+from loraflow.dev.local_gcs import free_port
 from loraflow.dev.shared_stack import SharedStack, together
+from tests.vertex_standin import endpoint_env
 
 SHARED = "shared_stack"
 # The modules (node ids) whose tests use the shared stack and have not all run yet.
@@ -58,10 +60,25 @@ def shared_stack_lineage(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shared_stack_vertex_port() -> int:
+    """Where test_vertex_pipeline.py's Vertex AI stand-in will listen: the shared stack's processes (workers,
+    triggerer) take its endpoint as they start, before the stand-in runs; a spec whose stages run locally
+    never calls it."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
 def _shared_stack(
-    tmp_path_factory: pytest.TempPathFactory, airflow_db_template: Path, shared_stack_lineage: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    airflow_db_template: Path,
+    shared_stack_lineage: Path,
+    shared_stack_vertex_port: int,
 ) -> Iterator[SharedStack]:
-    env = {
+    vertex = endpoint_env(f"http://127.0.0.1:{shared_stack_vertex_port}", 2)
+    # The Vertex module restarts the triggerer: the new one takes a deferred task over once the old one's
+    # heartbeat is this many seconds old (Airflow's default: 30).
+    env = vertex | {"AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "10"}
+    env |= {
         # OpenLineage on, as a user turns it on: the provider's [openlineage] transport, its file transport.
         "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
             {"type": "file", "log_file_path": str(shared_stack_lineage / "ol")}

@@ -1,5 +1,6 @@
 """The tiny pipeline with lora_sft on "Vertex AI" (the stand-in, tests/vertex_standin.py), deferred, on a
-real local Airflow with a triggerer. One stack for the module; two runs:
+real local Airflow with a triggerer: the stack the end-to-end modules share (tests/e2e/conftest.py, which
+names the stand-in's endpoint to it as it starts), the spec with an artifact root of its own. Two runs:
 
 - ``ok``: the whole pipeline succeeds; lora_sft submits its CustomJob and waits in the triggerer. While
   it waits the stand-in answers one poll with PERMISSION_DENIED: the try fails saying so, the task is
@@ -21,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from loraflow.dev.demo import LocalAirflow, local_stack, prepare
+from loraflow.dev.demo import LocalAirflow, prepare
+from loraflow.dev.shared_stack import SharedStack
 from loraflow.launchers.environments import ENVIRONMENTS
 from loraflow.spec.schema import load_spec
 from loraflow.storage import artifacts, gcs
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
 DAG = "tiny-vertex"
+ARTIFACT_ROOT = "gs://loraflow-demo/vertex-artifacts"  # its own in the shared stack: no stage from another's cache
 TRAINER_IMAGE = "us-docker.pkg.dev/loraflow-local/loraflow/trainer:e2e"
 VERTEX_LORA_SFT = f"""
   lora_sft:
@@ -45,13 +48,15 @@ VERTEX_LORA_SFT = f"""
 def vertex_spec(folder: Path) -> Path:
     """The tiny spec, renamed, with lora_sft on Vertex AI (deferrable is the default)."""
     text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {DAG}")
+    text = text.replace("artifact_root: gs://loraflow-demo/artifacts", f"artifact_root: {ARTIFACT_ROOT}")
     text = text.replace(
         "compute:\n  default:\n    launcher: local\n", "compute:\n  default:\n    launcher: local" + VERTEX_LORA_SFT
     )
     assert TRAINER_IMAGE in text
     path = folder / f"{DAG}.yaml"
     path.write_text(text)
-    assert load_spec(path).compute_for("lora_sft").launcher == "vertex"
+    spec = load_spec(path)
+    assert spec.compute_for("lora_sft").launcher == "vertex" and spec.artifact_root == ARTIFACT_ROOT
     return path
 
 
@@ -81,36 +86,26 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
+def stack(tmp_path_factory: pytest.TempPathFactory, shared_stack: SharedStack, shared_stack_vertex_port: int):
     home = tmp_path_factory.mktemp("vstack")
-    pipelines = home / "pipelines"
-    pipelines.mkdir()
-    spec_path = vertex_spec(pipelines)
+    spec_path = vertex_spec(home)
     host_env = replica_env(REPO)
     images = {TRAINER_IMAGE: str(ENVIRONMENTS["trainer"].local_python())}
-    with VertexStandIn(images, home / "vertex", host_env, state_delay=0.5) as standin:
-        # Airflow's components (workers, triggerer) inherit these: the launcher and trigger talk to the stand-in.
-        env = endpoint_env(standin, 2) | {"AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "10"}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ |= env
-        try:
-            with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
-                standin.host_env |= {
-                    k: os.environ[k] for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT") if k in os.environ
-                }
-                prepare(spec_path, home)
-                airflow.wait_for_dag(DAG)
-                s = Stack(airflow, standin)
-                run_ok(s)
-                run_cancel(s)
-                s.results["ok_state"] = airflow.wait_for_run(DAG, s.results["ok"], timeout=900)
-                yield s
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with VertexStandIn(images, home / "vertex", host_env, state_delay=0.5, port=shared_stack_vertex_port) as standin:
+        airflow = shared_stack.use(__name__, spec_path)
+        # Airflow's components (workers, triggerer) took these as they started: the launcher and trigger talk to
+        # the stand-in.
+        assert {k: airflow.env[k] for k in endpoint_env(standin, 2)} == endpoint_env(standin, 2)
+        standin.host_env |= {
+            k: os.environ[k] for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT") if k in os.environ
+        }
+        prepare(spec_path, home)
+        airflow.wait_for_dag(DAG)
+        s = Stack(airflow, standin)
+        run_ok(s)
+        run_cancel(s)
+        s.results["ok_state"] = airflow.wait_for_run(DAG, s.results["ok"], timeout=900)
+        yield s
 
 
 def run_ok(s: Stack) -> None:
@@ -181,8 +176,7 @@ def test_the_pipeline_succeeds_with_lora_sft_on_vertex(stack: Stack) -> None:
     r = stack.results
     assert r["ok_state"] == "success"
     xcom = stack.airflow.xcom(DAG, r["ok"], "lora_sft")
-    spec = load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml")
-    run_prefix = gcs.join(spec.artifact_root, DAG, artifacts.safe_run_id(r["ok"]))
+    run_prefix = gcs.join(ARTIFACT_ROOT, DAG, artifacts.safe_run_id(r["ok"]))
     manifest = artifacts.read_manifest(xcom["manifest"])
     assert manifest.prefix == f"{run_prefix}/lora_sft" and xcom["cached"] is False
     assert xcom["summary"] == manifest.summary and manifest.summary  # the same XCom as a local run
