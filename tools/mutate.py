@@ -203,6 +203,10 @@ TARGETS: dict[str, Target] = {
     "db_template": Target(
         "control", ["loraflow/dev/db_template.py"], ["tests/control/test_db_template.py"], default=False
     ),
+    # The stack end-to-end modules share: which specs it takes, its env, the order that groups its modules.
+    "shared_stack": Target(
+        "control", ["loraflow/dev/shared_stack.py"], ["tests/control/test_shared_stack.py"], default=False
+    ),
     "stages": Target(
         "control",
         ["operators/stages.py"],

@@ -85,7 +85,7 @@ class SharedStack:
             raise LoraflowError(
                 f"{path.name} is in the shared stack already: give {module}'s copy a DAG name of its own"
             )
-        root = spec.artifact_root.rstrip("/")
+        root = spec.artifact_root  # the spec's schema drops a trailing slash
         owner = self.owners.setdefault(root, module)
         if owner != module:
             raise LoraflowError(
@@ -124,7 +124,7 @@ class SharedStack:
             raise LoraflowError(f"the shared stack lists no DAG to reparse (HTTP {status}: {body})")
         for token in tokens.values():
             status, body = self.airflow.call("PUT", f"/parseDagFile/{token}")
-            if status not in (200, 201):
+            if status != 201:
                 raise LoraflowError(f"the reparse request was refused (HTTP {status}: {body})")
 
     def close(self) -> None:

@@ -87,19 +87,26 @@ def test_modules_with_their_own_names_and_roots_share_one_start(stack: SharedSta
     assert a.calls == [("GET", "/dags?limit=1000"), ("PUT", "/parseDagFile/tok-p")]  # type: ignore[attr-defined]
 
 
-def test_the_env_reaches_the_stack_only(stack: SharedStack, tmp_path: Path) -> None:
+@pytest.mark.parametrize("before", [None, "console"])
+def test_the_env_reaches_the_stack_only(
+    stack: SharedStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str | None
+) -> None:
     """The stack's processes take the env as they start; this process's environment is put back after."""
+    if before is not None:
+        monkeypatch.setenv("AIRFLOW__OPENLINEAGE__TRANSPORT", before)
     stack.use("test_a", spec(tmp_path, "tiny-a"))
     assert stack.seen["starts"][0][2] == "file"  # type: ignore[attr-defined]
-    assert "AIRFLOW__OPENLINEAGE__TRANSPORT" not in os.environ
+    assert os.environ.get("AIRFLOW__OPENLINEAGE__TRANSPORT") == before
     assert os.environ["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:1"  # what the stack's start set stays
 
 
 def test_an_artifact_root_of_another_module_is_refused(stack: SharedStack, tmp_path: Path) -> None:
     stack.use("test_a", spec(tmp_path, "tiny-a"))
-    with pytest.raises(
-        LoraflowError, match=re.escape("test_b's tiny-b.yaml has the artifact root gs://loraflow-demo/artifacts, ")
-    ):
+    refusal = (
+        "test_b's tiny-b.yaml has the artifact root gs://loraflow-demo/artifacts, which test_a's specs have in the "
+        "shared stack: give it one of its own"
+    )
+    with pytest.raises(LoraflowError, match=re.escape(refusal)):
         stack.use("test_b", spec(tmp_path, "tiny-b", "gs://loraflow-demo/artifacts/"))  # the same root, a slash on
     assert not (stack.pipelines / "tiny-b.yaml").exists()  # nothing of a refused module reaches the stack
 
@@ -138,6 +145,8 @@ def test_the_sharing_modules_run_one_after_another_where_the_first_was() -> None
     order = together(modules, {"a", "b", "e"})
     assert [modules[i] for i in order] == ["a", "a", "b", "e", "e", "c", "d", "f"]
     assert order == [0, 1, 4, 5, 6, 2, 3, 7]  # each module's tests in their own order
+    assert together(["a", "c", "b"], {"a", "b"}) == [0, 2, 1]  # where the first one came, not later
+    assert together(["a", "b", "a"], {"a", "b"}) == [0, 2, 1]  # a module's tests kept together
     assert together(modules, set()) == list(range(len(modules)))
     assert together(["c", "b", "a"], {"a", "b"}) == [0, 1, 2]
 
@@ -146,3 +155,15 @@ def test_emulator_env_names_what_local_stack_sets() -> None:
     from loraflow.dev import local_gcs
 
     assert set(shared_stack.EMULATOR_ENV) == set(local_gcs.Emulator("h", "b", None).env())  # type: ignore[arg-type]
+
+
+def test_reparse_says_when_there_is_nothing_to_reparse_or_it_is_refused(stack: SharedStack, tmp_path: Path) -> None:
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    airflow = stack.airflow
+    airflow.dags = [{"fileloc": "/dags/loraflow_pipelines.py"}]  # type: ignore[union-attr]  # no token (yet)
+    with pytest.raises(LoraflowError, match=r"lists no DAG to reparse \(HTTP 200: \{'dags': "):
+        stack.reparse(timeout=0)
+    airflow.dags = [{"fileloc": "/dags/loraflow_pipelines.py", "file_token": "tok-p"}]  # type: ignore[union-attr]
+    airflow.call = lambda method, path, body=None: (200, {"dags": airflow.dags}) if method == "GET" else (403, "no")  # type: ignore[union-attr]
+    with pytest.raises(LoraflowError, match=r"the reparse request was refused \(HTTP 403: no\)"):
+        stack.reparse()
