@@ -114,13 +114,15 @@ def fit_text(name: str, config: dict[str, Any], result: dict[str, Any]) -> str:
     """What ``plan --fit`` prints: the slice, the peak and its parts, the verdict, the largest batch."""
     asked, verdict, step = result["asked"], result["verdict"], result["asked"]["step"]
     per_chip = asked["per_device_batch"]
+    peak, queued = _size(asked["peak_bytes"]), _size(asked["queued_bytes"])
+    # a queued step holds more only where the step writes outputs of its own (not over donated arguments)
+    queued_note = f" (up to {queued} while a second step is queued, where the chip has room for it)"
     lines = [
         f"pipeline {name}: lora_sft on {result['describe']}, {_size(result['hbm_bytes'])} of HBM per chip "
         f"({result['hbm_source']})",
         f"  batch {config['batch_size']} ({per_chip:g} per chip) x {config['max_length']} tokens, "
-        f"{config['dtype']}, quantization {config['quantization']}: predicted peak {_size(asked['peak_bytes'])} "
-        f"per chip (up to {_size(asked['queued_bytes'])} while a second step is queued, where the chip has room "
-        "for it)",
+        f"{config['dtype']}, quantization {config['quantization']}: predicted peak {peak} per chip"
+        f"{queued_note if queued != peak else ''}",
         f"    train step (XLA's memory analysis): arguments {_size(step['argument_bytes'])}, outputs "
         f"{_size(step['output_bytes'] - step['alias_bytes'])} not over donated ones, temporaries "
         f"{_size(step['temp_bytes'])}; set-up {_size(asked['setup_bytes'])}",
