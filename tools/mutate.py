@@ -200,6 +200,8 @@ TARGETS: dict[str, Target] = {
     # plan --fit's arithmetic and slices (the prediction itself compiles for a TPU: tests/trainer/test_fit.py).
     "fit": Target("control", ["loraflow/spec/fit.py"], ["tests/control/test_fit.py"], default=False),
     # The end-to-end stacks' one migrate per test run (its copies' paths and keys, when a stack copies).
+    # the train step's donation, in Tunix's own training loop (a tiny nnx model: no MaxText)
+    "donation": Target("trainer", ["loraflow/trainer/donation.py"], ["tests/trainer/test_donation.py"], default=False),
     "db_template": Target(
         "control", ["loraflow/dev/db_template.py"], ["tests/control/test_db_template.py"], default=False
     ),

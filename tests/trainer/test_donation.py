@@ -12,6 +12,7 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -34,20 +35,37 @@ class Tiny(nnx.Module):
         return x @ (self.frozen[...] + self.lora[...])
 
 
+BATCH = {"x": jnp.asarray(np.arange(8, dtype=np.float32).reshape(2, 4) / 8), "y": jnp.ones((2, 4))}
+
+
+def _trainer(model: Tiny, steps: int) -> Any:
+    config = peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=steps)
+    trainer = peft_trainer.PeftTrainer(model, optax.sgd(0.1), config)
+    return trainer.with_loss_fn(lambda m, x, y: jnp.mean((m(x) - y) ** 2)).with_gen_model_input_fn(lambda b: b)
+
+
 def _trained(donate: bool, steps: int = 3) -> tuple[Tiny, Any, list[str]]:
     """A Tiny trained ``steps`` steps by Tunix's PeftTrainer, the model donated or not; (model, its frozen
     array before training, progress lines)."""
     model = Tiny()
     before = model.frozen[...]
-    config = peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=steps)
-    trainer = peft_trainer.PeftTrainer(model, optax.sgd(0.1), config)
-    trainer = trainer.with_loss_fn(lambda m, x, y: jnp.mean((m(x) - y) ** 2)).with_gen_model_input_fn(lambda b: b)
+    trainer = _trainer(model, steps)
     said: list[str] = []
     if donate:
         donation.donate_the_model(trainer, said.append)
-    rows = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
-    trainer.train([{"x": jnp.asarray(rows), "y": jnp.ones((2, 4))}] * steps)
+    trainer.train([BATCH] * steps)
     return model, before, said
+
+
+def test_the_step_plan_fit_compiles_writes_the_whole_state_over_itself() -> None:
+    """jit_train_step, what plan --fit and the task log's step figures compile: its outputs are written over
+    the model and the optimizer it was given (XLA's memory analysis), as in the trainer's own step."""
+    model = Tiny()
+    trainer = _trainer(model, 1)
+    stats = donation.jit_train_step(trainer).lower(model, trainer.optimizer, BATCH).compile().memory_analysis()
+    state = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(nnx.state(model)))  # frozen + LoRA
+    optimizer = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(nnx.state(trainer.optimizer)))
+    assert stats.alias_size_in_bytes >= state + optimizer  # Tunix's own jit: the optimizer's alone
 
 
 def test_the_frozen_weights_given_to_a_step_are_written_over_and_training_is_unchanged() -> None:
