@@ -3,13 +3,14 @@
 Predicts, on this CPU (no chip), each configuration bench/tpu measured on one v5e chip: the 1.5 B model
 with LoRA, nf4 and int8, the 3.6 B with LoRA and nf4 and the 8B with nf4: the same model shapes, 8 rows of
 1,024 tokens, rank 16, tile 64, bf16. The chip's memory in use is its arrays (``peak_bytes_in_use``) plus
-what it reserves for the loaded programs' temporaries (``peak_bytes_reserved``); the measurement compared
-is their sum, from ``bench/results/tpu-memory.json`` (the ``memory`` phase and a 3.6 B nf4 case, steps run
-one at a time) where it has the case, else the older records (tpu-1b.json, tpu-3b.json, tpu-8b-qlora.json),
-which hold the arrays' peak only: a lower bound, marked so. Recorded measurements, not re-measured here
-(the chip ran JAX 0.10.2 with libtpu 0.0.42.1; this prediction runs in the trainer env's JAX and libtpu,
-which the record names). Beside it, the same rule applied to the compiled step's memory analysis the chip
-itself recorded (the stage's "compiled train step" line, the chip's own compiler).
+what it reserves for the loaded programs' temporaries (``peak_bytes_reserved``), and that sum is what is
+compared: recorded with the train step donating the model (loraflow.trainer.donation) in
+``bench/results/tpu-memory.json`` (the 1.5 B cases: bench/tpu's ``memory`` phase), ``tpu-memory-3b.json``
+and ``tpu-memory-8b.json`` (the loraflow cases of its ``3b`` and ``8b-qlora`` phases, run the same day on
+the same machine, renamed). Recorded measurements, not re-measured here (the chip ran JAX 0.10.2 with
+libtpu 0.0.42.1; this prediction runs in the trainer env's JAX and libtpu, which the record names). Beside
+it, the same rule applied to the compiled step's memory analysis the chip itself recorded (the stage's
+"compiled train step" line, the chip's own compiler).
 
 Run: ``.venvs/trainer/bin/python bench/fit_bench.py [CASE ...]`` (cases 1b-none 1b-nf4 1b-int8 3b-none
 3b-nf4 8b-nf4; about 3-6 minutes each on 2 busy cores); writes bench/results/fit.json.
@@ -36,8 +37,8 @@ from loraflow.spec.step_configs import LoraSftConfig  # noqa: E402
 from loraflow.trainer import fit  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-FULL = "tpu-memory.json"  # the chip's arrays and its reserved temporaries
-ARRAYS_ONLY = {"1b": "tpu-1b.json", "3b": "tpu-3b.json", "8b": "tpu-8b-qlora.json"}
+#: where each size's measurements are (the chip's arrays and its reserved temporaries: module doc)
+MEASURED = {"1b": "tpu-memory.json", "3b": "tpu-memory-3b.json", "8b": "tpu-memory-8b.json"}
 CASES = ["1b-none", "1b-nf4", "1b-int8", "3b-none", "3b-nf4", "8b-nf4"]
 
 
@@ -51,19 +52,18 @@ def _sizes() -> dict[str, dict[str, int]]:
 
 
 def _measured(size: str, quantization: str) -> tuple[dict[str, Any], str]:
-    """The chip's run of the case (the one with its reserved temporaries recorded where there is one), and
-    the file it is recorded in."""
-    for name in (FULL, ARRAYS_ONLY[size]):
-        for r in json.loads((RESULTS / name).read_text())["results"]:
-            c = r["case"]
-            if (
-                c.get("kind") == "train"
-                and c.get("mode") == "loraflow"
-                and (c["size"], c["quantization"]) == (size, quantization)
-                and (name != FULL or r.get("peak_bytes_reserved") is not None)
-            ):
-                return dict(r), name
-    raise SystemExit(f"no measured {size} {quantization} case in {FULL} or {ARRAYS_ONLY[size]}")
+    """The chip's run of the case, with its reserved temporaries, and the file it is recorded in."""
+    name = MEASURED[size]
+    for r in json.loads((RESULTS / name).read_text())["results"]:
+        c = r["case"]
+        if (
+            c.get("kind") == "train"
+            and c.get("mode") == "loraflow"
+            and (c["size"], c["quantization"]) == (size, quantization)
+            and r.get("peak_bytes_reserved") is not None
+        ):
+            return dict(r), name
+    raise SystemExit(f"no measured {size} {quantization} case with its reserved temporaries in {name}")
 
 
 def predict_case(name: str, sizes: dict[str, dict[str, int]]) -> dict[str, Any]:
@@ -87,8 +87,8 @@ def predict_case(name: str, sizes: dict[str, dict[str, int]]) -> dict[str, Any]:
     t = time.perf_counter()
     p = fit.predict(cfg, target, cfg.batch_size / target.chips)
     seconds = time.perf_counter() - t
-    arrays, reserved = int(measured["peak_bytes_in_use"]), measured.get("peak_bytes_reserved")
-    peak = arrays + int(reserved or 0)
+    arrays, reserved = int(measured["peak_bytes_in_use"]), int(measured["peak_bytes_reserved"])
+    peak = arrays + reserved
     s = measured["summary"]
     # the chip's own compile of the same step (the stage's "compiled train step" line): same rule
     chip_rule = s["step_argument_bytes"] + s["step_output_bytes"] - p.step.alias_bytes + s["step_temp_bytes"]
@@ -99,8 +99,6 @@ def predict_case(name: str, sizes: dict[str, dict[str, int]]) -> dict[str, Any]:
         "measured": {
             "arrays_peak_bytes": arrays,
             "reserved_peak_bytes": reserved,
-            # without the reserved temporaries the figure is the arrays' alone: a lower bound
-            "complete": reserved is not None,
             "steps_queued": measured["case"].get("inflight", "Tunix's default (2)"),
             "recorded_in": source,
             "saved_at": json.loads((RESULTS / source).read_text())["saved_at"],
@@ -146,8 +144,8 @@ def main() -> None:
         print(json.dumps(kept[name]), flush=True)
         record = {
             "what": "loraflow plan --fit's prediction (this CPU, no chip) against the peaks one v5e chip measured "
-            "(its arrays plus its reserved temporaries where recorded; recorded in bench/results/tpu-*.json, "
-            "not re-measured)",
+            "(its arrays plus its reserved temporaries, the train step donating the model; recorded in "
+            "bench/results/tpu-memory*.json, not re-measured)",
             "predicted_with": {p: metadata.version(p) for p in ("jax", "jaxlib", "libtpu", "maxtext", "google-tunix")},
             "cpu": _cpu(),
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
