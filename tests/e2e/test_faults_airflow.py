@@ -6,7 +6,6 @@ searched for. Takes several minutes."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -98,9 +97,9 @@ def outcome(tmp_path_factory: pytest.TempPathFactory):
         "LORAFLOW_FAULT_STATE": str(state),
         f"AIRFLOW_CONN_{CONNECTION.upper()}": json.dumps({"conn_type": "generic", "password": token}),
     }
-    saved = {k: os.environ.get(k) for k in planted}
-    os.environ.update(planted)  # the stack's processes inherit them; restored below
-    try:
+    with pytest.MonkeyPatch.context() as env:  # the stack's processes inherit them; restored after
+        for key, value in planted.items():
+            env.setenv(key, value)
         with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
             spec = prepare(spec_path, home)
             airflow.wait_for_dag(NAME)
@@ -114,12 +113,6 @@ def outcome(tmp_path_factory: pytest.TempPathFactory):
                 result.xcoms[task] = airflow.xcom(NAME, run_id, task)
             result.verdict = verdict(spec, airflow, run_id)
             yield result
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def test_every_stage_was_killed_once_and_its_retry_completed_the_run(outcome: Outcome) -> None:
