@@ -24,7 +24,9 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6
 FROM base-${SERVING_BUILD}
 ARG SERVING_BUILD
 # uv keeps no cache in the image: its layers hold the environment only (files copied into it, not linked).
-ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
+# It compiles the environment to bytecode as it installs it: every task starts a container afresh, which would
+# otherwise compile each module it imports from source (importing MaxText: 30 CPU s against 10).
+ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never UV_COMPILE_BYTECODE=1
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow
 COPY envs/serving.lock envs/serving-tpu.lock envs/serving-cuda.lock envs/

@@ -7,7 +7,9 @@
 ARG PYTHON312_IMAGE=python:3.12-slim-bookworm
 FROM ${PYTHON312_IMAGE}
 # uv keeps no cache in the image: its layers hold the environment only (files copied into it, not linked).
-ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
+# It compiles the environment to bytecode as it installs it: every task starts a container afresh, which would
+# otherwise compile each module it imports from source (importing MaxText: 30 CPU s against 10).
+ENV UV_NO_CACHE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never UV_COMPILE_BYTECODE=1
 RUN pip install --no-cache-dir uv
 WORKDIR /opt/loraflow
 COPY envs/trainer.lock envs/trainer.lock

@@ -73,6 +73,13 @@ def test_no_image_keeps_a_package_cache() -> None:
         assert text.index("UV_NO_CACHE=1") < text.index("uv pip"), dockerfile.name
 
 
+def test_every_image_compiles_its_environment_to_bytecode_as_it_installs_it() -> None:
+    """A task's container starts afresh: without the image's bytecode each process compiles what it imports."""
+    for dockerfile in sorted(DOCKER.glob("*.Dockerfile")):
+        text = dockerfile.read_text()
+        assert text.index("UV_COMPILE_BYTECODE=1") < text.index("uv pip"), dockerfile.name
+
+
 def test_the_build_context_leaves_out_the_hosts_environments_byte_code_and_native_kernel() -> None:
     ignored = (REPO / ".dockerignore").read_text().splitlines()
     for entry in (".venvs", "**/__pycache__", "loraflow/lora/native/*.so"):
