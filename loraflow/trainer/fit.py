@@ -58,7 +58,9 @@ class StepPeak:
     output_bytes: int
     alias_bytes: int  # outputs written over donated arguments (the model and the optimizer's state)
     temp_bytes: int  # activations, gradients, scratch
-    peak_bytes: int  # XLA's peak for the program: arguments + outputs - aliased + temporaries
+    # XLA's own peak for the program (peak_memory_in_bytes: with liveness, not the sum below; where the analysis
+    # lacks it, arguments + outputs - aliased + temporaries)
+    peak_bytes: int
     # False: XLA refused to compile the step, its temporaries alone over the chip's memory (the figures
     # are then its temporaries as XLA's refusal states them and the rest counted from the shapes)
     compiled: bool = True
