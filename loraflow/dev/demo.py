@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -585,10 +585,13 @@ def local_stack(
     database_url: str | None = None,
     parallelism: int = 4,
     celery: CeleryWorkers | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[LocalAirflow]:
     """The GCS emulator + Airflow, started and (always) stopped again, SIGTERM and SIGHUP included; one
     stack per ``home``, and what an earlier one left there ended first (``loraflow.dev.stack_guard``).
-    ``database_url``, ``parallelism``, ``celery``: see ``LocalAirflow``."""
+    ``database_url``, ``parallelism``, ``celery``: see ``LocalAirflow``. ``env``: added to the environment of
+    every Airflow process of the stack (components, Celery workers, the broker, and so every task and step
+    program), not to this process's (e.g. a fault to inject, a connection, OpenLineage's transport)."""
     with stack_guard.owned(home) as stop_begins:
         started_at = datetime.now(UTC)
         marker = stack_guard.marker_env(home)
@@ -598,7 +601,7 @@ def local_stack(
         gcs.client.cache_clear()
         airflow = LocalAirflow(
             home / "airflow",
-            {**emulator.env(), **marker},
+            {**(env or {}), **emulator.env(), **marker},
             pipelines_dir=pipelines_dir,
             database_url=database_url,
             parallelism=parallelism,

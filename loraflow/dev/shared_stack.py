@@ -94,18 +94,9 @@ class SharedStack:
             )
 
     def _start(self) -> None:
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)  # the stack's processes take this process's environment as they start
-        try:
-            self.airflow = self._exit.enter_context(
-                local_stack(home=self.home, in_memory=True, pipelines_dir=self.pipelines)
-            )
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        self.airflow = self._exit.enter_context(
+            local_stack(home=self.home, in_memory=True, pipelines_dir=self.pipelines, env=self.env)
+        )
         self.starts += 1
         self._emulator_env = {k: os.environ[k] for k in EMULATOR_ENV if k in os.environ}
 

@@ -5,10 +5,15 @@ A module name that does not import would be skipped by the forkserver without a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from loraflow.dev import demo
 from loraflow.dev.demo import WORKER_PRELOAD, LocalAirflow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,3 +99,23 @@ def test_with_another_start_method_the_scheduler_starts_no_forkserver(tmp_path: 
     env = {**airflow.env, "PYTHONPATH": str(REPO), "AIRFLOW__SCHEDULER__MP_START_METHOD": "fork"}
     children = _prestart(env, tmp_path)
     assert not [c for c in children if "multiprocessing.forkserver" in " ".join(c)], children
+
+
+def test_local_stack_env_reaches_every_airflow_process_and_not_this_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``local_stack(env=...)``: the environment every component, worker and step program of the stack is
+    started with has it (a fault to inject, a connection); the process that started the stack never has it."""
+    emulator = SimpleNamespace(host="http://127.0.0.1:9", env=lambda: {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"})
+    emulator.stop = lambda: None
+    monkeypatch.setattr(demo.local_gcs, "start", lambda *args, **kwargs: emulator)
+    monkeypatch.setattr(demo.LocalAirflow, "start", lambda self: None)
+    monkeypatch.setattr(demo.LocalAirflow, "fail_leftover_runs", lambda self, started_at: [])
+    monkeypatch.delenv("LORAFLOW_FAULT", raising=False)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")
+    planted = {"LORAFLOW_FAULT": "lora_sft:mid_training", "STORAGE_EMULATOR_HOST": "http://elsewhere"}
+    with demo.local_stack(home=tmp_path / "home", in_memory=True, env=planted) as airflow:
+        assert airflow.env["LORAFLOW_FAULT"] == "lora_sft:mid_training"
+        assert airflow.env["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:9"  # the stack's own emulator wins
+        assert "LORAFLOW_FAULT" not in os.environ
+    assert "LORAFLOW_FAULT" not in os.environ

@@ -52,15 +52,16 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SharedStack:
     seen: dict[str, Any] = {"starts": [], "stops": 0}
 
     @contextmanager
-    def local_stack(home: Path, in_memory: bool, pipelines_dir: Path) -> Iterator[StandInAirflow]:
+    def local_stack(home: Path, in_memory: bool, pipelines_dir: Path, env: dict[str, str]) -> Iterator[StandInAirflow]:
         seen["starts"].append(
             (
                 home,
                 in_memory,
-                os.environ.get("AIRFLOW__OPENLINEAGE__TRANSPORT"),
+                env.get("AIRFLOW__OPENLINEAGE__TRANSPORT"),
                 sorted(p.name for p in pipelines_dir.iterdir()),
             )
         )
+        seen["environ"] = os.environ.get("AIRFLOW__OPENLINEAGE__TRANSPORT")
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{len(seen['starts'])}"
         try:
             yield StandInAirflow([{"fileloc": "/dags/loraflow_pipelines.py", "file_token": "tok-p"}])
@@ -91,11 +92,12 @@ def test_modules_with_their_own_names_and_roots_share_one_start(stack: SharedSta
 def test_the_env_reaches_the_stack_only(
     stack: SharedStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str | None
 ) -> None:
-    """The stack's processes take the env as they start; this process's environment is put back after."""
+    """The stack's processes take the env (local_stack's env); this process's environment never has it."""
     if before is not None:
         monkeypatch.setenv("AIRFLOW__OPENLINEAGE__TRANSPORT", before)
     stack.use("test_a", spec(tmp_path, "tiny-a"))
     assert stack.seen["starts"][0][2] == "file"  # type: ignore[attr-defined]
+    assert stack.seen["environ"] == before  # type: ignore[attr-defined]  # not even while the stack starts
     assert os.environ.get("AIRFLOW__OPENLINEAGE__TRANSPORT") == before
     assert os.environ["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:1"  # what the stack's start set stays
 

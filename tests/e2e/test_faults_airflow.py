@@ -6,6 +6,7 @@ searched for. Takes several minutes."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -58,6 +59,7 @@ class Outcome:
     def __init__(self, airflow: LocalAirflow, run_id: str, state: str, token: str, spec_path: Path, faults: Path):
         self.airflow, self.run_id, self.state, self.token = airflow, run_id, state, token
         self.spec_path, self.faults = spec_path, faults
+        self.planted: dict[str, str] = {}  # the environment the stack ran with (the fault, the connection)
         self.tis: dict[str, dict[str, Any]] = {}
         self.logs: dict[tuple[str, int], str] = {}
         self.xcoms: dict[str, Any] = {}
@@ -97,22 +99,21 @@ def outcome(tmp_path_factory: pytest.TempPathFactory):
         "LORAFLOW_FAULT_STATE": str(state),
         f"AIRFLOW_CONN_{CONNECTION.upper()}": json.dumps({"conn_type": "generic", "password": token}),
     }
-    with pytest.MonkeyPatch.context() as env:  # the stack's processes inherit them; restored after
-        for key, value in planted.items():
-            env.setenv(key, value)
-        with local_stack(home=home, in_memory=True, pipelines_dir=pipelines) as airflow:
-            spec = prepare(spec_path, home)
-            airflow.wait_for_dag(NAME)
-            run_id = airflow.trigger(NAME)
-            result = Outcome(airflow, run_id, airflow.wait_for_run(NAME, run_id, timeout=1500), token, spec_path, state)
-            _, body = airflow.call("GET", f"/dags/{NAME}/dagRuns/{run_id}/taskInstances")
-            result.tis = {ti["task_id"]: ti for ti in body["task_instances"]}
-            for task, ti in result.tis.items():
-                for n in range(1, (ti.get("try_number") or 1) + 1):
-                    result.logs[(task, n)] = airflow.task_log(NAME, run_id, task, n)
-                result.xcoms[task] = airflow.xcom(NAME, run_id, task)
-            result.verdict = verdict(spec, airflow, run_id)
-            yield result
+    # the stack's processes (so every task and step program) take them; this process does not
+    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines, env=planted) as airflow:
+        spec = prepare(spec_path, home)
+        airflow.wait_for_dag(NAME)
+        run_id = airflow.trigger(NAME)
+        result = Outcome(airflow, run_id, airflow.wait_for_run(NAME, run_id, timeout=1500), token, spec_path, state)
+        result.planted = planted
+        _, body = airflow.call("GET", f"/dags/{NAME}/dagRuns/{run_id}/taskInstances")
+        result.tis = {ti["task_id"]: ti for ti in body["task_instances"]}
+        for task, ti in result.tis.items():
+            for n in range(1, (ti.get("try_number") or 1) + 1):
+                result.logs[(task, n)] = airflow.task_log(NAME, run_id, task, n)
+            result.xcoms[task] = airflow.xcom(NAME, run_id, task)
+        result.verdict = verdict(spec, airflow, run_id)
+        yield result
 
 
 def test_every_stage_was_killed_once_and_its_retry_completed_the_run(outcome: Outcome) -> None:
@@ -191,10 +192,11 @@ def test_the_planted_secret_reached_the_steps_and_nothing_else(outcome: Outcome)
     assert any(b.name.endswith("report/report.html") for b in blobs)
     for blob in blobs:
         assert token.encode() not in blob.download_as_bytes(), f"the secret is in gs://{bucket}/{blob.name}"
-    plan = subprocess.run(
+    plan = subprocess.run(  # in the stack's environment: the connection holding the secret is there
         [str(Path(sys.executable).parent / "loraflow"), "plan", str(outcome.spec_path)],
         capture_output=True,
         text=True,
+        env={**os.environ, **outcome.planted},
     )
     assert plan.returncode == 0 and "lora_sft" in plan.stdout and token not in plan.stdout + plan.stderr
     for path in (outcome.airflow.home / "logs").rglob("*"):
