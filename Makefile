@@ -115,11 +115,11 @@ $(REDIS_SERVER):
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server)
 
 # CI runs every end-to-end module (3-10 minutes each on 2 cores; the tiny pipeline, hand-off, Vertex and
-# browser modules share one Airflow, the others start their own: tests/e2e/conftest.py): the
-# tiny pipeline, every stage killed once and finished by Airflow's retries, the data-team hand-off,
-# lora_sft on the Vertex AI stand-in under a deferring Airflow, the browser test, eight concurrent
-# runs on PostgreSQL (installed from Debian packages when missing), and the tiny pipeline on Celery
-# workers with a Redis broker, one worker lost mid-stage. The 15 slowest steps (set-up included) are
+# browser modules share one Airflow, the Celery and load modules a distributed one, the others start
+# their own: tests/e2e/conftest.py): the tiny pipeline, every stage killed once and finished by Airflow's
+# retries, the data-team hand-off, lora_sft on the Vertex AI stand-in under a deferring Airflow, the
+# browser test, and on Celery workers with a Redis broker and PostgreSQL (installed from Debian packages
+# when missing) eight concurrent runs and the tiny pipeline with one worker lost mid-stage. The 15 slowest steps (set-up included) are
 # listed at the end: CI's budget is 90 minutes, and e2e is most of it.
 E2E := $(wildcard tests/e2e/test_*.py)
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -378,6 +379,15 @@ class LocalAirflow:
             proc.kill()
             proc.wait()
         self.procs[i] = self._start_component(self.COMPONENTS[i])
+
+    def replace_worker(self, name: str) -> None:
+        """Start Celery worker ``name`` again, on an empty disk, once every process of it is gone: a lost
+        machine replaced (as a managed instance group or an autoscaler would), so the stack has its
+        workers back for what runs next."""
+        if self.workers[name].poll() is None:
+            raise LoraflowError(f"{name} is still running: only a lost worker is replaced")
+        shutil.rmtree(self.home / "workers" / name, ignore_errors=True)
+        self.workers[name] = self._start_worker(name)
 
     def exited(self) -> list[str]:
         """The components that are no longer running."""

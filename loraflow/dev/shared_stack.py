@@ -10,7 +10,8 @@ from taking another's stages from the cache (the stage cache is per root: ``_cac
 The stack starts when the first module asks for it, with that module's specs in place; a later module's
 specs are parsed at once (a priority parsing request for each DAG file, as the UI's reparse button
 makes), not at the DAG processor's next pass. Whoever owns the stack closes it (tests/e2e/conftest.py:
-after the last module that uses it).
+after the last module that uses it). A stack runs the LocalExecutor on SQLite, or Celery workers on a
+database it starts with itself (tests/e2e/conftest.py has one of each).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Collection, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 
 from loraflow.dev.demo import LocalAirflow, local_stack
+from loraflow.dev.local_celery import CeleryWorkers
 from loraflow.errors import LoraflowError
 from loraflow.spec.schema import load_spec
 from loraflow.storage import gcs
@@ -48,12 +50,23 @@ def together(modules: Sequence[str], sharing: Collection[str]) -> list[int]:
 
 class SharedStack:
     """A stack on ``home`` (its specs in ``home/pipelines``), started with ``env`` added to the environment
-    its processes take (e.g. OpenLineage's transport), by the first ``use``."""
+    its processes take (e.g. OpenLineage's transport), by the first ``use``: on SQLite with the LocalExecutor,
+    or with ``celery``'s workers on the database ``database()`` starts as the stack does (a context manager
+    yielding its SQLAlchemy URL, e.g. ``loraflow.dev.local_postgres.running``), stopped after the stack."""
 
-    def __init__(self, home: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        home: Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        database: Callable[[], AbstractContextManager[str]] | None = None,
+        celery: CeleryWorkers | None = None,
+    ) -> None:
         self.home = home
         self.pipelines = home / "pipelines"
         self.env = dict(env or {})
+        self.database = database
+        self.celery = celery
         self.airflow: LocalAirflow | None = None
         self.starts = 0  # how many times a stack was started on home (1 while shared as meant)
         self.owners: dict[str, str] = {}  # artifact root -> the module whose specs have it
@@ -94,8 +107,16 @@ class SharedStack:
             )
 
     def _start(self) -> None:
+        database_url = self._exit.enter_context(self.database()) if self.database is not None else None
         self.airflow = self._exit.enter_context(
-            local_stack(home=self.home, in_memory=True, pipelines_dir=self.pipelines, env=self.env)
+            local_stack(
+                home=self.home,
+                in_memory=True,
+                pipelines_dir=self.pipelines,
+                database_url=database_url,
+                celery=self.celery,
+                env=self.env,
+            )
         )
         self.starts += 1
         self._emulator_env = {k: os.environ[k] for k in EMULATOR_ENV if k in os.environ}

@@ -129,3 +129,37 @@ def test_task_logs_are_written_to_and_read_from_the_gcs_emulator(
     assert io.write("second", where) is True
     _, streams = io.read("dag_id=d/run_id=r/task_id=t/attempt=1.log", None)
     assert streams == ["first\nsecond"]
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_only_a_lost_worker_is_replaced_and_on_an_empty_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``replace_worker``: a worker still running is refused; one whose process is gone starts again under
+    its own name, with its old disk (HOME, scratch, Airflow home) gone, as a new machine would."""
+    airflow = LocalAirflow(tmp_path / "home", {}, database_url=PG, celery=CeleryWorkers())
+    started: list[str] = []
+
+    def start_worker(name: str) -> subprocess.Popen[bytes]:
+        started.append(name)
+        return _sleeper()
+
+    monkeypatch.setattr(airflow, "_start_worker", start_worker)
+    old = airflow.workers["celery-worker-1"] = _sleeper()
+    left = airflow.home / "workers" / "celery-worker-1" / "home" / "left-by-the-lost-machine"
+    left.parent.mkdir(parents=True)
+    left.write_text("x")
+    try:
+        with pytest.raises(LoraflowError, match="celery-worker-1 is still running: only a lost worker is replaced"):
+            airflow.replace_worker("celery-worker-1")
+        assert started == [] and left.exists()
+        old.kill()
+        old.wait()
+        airflow.replace_worker("celery-worker-1")
+        assert started == ["celery-worker-1"] and not left.exists()
+        assert airflow.workers["celery-worker-1"] is not old and airflow.workers["celery-worker-1"].poll() is None
+    finally:
+        for proc in airflow.workers.values():
+            proc.kill()
+            proc.wait()

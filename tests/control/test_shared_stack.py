@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from loraflow.dev import shared_stack
+from loraflow.dev.local_celery import CeleryWorkers
 from loraflow.dev.shared_stack import SharedStack, together
 from loraflow.errors import LoraflowError
 
@@ -52,7 +53,14 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SharedStack:
     seen: dict[str, Any] = {"starts": [], "stops": 0}
 
     @contextmanager
-    def local_stack(home: Path, in_memory: bool, pipelines_dir: Path, env: dict[str, str]) -> Iterator[StandInAirflow]:
+    def local_stack(
+        home: Path,
+        in_memory: bool,
+        pipelines_dir: Path,
+        database_url: str | None,
+        celery: CeleryWorkers | None,
+        env: dict[str, str],
+    ) -> Iterator[StandInAirflow]:
         seen["starts"].append(
             (
                 home,
@@ -61,6 +69,7 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SharedStack:
                 sorted(p.name for p in pipelines_dir.iterdir()),
             )
         )
+        seen["database"], seen["celery"] = database_url, celery
         seen["environ"] = os.environ.get("AIRFLOW__OPENLINEAGE__TRANSPORT")
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{len(seen['starts'])}"
         try:
@@ -100,6 +109,40 @@ def test_the_env_reaches_the_stack_only(
     assert stack.seen["environ"] == before  # type: ignore[attr-defined]  # not even while the stack starts
     assert os.environ.get("AIRFLOW__OPENLINEAGE__TRANSPORT") == before
     assert os.environ["STORAGE_EMULATOR_HOST"] == "http://127.0.0.1:1"  # what the stack's start set stays
+    assert stack.seen["database"] is None and stack.seen["celery"] is None  # type: ignore[attr-defined]  # SQLite, LocalExecutor
+
+
+def test_a_distributed_stack_starts_its_database_with_it_and_stops_it_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``database``, the stack starts that database as it starts (its URL to local_stack, with the
+    Celery workers) and stops it after the stack, not before the first use."""
+    events: list[str] = []
+
+    @contextmanager
+    def database() -> Iterator[str]:
+        events.append("database up")
+        try:
+            yield "postgresql+psycopg2://airflow@127.0.0.1:5/airflow"
+        finally:
+            events.append("database down")
+
+    @contextmanager
+    def local_stack(**kwargs: Any) -> Iterator[StandInAirflow]:
+        events.append(f"stack up on {kwargs['database_url']} with {kwargs['celery']}")
+        try:
+            yield StandInAirflow([])
+        finally:
+            events.append("stack down")
+
+    monkeypatch.setattr(shared_stack, "local_stack", local_stack)
+    workers = CeleryWorkers(count=3)
+    s = SharedStack(tmp_path / "home", database=database, celery=workers)
+    assert events == []
+    s.use("test_a", spec(tmp_path, "tiny-a"))
+    assert events == ["database up", f"stack up on postgresql+psycopg2://airflow@127.0.0.1:5/airflow with {workers}"]
+    s.close()
+    assert events[2:] == ["stack down", "database down"]
 
 
 def test_an_artifact_root_of_another_module_is_refused(stack: SharedStack, tmp_path: Path) -> None:

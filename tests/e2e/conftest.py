@@ -10,13 +10,16 @@ import pytest
 
 from loraflow.dev import local_postgres
 from loraflow.dev.db_template import DB_TEMPLATE_ENV
+from loraflow.dev.local_celery import CeleryWorkers
 from loraflow.dev.local_gcs import free_port
 from loraflow.dev.shared_stack import SharedStack, together
 from tests.vertex_standin import endpoint_env
 
 SHARED = "shared_stack"
-# The modules (node ids) whose tests use the shared stack and have not all run yet.
-_SHARED_USERS = pytest.StashKey[set[str]]()
+DISTRIBUTED = "distributed_stack"
+STACKS = (SHARED, DISTRIBUTED)
+# For each shared stack (its fixture's name), the modules (node ids) whose tests use it and have not all run yet.
+_STACK_USERS = pytest.StashKey[dict[str, set[str]]]()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,27 +32,27 @@ def airflow_db_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
         yield folder
 
 
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[str]:
-    """A throwaway PostgreSQL on 127.0.0.1 for one module's Airflow (``loraflow.dev.local_postgres``);
-    yields its SQLAlchemy URL."""
-    with local_postgres.running() as url:
-        yield url
-
-
 def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules that use the shared stack run one after another (where the first of them would run),
+    """The modules that use one shared stack run one after another (where the first of them would run),
     so that the stack is up only while they run: it stops after the last of them."""
-    users = {_module(item) for item in items if SHARED in getattr(item, "fixturenames", ())}
-    config.stash[_SHARED_USERS] = users
-    if not users:
-        return
-    order = together([_module(item) for item in items], users)
-    items[:] = [items[i] for i in order]
+    users = {name: {_module(i) for i in items if name in getattr(i, "fixturenames", ())} for name in STACKS}
+    config.stash[_STACK_USERS] = users
+    for sharing in users.values():
+        if sharing:
+            order = together([_module(item) for item in items], sharing)
+            items[:] = [items[i] for i in order]
+
+
+def _release(request: pytest.FixtureRequest, name: str, stack: SharedStack) -> None:
+    """Close ``stack`` once the last module that uses it (its fixture ``name``) is done."""
+    left = request.config.stash.get(_STACK_USERS, {}).get(name, set())
+    left.discard(request.node.nodeid)
+    if not left:
+        stack.close()
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +103,28 @@ def shared_stack(request: pytest.FixtureRequest, _shared_stack: SharedStack) -> 
     one each: a module calls ``shared_stack.use(__name__, *its_specs)`` for the Airflow, with DAG names and an
     artifact root of its own. Stopped after the last module that uses it."""
     yield _shared_stack
-    left = request.config.stash.get(_SHARED_USERS, set())
-    left.discard(request.node.nodeid)
-    if not left:
-        _shared_stack.close()
+    _release(request, SHARED, _shared_stack)
+
+
+@pytest.fixture(scope="session")
+def _distributed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStack]:
+    stack = SharedStack(
+        tmp_path_factory.mktemp("distributed-stack"), database=local_postgres.running, celery=CeleryWorkers()
+    )
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="module")
+def distributed_stack(request: pytest.FixtureRequest, _distributed_stack: SharedStack) -> Iterator[SharedStack]:
+    """Airflow distributed as production runs it, shared by the modules that ask for it as ``shared_stack`` is
+    (``use(__name__, *its_specs)``, DAG names and an artifact root of its own): the CeleryExecutor with a Redis
+    broker and ``CeleryWorkers()``'s workers (two of two task slots: four tasks at once, as the other stacks'
+    LocalExecutor runs; they share no disk), on a throwaway PostgreSQL
+    (``loraflow.dev.local_postgres``, installed from Debian's packages when missing) started with the stack.
+    A module that loses a worker replaces it before it ends (``LocalAirflow.replace_worker``).
+    Stopped, PostgreSQL with it, after the last module that uses it."""
+    yield _distributed_stack
+    _release(request, DISTRIBUTED, _distributed_stack)

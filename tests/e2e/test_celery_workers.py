@@ -3,7 +3,9 @@ broker, PostgreSQL as the metadata database, and two Celery workers that share n
 scratch, Airflow home and spec cache; only the DAG folder, the database, the broker and GCS in common;
 task logs in GCS). While lora_sft's step program runs on one worker, that worker is lost: every process
 of it is SIGKILLed. The run still completes: the scheduler notices the task's missing heartbeat, fails
-that try, and the spec's retry runs it on the other worker. Takes ~6 minutes on 2 cores."""
+that try, and the spec's retry runs it on the other worker. The stack is the distributed one the
+end-to-end modules share (tests/e2e/conftest.py), the spec with a DAG name and an artifact root of its
+own; the lost worker is replaced as the module ends. Takes ~5 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from typing import Any
 import psutil
 import pytest
 
-from loraflow.dev.demo import CELERY_PRELOAD, LocalAirflow, local_stack, prepare, say, verdict
+from loraflow.dev.demo import CELERY_PRELOAD, LocalAirflow, prepare, say, verdict
 from loraflow.dev.local_celery import CeleryWorkers
+from loraflow.dev.shared_stack import SharedStack
 from loraflow.launchers.local import FORKED_NOTE
 from loraflow.spec.schema import STAGES
 from loraflow.storage import artifacts
@@ -28,7 +31,8 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
 NAME = "tiny-celery"
-WORKERS = CeleryWorkers(count=2, concurrency=2, heartbeat_timeout=45)
+ARTIFACT_ROOT = "gs://loraflow-demo/celery-artifacts"  # its own in the shared stack: no stage from another's cache
+WORKERS = CeleryWorkers()  # the distributed stack's: two workers of two slots, a 45 s heartbeat timeout
 # Few steps: the run proves the distribution, not the learning (tests/e2e/test_tiny_pipeline.py does).
 CONF = {"training_steps": 10, "gate_min_improvement": -1}
 STEP_MARKS = ("loraflow.steps.", "step_supervisor.py")
@@ -36,6 +40,7 @@ STEP_MARKS = ("loraflow.steps.", "step_supervisor.py")
 
 def celery_spec(folder: Path) -> Path:
     text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {NAME}")
+    text = text.replace("artifact_root: gs://loraflow-demo/artifacts", f"artifact_root: {ARTIFACT_ROOT}")
     text += "\nretry:\n  retries: 2\n  delay_seconds: 2\n"
     path = folder / f"{NAME}.yaml"
     path.write_text(text)
@@ -122,14 +127,14 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def outcome(tmp_path_factory: pytest.TempPathFactory, postgres: str) -> Iterator[Outcome]:
+def outcome(tmp_path_factory: pytest.TempPathFactory, distributed_stack: SharedStack) -> Iterator[Outcome]:
     started = time.monotonic()
-    home = tmp_path_factory.mktemp("celery-stack")
-    pipelines = home / "pipelines"
-    pipelines.mkdir()
-    spec_path = celery_spec(pipelines)
-    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines, database_url=postgres, celery=WORKERS) as af:
-        o = Outcome(af)
+    home = tmp_path_factory.mktemp("celery")
+    spec_path = celery_spec(home)
+    af = distributed_stack.use(__name__, spec_path)
+    assert af.celery == WORKERS, af.celery
+    o = Outcome(af)
+    try:
         o.preloaded = {name: pool_has_preloaded(proc.pid) for name, proc in af.workers.items()}
         spec = prepare(spec_path, home)
         af.wait_for_dag(NAME)
@@ -146,9 +151,12 @@ def outcome(tmp_path_factory: pytest.TempPathFactory, postgres: str) -> Iterator
         o.logs_missing = af.wait_for_logs(NAME, o.run_id, [t for t, s in o.tasks.items() if s != "skipped"])
         o.seconds = time.monotonic() - started
         say(
-            f"celery stack + run: {o.seconds:.0f} s; lora_sft tries: {[(t['hostname'], t['state']) for t in o.tries['lora_sft']]}"
+            f"celery run: {o.seconds:.0f} s; lora_sft tries: {[(t['hostname'], t['state']) for t in o.tries['lora_sft']]}"
         )
         yield o
+    finally:
+        if o.lost:  # the stack's next module finds both workers up
+            af.replace_worker(o.lost)
 
 
 def test_the_run_completes_although_a_worker_was_lost_mid_stage(outcome: Outcome) -> None:

@@ -1,6 +1,7 @@
-"""Load: eight concurrent runs of the tiny pipeline on Airflow's LocalExecutor with a PostgreSQL
-metadata database that this module starts on 127.0.0.1 (installing PostgreSQL from Debian packages
-when the machine lacks it). All succeed, no run touches another's artifacts, and runs with identical
+"""Load: eight concurrent runs of the tiny pipeline on a distributed Airflow, as production runs it: two
+Celery workers of two task slots each with a PostgreSQL metadata database, started on 127.0.0.1 (PostgreSQL
+installed from Debian packages when the machine lacks it): the distributed stack the end-to-end modules
+share (tests/e2e/conftest.py). All succeed, no run touches another's artifacts, and runs with identical
 inputs share the cache without corrupting it.
 
 Two copies of the tiny pipeline (a DAG runs at most 4 runs at once) get four runs each with small
@@ -17,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from loraflow.dev.demo import local_stack, prepare, say
+from loraflow.dev.demo import prepare, say
+from loraflow.dev.shared_stack import SharedStack
 from loraflow.spec.schema import STAGES, load_spec
 from loraflow.storage import artifacts, gcs
 
@@ -39,8 +41,8 @@ RUNS = [
     ("tiny-load-b", {"training_steps": 16}),
 ]
 CACHED_STAGES = ("validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned")
-# Four tasks at once: at most four vLLM / JAX processes (~1.5 GB each) on the machine.
-PARALLELISM = 4
+# Four tasks at once (the stack's two workers of two slots): at most four vLLM / JAX processes (~1.5 GB each).
+TASK_SLOTS = 4
 
 
 # --------------------------------------------------------------------------------- the runs
@@ -64,28 +66,24 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def load(tmp_path_factory: pytest.TempPathFactory, postgres: str) -> Iterator[Load]:
-    home = tmp_path_factory.mktemp("load-stack")
-    pipelines = home / "pipelines"
-    pipelines.mkdir()
-    paths = [load_spec_copy(pipelines, name) for name in PIPELINES]
+def load(tmp_path_factory: pytest.TempPathFactory, distributed_stack: SharedStack) -> Iterator[Load]:
+    home = tmp_path_factory.mktemp("load")
+    paths = [load_spec_copy(home, name) for name in PIPELINES]
     result = Load()
-    result.db_url = postgres
-    with local_stack(
-        home=home, in_memory=True, pipelines_dir=pipelines, database_url=postgres, parallelism=PARALLELISM
-    ) as airflow:
-        prepare(paths[0], home)  # both copies read the same sources
-        for name in PIPELINES:
-            airflow.wait_for_dag(name)
-        for dag, conf in RUNS:
-            result.runs.append((dag, airflow.trigger(dag, {**conf, "gate_min_improvement": -1}), conf))
-        for dag, run_id, _ in result.runs:
-            result.states[run_id] = airflow.wait_for_run(dag, run_id, timeout=2400, progress=lambda _: None)
-            result.tasks[run_id] = airflow.task_states(dag, run_id)
-            result.xcoms[run_id] = {t: airflow.xcom(dag, run_id, t) for t in result.tasks[run_id]}
-            say(f"{dag} {run_id}: {result.states[run_id]}")
-        assert airflow.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == postgres
-        yield result
+    airflow = distributed_stack.use(__name__, *paths)
+    assert airflow.celery is not None and airflow.celery.count * airflow.celery.concurrency == TASK_SLOTS
+    result.db_url = airflow.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    prepare(paths[0], home)  # both copies read the same sources
+    for name in PIPELINES:
+        airflow.wait_for_dag(name)
+    for dag, conf in RUNS:
+        result.runs.append((dag, airflow.trigger(dag, {**conf, "gate_min_improvement": -1}), conf))
+    for dag, run_id, _ in result.runs:
+        result.states[run_id] = airflow.wait_for_run(dag, run_id, timeout=2400, progress=lambda _: None)
+        result.tasks[run_id] = airflow.task_states(dag, run_id)
+        result.xcoms[run_id] = {t: airflow.xcom(dag, run_id, t) for t in result.tasks[run_id]}
+        say(f"{dag} {run_id}: {result.states[run_id]}")
+    yield result
 
 
 def run_prefix(dag: str, run_id: str) -> str:
@@ -95,9 +93,14 @@ def run_prefix(dag: str, run_id: str) -> str:
 def test_airflow_ran_on_postgresql(load: Load) -> None:
     import psycopg2
 
+    assert load.db_url.startswith("postgresql+psycopg2://"), load.db_url
     dsn = load.db_url.replace("postgresql+psycopg2://", "postgresql://")
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
-        cur.execute("SELECT dag_id, state, count(*) FROM dag_run GROUP BY dag_id, state ORDER BY dag_id")
+        # this module's DAGs (the stack's other modules' runs are in the same database)
+        cur.execute(
+            "SELECT dag_id, state, count(*) FROM dag_run WHERE dag_id = ANY(%s) GROUP BY dag_id, state ORDER BY dag_id",
+            (list(PIPELINES),),
+        )
         rows = cur.fetchall()
     assert rows == [("tiny-load-a", "success", 4), ("tiny-load-b", "success", 4)], rows
 
