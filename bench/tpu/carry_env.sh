@@ -4,7 +4,7 @@
 # Python 3.11 / JAX 0.10.2 / libtpu 0.0.42.1. JAX >= 0.11 needs Python >= 3.12, which the machine lacks,
 # so the interpreter travels too.
 #
-#   here:        bash bench/tpu/carry_env.sh pack      # -> .tpu-env/meta + .tpu-env/part-NN (63 MiB each)
+#   here:        bash bench/tpu/carry_env.sh pack      # -> .tpu-env/meta + .tpu-env/part-NN (58 MiB each)
 #   the machine: bash bench/tpu/carry_env.sh unpack    # one call per part, back to back on one warm machine
 #
 # pack: the interpreter of .venvs/trainer (its stdlib without tests, idle, tk and the static library) and
@@ -27,7 +27,7 @@ say() { echo "carry_env.sh: $*"; }
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)" || fail "cannot find the repository root"
 cd "$REPO" || fail "cannot cd to $REPO"
 OUTDIR=.tpu-env
-PART_BYTES=$((63 * 1024 * 1024))
+PART_BYTES=$((58 * 1024 * 1024))  # the working tree (about 5 MB) travels with each call and counts against its 64 MiB
 ENV_DIR="${ENV_DIR:-/tmp/tpu-env}"
 PARTS="${PARTS:-/tmp/tpu-env-parts}"
 
@@ -79,7 +79,7 @@ from importlib.metadata import version
 print(f"python {sys.version.split()[0]}, " + ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "libtpu")))
 EOF
     say "$(cat "$OUTDIR/meta/VERSIONS")"
-    say "$(ls "$OUTDIR"/part-* | wc -l) parts of at most 63 MiB in $OUTDIR ($(du -sh "$OUTDIR" | cut -f1)); carry .tpu-env/meta with the first"
+    say "$(ls "$OUTDIR"/part-* | wc -l) parts of at most 58 MiB in $OUTDIR ($(du -sh "$OUTDIR" | cut -f1)); carry .tpu-env/meta with the first"
 }
 
 unpack() {
