@@ -13,9 +13,13 @@ from loraflow.dev.db_template import DB_TEMPLATE_ENV
 from loraflow.dev.local_celery import CeleryWorkers
 from loraflow.dev.local_gcs import free_port
 from loraflow.dev.shared_stack import SharedStack, together
+from loraflow.spec.schema import load_spec
 from tests.vertex_standin import endpoint_env
 
+REPO = Path(__file__).resolve().parents[2]
 SHARED = "shared_stack"
+# The DAG whose OpenLineage events the shared stack writes (test_tiny_pipeline.py follows its runs' lineage).
+LINEAGE_DAG = load_spec(REPO / "pipelines" / "tiny-llama-lora.yaml").name
 DISTRIBUTED = "distributed_stack"
 STACKS = (SHARED, DISTRIBUTED)
 # For each shared stack (its fixture's name), the modules (node ids) whose tests use it and have not all run yet.
@@ -58,7 +62,7 @@ def _release(request: pytest.FixtureRequest, name: str, stack: SharedStack) -> N
 @pytest.fixture(scope="session")
 def shared_stack_lineage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the shared stack's OpenLineage events go: the provider's file transport, one JSON file per
-    event (test_tiny_pipeline.py follows its runs' lineage; the other modules' runs report theirs too)."""
+    event, for the runs of ``LINEAGE_DAG`` only (test_tiny_pipeline.py follows their lineage)."""
     return tmp_path_factory.mktemp("lineage")
 
 
@@ -89,6 +93,12 @@ def _shared_stack(
         # The listener emits from a child of the task, killed after this many seconds (default 10: a loaded
         # 2-core machine can take longer to read the manifest and write the event).
         "AIRFLOW__OPENLINEAGE__EXECUTION_TIMEOUT": "60",
+        # Events of the one DAG whose lineage a test follows, none of the others' runs (each task's would
+        # fork a child that reads its manifest and writes two events): the provider's emission policy, as
+        # an operator scopes OpenLineage to some DAGs.
+        "AIRFLOW__OPENLINEAGE__EMISSION_POLICY": json.dumps(
+            [{"scope": {}, "controls": {"emit": False}}, {"scope": {"dag_id": LINEAGE_DAG}, "controls": {"emit": True}}]
+        ),
     }
     stack = SharedStack(tmp_path_factory.mktemp("shared-stack"), env)
     try:

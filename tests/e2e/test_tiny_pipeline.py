@@ -71,7 +71,8 @@ class Runs:
 @pytest.fixture(scope="module")
 def lineage_events(shared_stack_lineage: Path) -> Path:
     """OpenLineage is on for the shared stack (tests/e2e/conftest.py), as a user turns it on: the provider's
-    [openlineage] transport, here its file transport (one JSON file per event in the folder returned)."""
+    [openlineage] transport, here its file transport (one JSON file per event in the folder returned),
+    with an emission policy that keeps the events of tiny-llama-lora's runs only."""
     return shared_stack_lineage
 
 
