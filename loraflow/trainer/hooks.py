@@ -46,7 +46,7 @@ class LoraflowHooks(SFTTrainingHooks):
         self.log.step_ended(int(train_step), float(train_loss))  # float() waits for the step's result
         if self.curves is not None:  # optax counts updates from 0: step N's update used the rate at N - 1
             rate = float(self.metric_logger.learning_rate_schedule(int(train_step) - 1))
-            self.curves.step(self.log.rows[-1], rate, device_memory())
+            self.curves.step(self.log.rows[-1], rate, device_memory)  # read every MEMORY_EVERY steps
 
 
 def tokens_in(segmentation: Any) -> int:

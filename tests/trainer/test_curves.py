@@ -25,18 +25,41 @@ def test_the_curves_carry_device_memory_where_the_backend_reports_it(tmp_path: P
         assert none is None
     with training_curves(tmp_path / "p0", writes=True) as curves:
         assert curves is not None
-        curves.step(StepRow(7, 2.5, 1000.0, 0.25, 250), 1e-3, {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB})
-        curves.step(StepRow(8, 2.0, 900.0, 0.5, 450), 2e-3, {"bytes_in_use": GIB})  # no peak reported: in use
-        curves.step(StepRow(9, 1.5, 800.0, 0.75, 600), 3e-3, {"bytes_limit": 16 * GIB})  # nothing in use reported
+        curves.step(
+            StepRow(1, 2.5, 1000.0, 0.25, 250), 1e-3, lambda: {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB}
+        )
+        curves.step(StepRow(100, 2.0, 900.0, 0.5, 450), 2e-3, lambda: {"bytes_in_use": GIB})  # no peak: in use
+        curves.step(StepRow(200, 1.5, 800.0, 0.75, 600), 3e-3, lambda: {"bytes_limit": 16 * GIB})  # none in use
     assert not (tmp_path / "p1").exists()
     assert scalars(tmp_path / "p0" / "tensorboard") == {
-        "train/loss": {7: 2.5, 8: 2.0, 9: 1.5},
-        "train/learning_rate": {7: pytest.approx(1e-3), 8: pytest.approx(2e-3), 9: pytest.approx(3e-3)},
-        "perf/step_seconds": {7: 0.25, 8: 0.5, 9: 0.75},
-        "perf/tokens_per_s": {7: 1000.0, 8: 900.0, 9: 800.0},
-        "memory/hbm_in_use_gib": {7: 3.0, 8: 1.0},
-        "memory/hbm_peak_gib": {7: 5.0, 8: 1.0},
+        "train/loss": {1: 2.5, 100: 2.0, 200: 1.5},
+        "train/learning_rate": {1: pytest.approx(1e-3), 100: pytest.approx(2e-3), 200: pytest.approx(3e-3)},
+        "perf/step_seconds": {1: 0.25, 100: 0.5, 200: 0.75},
+        "perf/tokens_per_s": {1: 1000.0, 100: 900.0, 200: 800.0},
+        "memory/hbm_in_use_gib": {1: 3.0, 100: 1.0},
+        "memory/hbm_peak_gib": {1: 5.0, 100: 1.0},
     }
+
+
+def test_the_device_memory_is_read_after_step_1_and_every_100th_only(tmp_path: Path) -> None:
+    """On a TPU a memory read waits for the steps queued on the chip: read every step, it kept the host from
+    running ahead (issue 39). 250 steps read it 3 times, and only those steps carry memory tags."""
+    reads: list[int] = []
+
+    def memory() -> dict[str, int]:
+        reads.append(len(rows))
+        return {"bytes_in_use": GIB}
+
+    rows: list[int] = []
+    with training_curves(tmp_path, writes=True) as curves:
+        assert curves is not None
+        for step in range(1, 251):
+            rows.append(step)
+            curves.step(StepRow(step, 1.0, 100.0, 0.5, 50), 1e-3, memory)
+    assert reads == [1, 100, 200]
+    tags = scalars(tmp_path / "tensorboard")
+    assert sorted(tags["memory/hbm_in_use_gib"]) == [1, 100, 200]
+    assert len(tags["train/loss"]) == 250
 
 
 def test_an_evaluation_scores_at_its_models_training_step() -> None:
