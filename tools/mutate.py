@@ -202,6 +202,8 @@ TARGETS: dict[str, Target] = {
     # The end-to-end stacks' one migrate per test run (its copies' paths and keys, when a stack copies).
     # the train step's donation, in Tunix's own training loop (a tiny nnx model: no MaxText)
     "donation": Target("trainer", ["loraflow/trainer/donation.py"], ["tests/trainer/test_donation.py"], default=False),
+    # the training curves' scalars and which steps read the device's memory (a read waits for the chip)
+    "curves": Target("trainer", ["loraflow/trainer/curves.py"], ["tests/trainer/test_curves.py"], default=False),
     "db_template": Target(
         "control", ["loraflow/dev/db_template.py"], ["tests/control/test_db_template.py"], default=False
     ),
