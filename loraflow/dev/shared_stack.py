@@ -143,3 +143,9 @@ class SharedStack:
         """Stop the stack (if it runs); a later ``use`` would start a new one."""
         self._exit.close()
         self.airflow = None
+
+    def __enter__(self) -> SharedStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

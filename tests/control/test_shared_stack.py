@@ -212,3 +212,11 @@ def test_reparse_says_when_there_is_nothing_to_reparse_or_it_is_refused(stack: S
     airflow.call = lambda method, path, body=None: (200, {"dags": airflow.dags}) if method == "GET" else (403, "no")  # type: ignore[union-attr]
     with pytest.raises(LoraflowError, match=r"the reparse request was refused \(HTTP 403: no\)"):
         stack.reparse()
+
+
+def test_leaving_the_with_block_stops_the_stack_it_started(stack: SharedStack, tmp_path: Path) -> None:
+    with stack as same:
+        assert same is stack
+        stack.use("test_a", spec(tmp_path, "tiny-a"))
+        assert stack.seen["stops"] == 0  # type: ignore[attr-defined]
+    assert stack.airflow is None and stack.seen["stops"] == 1  # type: ignore[attr-defined]

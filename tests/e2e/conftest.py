@@ -100,11 +100,8 @@ def _shared_stack(
             [{"scope": {}, "controls": {"emit": False}}, {"scope": {"dag_id": LINEAGE_DAG}, "controls": {"emit": True}}]
         ),
     }
-    stack = SharedStack(tmp_path_factory.mktemp("shared-stack"), env)
-    try:
+    with SharedStack(tmp_path_factory.mktemp("shared-stack"), env) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +115,9 @@ def shared_stack(request: pytest.FixtureRequest, _shared_stack: SharedStack) -> 
 
 @pytest.fixture(scope="session")
 def _distributed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStack]:
-    stack = SharedStack(
-        tmp_path_factory.mktemp("distributed-stack"), database=local_postgres.running, celery=CeleryWorkers()
-    )
-    try:
+    home = tmp_path_factory.mktemp("distributed-stack")
+    with SharedStack(home, database=local_postgres.running, celery=CeleryWorkers()) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 @pytest.fixture(scope="module")
