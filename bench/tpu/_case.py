@@ -282,7 +282,16 @@ def _own_compile_cache(folder: Path) -> None:
 
 def run_name(case: dict[str, Any]) -> str:
     queued = f"-inflight{case['inflight']}" if "inflight" in case else ""
-    return f"{case['size']}-{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}{queued}"
+    settings = "".join("-" + arg.replace("=", "_") for arg in case.get("maxtext", []))
+    return f"{case['size']}-{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}{queued}{settings}"
+
+
+def _append_maxtext_args(extra: list[str]) -> None:
+    """MaxText ``key=value`` settings after the stage's own command line (a later value wins), in both modes."""
+    from loraflow.trainer import training
+
+    built = training.maxtext_argv
+    training.maxtext_argv = lambda *args: [*built(*args), *extra]
 
 
 def _context(root: Path, case: dict[str, Any], config: dict[str, Any]) -> Any:
@@ -315,6 +324,8 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
     _step_clock(ends, memory, bool(case.get("memory_by_step")))
     if "inflight" in case:
         _inflight(int(case["inflight"]))
+    if case.get("maxtext"):
+        _append_maxtext_args(list(case["maxtext"]))
     t = time.perf_counter()
     said: list[tuple[float, str, int | None]] = []  # when the stage said what (and the chip's peak then)
     say = ctx.progress

@@ -85,7 +85,25 @@ def phases() -> dict[str, list[dict[str, Any]]]:
             for q in ("none", "nf4", "int8")
         ],
     ]
-    return {"tiny": tiny, **large, "8b": frontier, "8b-qlora": moonshot, "memory": memory, **serving()}
+    # What the chip rewards (issue 39 item 2): the 1.5 B LoRA case of ``1b`` (MaxText's default remat policy,
+    # "full") under the policies that recompute less, each MaxText setting appended to the stage's command line.
+    # Same model, data and tokens seen: only the backward pass's recompute differs.
+    tuning = [
+        {"kind": "prepare", "size": "1b"},
+        *[
+            {**_train("1b", "loraflow", "bfloat16", "none", 30), "maxtext": [f"remat_policy={policy}"]}
+            for policy in ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj")
+        ],
+    ]
+    return {
+        "tiny": tiny,
+        **large,
+        "8b": frontier,
+        "8b-qlora": moonshot,
+        "memory": memory,
+        "tuning": tuning,
+        **serving(),
+    }
 
 
 def _evaluate(name: str, model: str, dtype: str, **extra: Any) -> dict[str, Any]:
