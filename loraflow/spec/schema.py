@@ -22,6 +22,7 @@ from loraflow.evaluation import metrics as metric_table
 from loraflow.evaluation import suites as suite_rules
 from loraflow.spec import override_rules
 from loraflow.spec import resource_names as rn
+from loraflow.spec import tuning as tuning_rules
 from loraflow.spec.compute import LAUNCHER_NAMES, AnyCompute, ComputeSpec, LocalCompute, serving_build_problems
 from loraflow.spec.expectations import MOVED as MOVED_DATA_KEYS
 from loraflow.spec.expectations import RULES as EXPECTATION_RULES
@@ -246,6 +247,15 @@ class TrainingSpec(_Model):
         "uploads them to the stage's gs://.../_checkpoints/<step>/host-<i>; a step is committed once every host "
         "uploaded; a resume needs the same number of hosts) or direct (Orbax writes gs://.../_checkpoints itself, "
         "every host its own shards)",
+    )
+    tuning: Literal["off", "auto"] = Field(
+        "off",
+        description="off (MaxText's defaults) or auto: lora_sft trains with the remat policy that keeps the most of "
+        "the forward pass for the backward (so recomputes least) among those predicted to fit the chip, else "
+        "MaxText's full (loraflow/spec/tuning.py; docs/production.md, 'Faster: training.tuning'). The results are "
+        "the same either way, only speed and memory differ; auto is part of lora_sft's config (it changes the "
+        "compiled program), so setting it moves the spec's training cache key, and so would making it the "
+        "default for every spec that leaves it out. Refused beside base_model.model_overrides.remat_policy",
     )
 
 
@@ -693,6 +703,13 @@ class PipelineSpec(_Model):
                 f"gate.guard.suite {guard.suite!r} is not one of evaluation.suites ({', '.join(names) or 'none'}); "
                 "add the suite there or name one of them"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tuning_chooses_remat(self) -> PipelineSpec:
+        problem = tuning_rules.conflict(self.training.tuning, self.base_model.model_overrides)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -160,6 +160,12 @@ class LoraSftConfig(LoraSpec, TrainingSpec, StepConfig):
         )
         return cls(**_maxtext_model(spec), **spec.lora.model_dump(), **spec.training.model_dump(), **answers)
 
+    def wire(self) -> dict[str, Any]:
+        wire = super().wire()
+        if wire["tuning"] == "off":
+            del wire["tuning"]  # a pipeline without tuning keeps the training key it had before tuning
+        return wire
+
 
 class MergeAdapterConfig(StepConfig):
     STEP: ClassVar[str] = "merge_adapter"

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.spec import tuning as tuning_rules
 from loraflow.spec.stages import LOSS_CSV
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
@@ -76,6 +77,9 @@ def sft_run(ctx: StepContext) -> SftRun:
     """This attempt: the typed config, the converted checkpoint's model, the inputs and where it writes."""
     cfg = parse(LoraSftConfig, ctx.config)
     model = read_converted(cfg, ctx.inputs["checkpoint"])
+    problem = tuning_rules.conflict(cfg.tuning, model.overrides)  # a config sent by hand, or the checkpoint's
+    if problem:
+        raise LoraflowError(problem)
     return SftRun(cfg, model, ctx.inputs["dataset"], ctx.inputs["tokenizer"], ctx.output_uri, ctx.work, ctx.progress)
 
 

@@ -77,9 +77,10 @@ def test_the_drifted_defaults_are_the_specs_now() -> None:
 def test_every_knob_is_a_spec_key_or_documented_internal(stage: str) -> None:
     config_cls = STEP_CONFIGS[stage]
     sent = plan.stage_plans(_bare_spec())[stage].config
-    # publish.vertex_model_registry and the evaluations' guard_set and suites are sent only when the spec has
-    # them (the bare spec has not)
+    # publish.vertex_model_registry, the evaluations' guard_set and suites and lora_sft's tuning are sent only
+    # when the spec has them (the bare spec has not)
     only_when_set = {
+        "lora_sft": {"tuning"},
         "publish": {"vertex_model_registry"},
         "evaluate_base": {"guard_set", "suites"},
         "evaluate_tuned": {"guard_set", "suites"},

@@ -1,0 +1,125 @@
+"""``training.tuning: auto``: lora_sft trains with the remat policy that recomputes least and still fits.
+
+MaxText's default remat policy (``full``) keeps nothing of a layer's forward pass for the backward pass
+and computes the whole forward again there. Under LoRA the frozen weights take no weight gradients, so
+a step is about a forward and a half without remat, and ``full`` adds a whole forward more (up to 1.5x
+the step time). A policy that keeps some of the forward's values needs more memory for them and
+recomputes less. The results are the same under every policy (the same arithmetic, in a different
+order of evaluation); only the step time and the memory differ.
+
+The candidates, in the order they are tried (:data:`CANDIDATES`), are MaxText's own policies
+(``maxtext/layers/nnx_decoders.py`` ``get_remat_policy``) ordered by what each keeps of a decoder
+layer's projections (``jax.checkpoint_policies.save_only_these_names``), most first; each one keeps a
+subset of the one before it, and what is not kept is recomputed:
+
+* ``minimal``: the query, key, value and output projections and the MLP's (``mlpwi_0``, ``mlpwi_1``,
+  ``mlpwo``): only the attention itself and the activations are recomputed;
+* ``save_dot_except_mlpwi``: the same less the MLP's first two projections (the widest ones);
+* ``save_dot_except_mlp``: the attention's projections only (query, key, value, output);
+* ``save_qkv_proj``: query, key and value only;
+* ``save_out_proj``: the attention's output projection only (one vector per token, less than query,
+  key and value together), so the projections before it and the MLP are recomputed;
+* ``full``: nothing (MaxText's default), always last: it is what runs when nothing else fits.
+
+The choice (:func:`choose`) is pure: given each candidate's predicted peak bytes per chip (the trainer
+predicts them, :mod:`loraflow.trainer.tuning`) and the chip's HBM, the first candidate that
+:func:`loraflow.spec.fit.fits` (plan ``--fit``'s verdict, the same rule), else ``full``.
+Pure and light: every environment imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraflow.spec import fit as fit_rule
+
+#: MaxText's remat policies lora_sft may choose, most kept (least recomputed) first; ``full`` last
+CANDIDATES = ("minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full")
+#: MaxText's default: what lora_sft trains with when no other candidate is predicted to fit
+FALLBACK = "full"
+#: the MaxText setting tuning chooses
+KEY = "remat_policy"
+
+
+def conflict(tuning: str, overrides: Mapping[str, Any] | None) -> str | None:
+    """Why ``training.tuning`` and ``base_model.model_overrides`` cannot both stand, or None: with auto,
+    lora_sft chooses ``remat_policy`` itself, so a spec that sets it too is refused."""
+    if tuning != "auto" or not overrides or KEY not in overrides:
+        return None
+    return (
+        f"training.tuning: auto chooses MaxText's {KEY} itself, but base_model.model_overrides.{KEY} sets it "
+        f"({overrides[KEY]}); remove base_model.model_overrides.{KEY}, or set training.tuning: off to train "
+        "with the policy you name"
+    )
+
+
+def choose(peaks: Mapping[str, int], hbm_bytes: int) -> str | None:
+    """The first of :data:`CANDIDATES` (in their order) predicted in ``peaks`` (``{policy: peak bytes per
+    chip}``) whose peak fits ``hbm_bytes`` by plan ``--fit``'s rule; None when none of them does."""
+    for policy in CANDIDATES:
+        if policy in peaks and fit_rule.fits(peaks[policy], hbm_bytes):
+            return policy
+    return None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What tuning chose, and why."""
+
+    policy: str  # the remat policy lora_sft trains with
+    peaks: dict[str, int] = field(default_factory=dict)  # the predicted peak per chip of each candidate tried
+    hbm_bytes: int | None = None  # the chip's; None: the devices report no limit (CPU), nothing was compiled
+    fits: bool = True  # False: no candidate was predicted to fit; FALLBACK kept
+
+    def note(self) -> str:
+        """The task log's line."""
+        if self.hbm_bytes is None:
+            return (
+                f"tuning: {KEY}={self.policy} (the devices report no memory limit, as on a CPU: the first "
+                "candidate, nothing compiled)"
+            )
+        peak = self.peaks.get(self.policy)
+        chosen = f"predicted {_gib(peak)} of {_gib(self.hbm_bytes)}" if peak is not None else "not predicted"
+        if not self.fits:
+            tried = ", ".join(f"{p} {_gib(b)}" for p, b in self.peaks.items())
+            return (
+                f"tuning: {KEY}={self.policy}, MaxText's default: no candidate is predicted to fit "
+                f"{_gib(self.hbm_bytes)} ({tried}); training as without tuning"
+            )
+        full = self.peaks.get(FALLBACK)
+        beside = f"; {FALLBACK} would be {_gib(full)}" if full is not None and self.policy != FALLBACK else ""
+        return f"tuning: {KEY}={self.policy} ({chosen}{beside})"
+
+    def summary(self) -> dict[str, Any]:
+        """The step summary's figures: the policy, each candidate's predicted peak, the chip's HBM."""
+        return {
+            "tuning_remat_policy": self.policy,
+            "tuning_fits": self.fits,
+            "tuning_hbm_bytes": self.hbm_bytes,
+            "tuning_peak_bytes": dict(self.peaks),
+        }
+
+
+def tune(peak_of: Callable[[str], int], hbm_bytes: int | None) -> Choice:
+    """Predict the candidates in order (``peak_of(policy)``: peak bytes per chip) until one fits
+    ``hbm_bytes``, then ``full`` as well when it was not predicted yet (the log says what the choice
+    costs beside it). With no limit (``hbm_bytes`` None) the first candidate, nothing predicted. None
+    fitting: ``full`` (MaxText's default) and ``fits`` False; a run that would train without tuning trains."""
+    if hbm_bytes is None:
+        return Choice(CANDIDATES[0])
+    peaks: dict[str, int] = {}
+    chosen = None
+    for policy in CANDIDATES:
+        peaks[policy] = peak_of(policy)
+        chosen = choose(peaks, hbm_bytes)
+        if chosen is not None:
+            break
+    if FALLBACK not in peaks:
+        peaks[FALLBACK] = peak_of(FALLBACK)
+    return Choice(chosen or FALLBACK, peaks, hbm_bytes, fits=chosen is not None)
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / fit_rule.GIB:.1f} GiB"
