@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from loraflow.errors import LoraflowError
@@ -36,6 +37,24 @@ def device_bytes(tree: Any) -> int:
     return sum(x.on_device_size_in_bytes() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array))
 
 
+@dataclass
+class Phases:
+    """Seconds each phase of the build took, in the order first timed: the task log's breakdown of the set-up."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - started
+
+    def text(self) -> str:
+        return ", ".join(f"{phase} {seconds:.0f}s" for phase, seconds in self.seconds.items())
+
+
 def _host_devices() -> list[Any]:
     import jax
 
@@ -48,7 +67,7 @@ def _host_devices() -> list[Any]:
         ) from exc
 
 
-def _place(host_model: Any, abstract_model: Any, mesh: Any) -> Any:
+def _place(host_model: Any, abstract_model: Any, mesh: Any, phases: Phases) -> Any:
     """The abstract (accelerator) model with every array taken from the host-built one, sharded as
     MaxText's logical rules say; refuses a host state that does not match the abstract one leaf for leaf."""
     from flax import nnx
@@ -63,7 +82,7 @@ def _place(host_model: Any, abstract_model: Any, mesh: Any) -> Any:
         built = host_flat.pop(path, None)
         if built is None or _shape(built, _scan_axis(var)) != getattr(var.get_value(), "shape", None):
             raise LoraflowError(f"QLoRA host build: {'/'.join(map(str, path))} differs from the accelerator's model")
-        value = _moved(built.get_value(), _scan_axis(built), _scan_axis(var), shardings[path].get_value())
+        value = _moved(built.get_value(), _scan_axis(built), _scan_axis(var), shardings[path].get_value(), phases)
         built.set_value(None)  # the host copy goes as soon as it is on the accelerator
         placed.append((path, var.replace(value=value)))
         del value
@@ -96,17 +115,19 @@ def _scan_axis(var: Any) -> int | None:
     return None if axis is None else int(axis)
 
 
-def _moved(value: Any, source: int | None, target: int | None, sharding: Any) -> Any:
+def _moved(value: Any, source: int | None, target: int | None, sharding: Any, phases: Phases) -> Any:
     """``value`` put where ``sharding`` says, with its layer axis moved from ``source`` to ``target``
     there (:func:`_moves`). The move runs where the array lands: numpy's copy of a strided 4-bit view
-    took minutes at 1.5B."""
+    took minutes at 1.5B. Each is waited for, so that ``phases`` times the transfer and the move apart."""
     import jax
     import jax.numpy as jnp
 
-    value = jax.device_put(value, sharding)
+    with phases.timed("transfers"):
+        value = jax.device_put(value, sharding).block_until_ready()
     if not _moves(value.ndim, source, target):
         return value
-    return jax.jit(jnp.moveaxis, static_argnums=(1, 2))(value, source, target)
+    with phases.timed("layer-axis moves"):
+        return jax.jit(jnp.moveaxis, static_argnums=(1, 2))(value, source, target).block_until_ready()
 
 
 def host_config(config: Any) -> Any:
@@ -120,7 +141,7 @@ def host_config(config: Any) -> Any:
     return config.model_copy(update={"param_scan_axis": 0})
 
 
-def _restored_on_host(config: Any) -> Any:
+def _restored_on_host(config: Any, phases: Phases) -> Any:
     """The model on the host's CPU (built with :func:`host_config`) with its weights read from
     loraflow's converted checkpoint (MaxText's linen layout, ``{"params": {"params": tree}}``) straight
     into place: not MaxText's ``from_pretrained``, which first initialises every weight at random and
@@ -148,19 +169,23 @@ def _restored_on_host(config: Any) -> Any:
             use_ocdbt=config.checkpoint_storage_use_ocdbt, use_zarr3=config.checkpoint_storage_use_zarr3
         )
     )
-    restored = checkpointer.restore(
-        str(config.load_parameters_path),
-        item=target,
-        transforms={},
-        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-    )
+    with phases.timed("checkpoint read"):
+        restored = checkpointer.restore(
+            str(config.load_parameters_path),
+            item=target,
+            transforms={},
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        )
     arrays = dict(nnx.to_flat_state(nnx.State(restored["params"]["params"])))
     del restored, target
     axes = {path: _scan_axis(var) for path, var in nnx.to_flat_state(stored_params)}
+    on_cpu = jax.sharding.SingleDeviceSharding(host[0])
+    host_phases = Phases()  # the host's own moves: not the accelerator's transfers
     for path, var in nnx.to_flat_state(params):
         value = arrays.pop(path)  # the checkpoint's array goes as soon as its moved copy exists
-        var.set_value(_moved(value, axes[path], _scan_axis(var), jax.sharding.SingleDeviceSharding(host[0])))
+        var.set_value(_moved(value, axes[path], _scan_axis(var), on_cpu, host_phases))
         del value
+    phases.seconds["host layout"] = sum(host_phases.seconds.values())
     return nnx.merge(graphdef, params, rest), abstract.mesh
 
 
@@ -171,23 +196,27 @@ def _build(config: Any, apply_lora: Callable[..., Any], progress: Progress) -> t
     from maxtext.utils import model_creation_utils
 
     started = time.monotonic()
-    host_model, host_mesh = _restored_on_host(config)
+    phases = Phases()
+    host_model, host_mesh = _restored_on_host(config, phases)
     progress(
         f"QLoRA: base model restored into host memory ({device_bytes(nnx.state(host_model)) / GIB:.2f} GiB) "
         f"in {time.monotonic() - started:.0f}s; quantizing there"
     )
-    with jax.set_mesh(host_mesh), logical_axis_rules(config.logical_axis_rules):
+    with phases.timed("quantize"), jax.set_mesh(host_mesh), logical_axis_rules(config.logical_axis_rules):
         host_model = apply_lora(host_model, host_mesh, host_config(config))
 
-    create, abstract = model_creation_utils.create_nnx_abstract_model(config)
+    with phases.timed("abstract model"):
+        create, abstract = model_creation_utils.create_nnx_abstract_model(config)
     mesh = abstract.mesh
     with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
         # mesh=None: traced arrays have no sharding to move; _place gives each its sharding
-        abstract_lora = nnx.eval_shape(lambda: apply_lora(create(), None, config))
-        model = _place(host_model, abstract_lora, mesh)
+        with phases.timed("abstract model"):
+            abstract_lora = nnx.eval_shape(lambda: apply_lora(create(), None, config))
+        model = _place(host_model, abstract_lora, mesh, phases)
     progress(
         f"QLoRA: model placed on {mesh.devices.size} {jax.devices()[0].platform} device(s): "
-        f"{device_bytes(nnx.state(model)) / GIB:.2f} GiB, built in {time.monotonic() - started:.0f}s"
+        f"{device_bytes(nnx.state(model)) / GIB:.2f} GiB, built in {time.monotonic() - started:.0f}s "
+        f"({phases.text()})"
     )
     return model, mesh
 
