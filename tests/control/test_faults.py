@@ -77,6 +77,18 @@ def test_a_stage_name_only_matches_the_last_segment_of_the_output(gcs_bucket: st
     assert run_toy(f"{gcs_bucket}/p/run/evaluate_tuned", "evaluate_tuned:mid_upload", tmp_path) == -9
 
 
+def test_a_pipeline_scoped_entry_fires_only_in_that_pipelines_stage(gcs_bucket: str, tmp_path: Path) -> None:
+    """``PIPELINE/STAGE:POINT`` fires in that stage of that pipeline's runs only (``{root}/PIPELINE/RUN/STAGE``):
+    a stack running other pipelines' steps beside it kills none of theirs."""
+    fault = "faulty/toy:mid_upload"
+    assert run_toy(f"{gcs_bucket}/other/run/toy", fault, tmp_path) == 0
+    assert run_toy(f"{gcs_bucket}/faulty/run/other", fault, tmp_path) == 0
+    assert not list(tmp_path.iterdir())
+    assert run_toy(f"{gcs_bucket}/faulty/run/toy", fault, tmp_path) == -9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["faulty.toy.mid_upload"]
+    assert run_toy(f"{gcs_bucket}/faulty/run/toy", fault, tmp_path) == 0  # once
+
+
 def test_the_retry_policy_fails_refusals_at_once_and_retries_crashes() -> None:
     from loraflow.errors import SpecError, StepError
     from loraflow.launchers.local import StepRefused

@@ -14,6 +14,7 @@ from loraflow.dev.local_celery import CeleryWorkers
 from loraflow.dev.local_gcs import free_port
 from loraflow.dev.shared_stack import SharedStack, together
 from loraflow.spec.schema import load_spec
+from tests.planted_faults import PlantedFaults
 from tests.vertex_standin import endpoint_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,11 +76,17 @@ def shared_stack_vertex_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def planted_faults(tmp_path_factory: pytest.TempPathFactory) -> PlantedFaults:
+    return PlantedFaults(tmp_path_factory.mktemp("fault-state"))
+
+
+@pytest.fixture(scope="session")
 def _shared_stack(
     tmp_path_factory: pytest.TempPathFactory,
     airflow_db_template: Path,
     shared_stack_lineage: Path,
     shared_stack_vertex_port: int,
+    planted_faults: PlantedFaults,
 ) -> Iterator[SharedStack]:
     vertex = endpoint_env(f"http://127.0.0.1:{shared_stack_vertex_port}", 2)
     # The Vertex module restarts the triggerer: the new one takes a deferred task over once the old one's
@@ -100,6 +107,8 @@ def _shared_stack(
             [{"scope": {}, "controls": {"emit": False}}, {"scope": {"dag_id": LINEAGE_DAG}, "controls": {"emit": True}}]
         ),
     }
+    # The fault module's kills (its pipeline's steps only) and secret, which every process takes as it starts.
+    env |= planted_faults.env
     with SharedStack(tmp_path_factory.mktemp("shared-stack"), env) as stack:
         yield stack
 

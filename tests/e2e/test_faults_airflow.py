@@ -1,14 +1,15 @@
 """One real Airflow run of the tiny pipeline in which every stage's step program is SIGKILLed once, at
 its own kill point, and Airflow's retries (from the spec's ``retry`` section) finish the run. The
 same run carries a planted secret (an HF token in an Airflow connection) that every output is
-searched for. Takes several minutes."""
+searched for. On the stack the end-to-end modules share (tests/e2e/conftest.py), which took the kills
+(of this pipeline's steps only) and the connection as it started (``PlantedFaults``), the spec with an
+artifact root of its own. Takes several minutes."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -16,50 +17,43 @@ from typing import Any
 
 import pytest
 
-from loraflow.dev.demo import LocalAirflow, local_stack, prepare, verdict
+from loraflow.dev.demo import LocalAirflow, prepare, verdict
+from loraflow.dev.shared_stack import SharedStack
 from loraflow.launchers import credentials
 from loraflow.spec.schema import STAGES, load_spec
 from loraflow.storage import artifacts, gcs
+from tests.planted_faults import PlantedFaults
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
-NAME = "tiny-faults"
-CONNECTION = "loraflow_hf_test"
-# One kill per stage. lora_sft checkpoints at steps 1, 50, 100, ...; it dies while persisting its third
-# checkpoint (step 100): the files are uploaded, the completion marker is not, so the retry must
-# resume from step 50.
-KILLS = {
-    "validate_data": "before_manifest",
-    "convert_checkpoint": "mid_upload",
-    "evaluate_base": "before_manifest",
-    "lora_sft": "checkpoint_upload@3",
-    "merge_adapter": "mid_merge",
-    "evaluate_tuned": "mid_upload",
-    "gate": "before_manifest",
-    "publish": "before_manifest",
-    "report": "before_manifest",
-}
+ARTIFACT_ROOT = "gs://loraflow-demo/faults-artifacts"  # its own in the shared stack: no stage from another's cache
 
 
-def faults_spec(folder: Path) -> Path:
+def faults_spec(folder: Path, planted: PlantedFaults) -> Path:
     """The tiny pipeline with short retry delays and an HF token taken from an Airflow connection."""
-    text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {NAME}")
+    text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {planted.dag}")
+    text = text.replace("artifact_root: gs://loraflow-demo/artifacts", f"artifact_root: {ARTIFACT_ROOT}")
     text += (
         "\nretry:\n  retries: 2\n  delay_seconds: 2\n  backoff: 2\n  max_delay_seconds: 10\n"
-        f"\nsecrets:\n  HF_TOKEN:\n    connection: {CONNECTION}\n"
+        f"\nsecrets:\n  HF_TOKEN:\n    connection: {planted.connection}\n"
     )
-    path = folder / f"{NAME}.yaml"
+    path = folder / f"{planted.dag}.yaml"
     path.write_text(text)
+    spec = load_spec(path)
+    assert (spec.name, spec.artifact_root) == (planted.dag, ARTIFACT_ROOT)
     return path
 
 
 class Outcome:
-    def __init__(self, airflow: LocalAirflow, run_id: str, state: str, token: str, spec_path: Path, faults: Path):
-        self.airflow, self.run_id, self.state, self.token = airflow, run_id, state, token
+    def __init__(
+        self, airflow: LocalAirflow, dag: str, run_id: str, state: str, token: str, spec_path: Path, faults: Path
+    ):
+        self.airflow, self.dag, self.run_id, self.state, self.token = airflow, dag, run_id, state, token
         self.spec_path, self.faults = spec_path, faults
         self.planted: dict[str, str] = {}  # the environment the stack ran with (the fault, the connection)
+        self.kills: dict[str, str] = {}  # stage -> the point its step was killed at
         self.tis: dict[str, dict[str, Any]] = {}
         self.logs: dict[tuple[str, int], str] = {}
         self.xcoms: dict[str, Any] = {}
@@ -82,52 +76,47 @@ class Outcome:
 
     def raw_log(self, task: str, try_number: int) -> str:
         """The task log file as Airflow wrote it (with the exception's text, which the REST log omits)."""
-        folder = self.airflow.home / "logs" / f"dag_id={NAME}" / f"run_id={self.run_id}" / f"task_id={task}"
+        folder = self.airflow.home / "logs" / f"dag_id={self.dag}" / f"run_id={self.run_id}" / f"task_id={task}"
         return (folder / f"attempt={try_number}.log").read_text()
 
 
 @pytest.fixture(scope="module")
-def outcome(tmp_path_factory: pytest.TempPathFactory):
-    home = tmp_path_factory.mktemp("faults-stack")
-    pipelines = home / "pipelines"
-    pipelines.mkdir()
-    spec_path = faults_spec(pipelines)
-    token = "hf_" + secrets.token_urlsafe(24)
-    state = home / "fault-state"
-    planted = {
-        "LORAFLOW_FAULT": ",".join(f"{stage}:{point}" for stage, point in KILLS.items()),
-        "LORAFLOW_FAULT_STATE": str(state),
-        f"AIRFLOW_CONN_{CONNECTION.upper()}": json.dumps({"conn_type": "generic", "password": token}),
-    }
-    # the stack's processes (so every task and step program) take them; this process does not
-    with local_stack(home=home, in_memory=True, pipelines_dir=pipelines, env=planted) as airflow:
-        spec = prepare(spec_path, home)
-        airflow.wait_for_dag(NAME)
-        run_id = airflow.trigger(NAME)
-        result = Outcome(airflow, run_id, airflow.wait_for_run(NAME, run_id, timeout=1500), token, spec_path, state)
-        result.planted = planted
-        _, body = airflow.call("GET", f"/dags/{NAME}/dagRuns/{run_id}/taskInstances")
-        result.tis = {ti["task_id"]: ti for ti in body["task_instances"]}
-        for task, ti in result.tis.items():
-            for n in range(1, (ti.get("try_number") or 1) + 1):
-                result.logs[(task, n)] = airflow.task_log(NAME, run_id, task, n)
-            result.xcoms[task] = airflow.xcom(NAME, run_id, task)
-        result.verdict = verdict(spec, airflow, run_id)
-        yield result
+def outcome(tmp_path_factory: pytest.TempPathFactory, shared_stack: SharedStack, planted_faults: PlantedFaults):
+    home = tmp_path_factory.mktemp("faults")
+    spec_path = faults_spec(home, planted_faults)
+    # the stack's processes (so every task and step program) took the kills and the connection; this process not
+    airflow = shared_stack.use(__name__, spec_path)
+    name = planted_faults.dag
+    spec = prepare(spec_path, home)
+    airflow.wait_for_dag(name)
+    run_id = airflow.trigger(name)
+    state = airflow.wait_for_run(name, run_id, timeout=1500)
+    result = Outcome(airflow, name, run_id, state, planted_faults.token, spec_path, planted_faults.state)
+    result.planted = planted_faults.env
+    _, body = airflow.call("GET", f"/dags/{name}/dagRuns/{run_id}/taskInstances")
+    result.tis = {ti["task_id"]: ti for ti in body["task_instances"]}
+    for task, ti in result.tis.items():
+        for n in range(1, (ti.get("try_number") or 1) + 1):
+            result.logs[(task, n)] = airflow.task_log(name, run_id, task, n)
+        result.xcoms[task] = airflow.xcom(name, run_id, task)
+    result.verdict = verdict(spec, airflow, run_id)
+    result.kills = planted_faults.kills
+    return result
 
 
 def test_every_stage_was_killed_once_and_its_retry_completed_the_run(outcome: Outcome) -> None:
     assert outcome.state == "success", {t: ti["state"] for t, ti in outcome.tis.items()}
     assert set(outcome.tis) == set(STAGES)
-    for stage, point in KILLS.items():
+    for stage, point in outcome.kills.items():
         ti = outcome.tis[stage]
         assert ti["state"] == "success", stage
         killed = outcome.killed_try(stage)
-        assert f"[fault] injected SIGKILL at {stage}:{point.split('@')[0]}" in outcome.log(stage, killed), stage
+        at = f"{outcome.dag}/{stage}:{point.split('@')[0]}"
+        assert f"[fault] injected SIGKILL at {at}" in outcome.log(stage, killed), stage
         assert "killed by signal 9" in outcome.raw_log(stage, killed), stage
         assert ti["try_number"] == killed + 1, f"{stage}: the try after the kill should have completed it"
         assert "[fault]" not in outcome.log(stage, killed + 1), stage
-        assert (outcome.faults / f"{stage}.{point.split('@')[0]}").is_file()
+        assert (outcome.faults / f"{outcome.dag}.{stage}.{point.split('@')[0]}").is_file()
     assert outcome.verdict["decision"]["promote"] is True
 
 
@@ -152,7 +141,7 @@ def test_no_committed_step_was_recomputed(outcome: Outcome) -> None:
     # publish's retry found nothing registered (it died before its manifest, after registering): the
     # registry holds the run's model once.
     spec = load_spec(outcome.spec_path)
-    bucket, path = gcs.split_uri(f"{spec.registry_uri}/{NAME}/versions/")
+    bucket, path = gcs.split_uri(f"{spec.registry_uri}/{outcome.dag}/versions/")
     versions = [b.name for b in gcs.client().list_blobs(bucket, prefix=path)]
     assert len(versions) == 1, versions
     assert "already registered" in outcome.log("publish", 2)
@@ -160,7 +149,7 @@ def test_no_committed_step_was_recomputed(outcome: Outcome) -> None:
 
 def test_every_manifest_verifies_and_no_stray_file_is_left(outcome: Outcome, tmp_path: Path) -> None:
     spec = load_spec(outcome.spec_path)
-    run_prefix = gcs.join(spec.artifact_root, NAME, artifacts.safe_run_id(outcome.run_id))
+    run_prefix = gcs.join(spec.artifact_root, outcome.dag, artifacts.safe_run_id(outcome.run_id))
     listed: set[str] = set()
     for stage in STAGES:
         manifest = artifacts.read_manifest(outcome.xcoms[stage]["manifest"])
