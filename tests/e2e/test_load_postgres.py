@@ -6,19 +6,23 @@ inputs share the cache without corrupting it.
 
 Two copies of the tiny pipeline (a DAG runs at most 4 runs at once) get four runs each with small
 training_steps: six distinct settings, and one pair with identical inputs. validate_data,
-convert_checkpoint and evaluate_base have identical inputs in all eight runs. Takes ~10 minutes on
-2 cores."""
+convert_checkpoint and evaluate_base have identical inputs in all eight runs: the pair starts first and
+computes them side by side (both racing for the same cache entries), the other six start once the pair
+has committed them and take them from the cache, as a run started later would (started all at once, four
+of the eight converted the same checkpoint, three of them for nothing); from there on the eight run
+together. Takes ~10 minutes on 2 cores."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loraflow.dev.demo import prepare, say
+from loraflow.dev.demo import LocalAirflow, prepare, say
 from loraflow.dev.shared_stack import SharedStack
 from loraflow.spec.schema import STAGES, load_spec
 from loraflow.storage import artifacts, gcs
@@ -41,6 +45,10 @@ RUNS = [
     ("tiny-load-b", {"training_steps": 16}),
 ]
 CACHED_STAGES = ("validate_data", "convert_checkpoint", "evaluate_base", "lora_sft", "merge_adapter", "evaluate_tuned")
+# The stages whose inputs are the sources alone: the same cache key in all eight runs.
+SOURCE_STAGES = ("validate_data", "convert_checkpoint", "evaluate_base")
+PAIR = 2  # RUNS[:PAIR] have identical inputs and start first
+ENDED = {"success", "failed", "skipped", "upstream_failed"}
 # Four tasks at once (the stack's two workers of two slots): at most four vLLM / JAX processes (~1.5 GB each).
 TASK_SLOTS = 4
 
@@ -76,7 +84,10 @@ def load(tmp_path_factory: pytest.TempPathFactory, distributed_stack: SharedStac
     prepare(paths[0], home)  # both copies read the same sources
     for name in PIPELINES:
         airflow.wait_for_dag(name)
-    for dag, conf in RUNS:
+    for i, (dag, conf) in enumerate(RUNS):
+        if i == PAIR:  # the others once the pair has committed the stages all eight share
+            for pair_dag, pair_run, _ in result.runs:
+                sources_done(airflow, pair_dag, pair_run)
         result.runs.append((dag, airflow.trigger(dag, {**conf, "gate_min_improvement": -1}), conf))
     for dag, run_id, _ in result.runs:
         result.states[run_id] = airflow.wait_for_run(dag, run_id, timeout=2400, progress=lambda _: None)
@@ -84,6 +95,20 @@ def load(tmp_path_factory: pytest.TempPathFactory, distributed_stack: SharedStac
         result.xcoms[run_id] = {t: airflow.xcom(dag, run_id, t) for t in result.tasks[run_id]}
         say(f"{dag} {run_id}: {result.states[run_id]}")
     yield result
+
+
+def sources_done(airflow: LocalAirflow, dag: str, run_id: str, timeout: float = 1200) -> None:
+    """Wait until the run's SOURCE_STAGES have ended (or the run has: its tests then say why)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = airflow.task_states(dag, run_id)
+        if all(states.get(stage) in ENDED for stage in SOURCE_STAGES):
+            return
+        _, run = airflow.call("GET", f"/dags/{dag}/dagRuns/{run_id}")
+        if isinstance(run, dict) and run.get("state") in ("success", "failed"):
+            return
+        time.sleep(2)
+    raise AssertionError(f"{dag} {run_id}: {SOURCE_STAGES} did not end within {timeout:.0f} s")
 
 
 def run_prefix(dag: str, run_id: str) -> str:
@@ -164,8 +189,9 @@ def test_identical_inputs_share_the_cache_without_corrupting_it(load: Load) -> N
     # One key for the stages whose inputs are the sources themselves, in all eight runs.
     assert len(keys["validate_data"]) == len(keys["convert_checkpoint"]) == 1, keys
     say(f"cache keys per stage: { {k: len(v) for k, v in keys.items()} }")
-    computed = sum(1 for _, run_id, _ in load.runs if not load.xcoms[run_id]["convert_checkpoint"]["cached"])
-    say(f"convert_checkpoint computed by {computed} of 8 runs, reused by the others")
+    for stage in SOURCE_STAGES:
+        computed = sum(1 for _, run_id, _ in load.runs if not load.xcoms[run_id][stage]["cached"])
+        say(f"{stage} computed by {computed} of 8 runs, reused by the others")
 
 
 def _input_identities(manifest: artifacts.Manifest) -> dict[str, str]:
