@@ -11,8 +11,8 @@ nnx updates the model in place, so what the trainer, its hooks and the export re
 step's output, never a donated buffer; Tunix's checkpoints save the donated optimizer the same way.
 
 :func:`jit_train_step` is the one jit of the step: the trainer runs it (:func:`donate_the_model`), and
-``plan --fit`` (:mod:`loraflow.trainer.fit`) and the task log's compiled-step figures
-(:mod:`loraflow.trainer.memory`) compile it.
+``plan --fit`` (:mod:`loraflow.trainer.fit`) compiles it; the task log's compiled-step figures
+(:mod:`loraflow.trainer.memory`) are read from the one the trainer ran.
 """
 
 from __future__ import annotations

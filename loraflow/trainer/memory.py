@@ -72,25 +72,36 @@ def remember_last_batch(trainer: Any) -> dict[str, Any]:
 
 
 def compiled_step_bytes(trainer: Any, mesh: Any, logical_axis_rules: Any, batch: Any) -> StepBytes | None:
-    """XLA's memory analysis of the train step compiled for this run's shapes and shardings (per device).
-    One more compilation of the step (not run); None when no step ran (no ``batch``)."""
+    """XLA's memory analysis of the train step as this run compiled it (its shapes and shardings, per device);
+    None when no step ran (no ``batch``). Read through the jit the trainer ran (:func:`trained_step`): JAX
+    keeps that jit's lowering and executable in memory, so nothing compiles again. A fresh jit of the step
+    (:func:`loraflow.trainer.donation.jit_train_step`) compiled it once more: 20 to 40 s for the tiny model on
+    2 CPU cores on every host of a multi-host job but process 0, the only one that reads the persistent
+    compilation cache (docs/architecture.md); that jit only where the trainer kept none."""
     if batch is None:
         return None
     import jax
     from flax.core.spmd import logical_axis_rules as axis_rules
     from tunix.sft import sharding_utils
 
+    step = trained_step(trainer)
+    if step is None:
+        step = donation.jit_train_step(trainer)
     with jax.set_mesh(mesh), axis_rules(logical_axis_rules):
         sharded = sharding_utils.shard_input(batch, trainer.config.data_sharding_axis)
-        stats = (
-            donation.jit_train_step(trainer)
-            .lower(trainer.model, trainer.optimizer, sharded)
-            .compile()
-            .memory_analysis()
-        )
+        stats = step.lower(trainer.model, trainer.optimizer, sharded).compile().memory_analysis()
     if stats is None:  # a backend without the analysis
         return None
     return StepBytes(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes), int(stats.temp_size_in_bytes))
+
+
+def trained_step(trainer: Any) -> Any | None:
+    """The ``nnx.jit`` of the train step Tunix's trainer ran (its ``_jitted_train_step_fn``: the jit bound to
+    the model and optimizer by ``functools.partial``, through ``nnx.cached_partial`` where the graph is
+    cached, as MaxText's ``train_model`` asks); None before a step was jitted."""
+    bound = getattr(trainer, "_jitted_train_step_fn", None)  # pylint: disable=protected-access
+    jitted = getattr(getattr(bound, "func", None), "__wrapped__", getattr(bound, "func", None))
+    return jitted if hasattr(jitted, "lower") else None
 
 
 def state_note(state: StateBytes) -> str:

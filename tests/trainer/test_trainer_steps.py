@@ -170,8 +170,45 @@ def trained(base):
     # compiled here, not read from the session's compilation cache: its first step's time is checked
     with pytest.MonkeyPatch.context() as mp, compiled_afresh(root / "jax-cache"):
         clock = _hook_clock(mp)
+        step_compiles = _count_step_compiles(mp)
         summary = lora_sft.run(ctx)
-    return {"ctx": ctx, "summary": summary, "inputs": inputs, "clock": clock, "progress": lines}
+    return {
+        "ctx": ctx,
+        "summary": summary,
+        "inputs": inputs,
+        "clock": clock,
+        "progress": lines,
+        "step_compiles": step_compiles,
+    }
+
+
+def _count_step_compiles(mp: pytest.MonkeyPatch) -> list[int]:
+    """How many programs XLA compiled while lora_sft read its compiled train step's memory
+    (``loraflow.trainer.memory.compiled_step_bytes``), one count a call."""
+    import jax
+    from jax._src import dispatch
+
+    from loraflow.trainer import training
+
+    counts: list[int] = []
+    real = training.compiled_step_bytes
+
+    def counted(*args, **kwargs):
+        compiled: list[float] = []
+
+        def listener(event: str, seconds: float, **_: object) -> None:
+            if event == dispatch.BACKEND_COMPILE_EVENT:
+                compiled.append(seconds)
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+            counts.append(len(compiled))
+
+    mp.setattr(training, "compiled_step_bytes", counted)
+    return counts
 
 
 def _hook_clock(mp: pytest.MonkeyPatch) -> dict[str, list]:
@@ -218,6 +255,9 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
     # and its step donates the model (loraflow.trainer.donation): no copy of the frozen weights a step
     donated = "train step jitted with model and optimizer donated: no copy of the frozen weights"
     assert trained["progress"].count(donated) == 1, trained["progress"]
+    # its compiled step's memory was read from the step that ran: nothing compiled again for it
+    assert trained["step_compiles"] == [0] and s["step_temp_bytes"] > 0
+    assert any(line.startswith("compiled train step, per device: ") for line in trained["progress"])
 
     meta = json.loads((out / "adapter" / "loraflow_adapter.json").read_text())
     assert meta["rank"] == 16 and meta["alpha"] == 32.0 and meta["steps"] == SFT["steps"]
