@@ -167,6 +167,15 @@ class VertexStandIn:
         with self._lock:
             return json.loads(json.dumps(self._jobs[job_id].resource))
 
+    def pause(self, job_id: str) -> None:
+        """Stop (SIGSTOP) every replica of a running job: it stays RUNNING, computing nothing, until it is
+        cancelled (a test that needs a long job only to be running, not its work)."""
+        with self._lock:
+            procs = list(self._jobs[job_id].procs)
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGSTOP)
+
     # --- the REST surface -------------------------------------------------------------------------
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -298,6 +307,7 @@ class VertexStandIn:
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
+                    os.killpg(proc.pid, signal.SIGCONT)  # a paused replica takes its SIGTERM
                 except ProcessLookupError:
                     pass
         for proc in job.procs:

@@ -180,6 +180,32 @@ def test_kill_cancels_the_running_job_and_its_replicas(standin: VertexStandIn, t
         wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), f"replica {pid} to end")
 
 
+def test_a_paused_job_stays_running_and_its_cancel_still_ends_its_replicas(
+    standin: VertexStandIn, tmp_path: Path
+) -> None:
+    """The stand-in's ``pause``: its replicas stop (SIGSTOP), the job stays RUNNING; a cancel ends them at once
+    (they take their SIGTERM), not after the stand-in's 10 s wait for a SIGKILL."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    code = f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\ntime.sleep(600)"
+    running = launcher()
+    thread, errors = in_thread(lambda: running.run(toy(code), lambda _: None))
+    wait_for(lambda: len(list(pids.iterdir())) == 1, "the replica to start")
+    (job_id,) = standin.states
+    standin.pause(job_id)
+    (pid,) = (int(p.name) for p in pids.iterdir())
+    wait_for(lambda: _state(pid) == "T", "the replica to stop")
+    time.sleep(1)
+    assert standin.job(job_id)["state"] == "JOB_STATE_RUNNING"
+    started = time.monotonic()
+    running.kill()
+    thread.join(60)
+    assert errors and "was cancelled" in str(errors[0])
+    assert standin.states[job_id][-2:] == ["JOB_STATE_CANCELLING", "JOB_STATE_CANCELLED"]
+    assert time.monotonic() - started < 8, "the paused replica waited for the SIGKILL"
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), f"replica {pid} to end")
+
+
 def test_kill_before_the_job_runs_cancels_it(standin: VertexStandIn) -> None:
     queued = launcher()
     log: list[str] = []

@@ -6,8 +6,9 @@ names the stand-in's endpoint to it as it starts), the spec with an artifact roo
   it waits the stand-in answers one poll with PERMISSION_DENIED: the try fails saying so, the task is
   retried (by the spec's retry policy, or cleared), and the new try reattaches to the job still running
   instead of submitting another.
-- ``cancel``: a long lora_sft job; the triggerer restarts while the task is deferred (the job keeps
-  running), then the task is marked failed from the REST API and the stand-in's job is cancelled.
+- ``cancel``: a long lora_sft job (its replica paused once running: the job stays RUNNING, training nothing);
+  the triggerer restarts while the task is deferred (the job keeps running), then the task is marked failed
+  from the REST API and the stand-in's job is cancelled.
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ def run_cancel(s: Stack) -> None:
     (job,) = [j for j in jobs_of(s.standin, "lora_sft") if j["name"] != r["ok_job"]]
     job_id = job["name"].rsplit("/", 1)[1]
     until(lambda: s.standin.job(job_id)["state"] == "JOB_STATE_RUNNING", "the job to run", seconds=60)
+    # Its replica only has to stay running (it would train 2,000 steps for nothing, on a core the machine's
+    # other work needs): paused, the job is RUNNING until it is cancelled.
+    s.standin.pause(job_id)
     a.restart("triggerer")
     polls = s.standin.requests.count(("GET", f"/v1/{job['name']}"))
     # The new triggerer takes the trigger over (once the old one's heartbeat is stale) and polls the job.
