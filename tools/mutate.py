@@ -199,6 +199,9 @@ TARGETS: dict[str, Target] = {
     "lanes": Target("control", ["loraflow/dev/lanes.py"], ["tests/control/test_lanes.py"], default=False),
     # plan --fit's arithmetic and slices (the prediction itself compiles for a TPU: tests/trainer/test_fit.py).
     "fit": Target("control", ["loraflow/spec/fit.py"], ["tests/control/test_fit.py"], default=False),
+    # training.tuning: auto's candidates, the refusal beside a remat_policy and the choice (the trainer's use of
+    # it compiles: tests/trainer/test_tuning.py)
+    "tuning": Target("control", ["loraflow/spec/tuning.py"], ["tests/control/test_tuning.py"], default=False),
     # The end-to-end stacks' one migrate per test run (its copies' paths and keys, when a stack copies).
     # the train step's donation, in Tunix's own training loop (a tiny nnx model: no MaxText)
     "donation": Target("trainer", ["loraflow/trainer/donation.py"], ["tests/trainer/test_donation.py"], default=False),

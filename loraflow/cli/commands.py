@@ -127,6 +127,11 @@ def fit_text(name: str, config: dict[str, Any], result: dict[str, Any]) -> str:
         f"{_size(step['output_bytes'] - step['alias_bytes'])} not over donated ones, temporaries "
         f"{_size(step['temp_bytes'])}; set-up {_size(asked['setup_bytes'])}",
     ]
+    tuned = result.get("tuning")
+    if tuned is not None:
+        each = ", ".join(f"{policy} {_size(peak)}" for policy, peak in tuned["peaks"].items())
+        how = "the first that fits, least recomputed first" if tuned["fits"] else "none fits: MaxText's default"
+        lines.append(f"  training.tuning: auto: remat_policy={tuned['remat_policy']} ({how}); predicted peaks: {each}")
     margin = verdict["margin_bytes"]
     if verdict["fits"]:
         lines.append(f"  fits: {_size(margin)} to spare")

@@ -477,6 +477,8 @@ def _training_section(data: Mapping[str, Any]) -> str:
             f"; compiled train step per device: arguments {summary['step_argument_bytes'] / 2**20:.1f} MiB, "
             f"temporaries {summary['step_temp_bytes'] / 2**20:.1f} MiB"
         )
+    if "tuning_remat_policy" in summary:
+        facts += f"; training.tuning: auto trained with remat_policy {_e(summary['tuning_remat_policy'])}"
     body = f"<p>{facts}</p>" if facts else ""
     return body + (loss_svg(loss) if loss else '<p class="muted">no loss curve (training did not run)</p>')
 

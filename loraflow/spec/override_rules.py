@@ -72,7 +72,8 @@ _FLOAT32 = "numerics: computes this part in float32 for stability"
 ALLOWED: dict[str, Override] = {
     **_shape(),
     "remat_policy": Override(
-        "what the backward pass recomputes instead of keeping: memory against speed", str,
+        "what the backward pass recomputes instead of keeping: memory against speed (training.tuning: auto "
+        "chooses it instead)", str,
         choices=("full", "minimal", "save_dot_with_context_except_mlp", "save_dot_except_mlpwi", "save_dot_except_mlp",
                  "save_qkv_proj", "qkv_proj_offloaded", "minimal_offloaded", "save_out_proj"),
     ),

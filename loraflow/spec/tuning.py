@@ -71,6 +71,7 @@ class Choice:
     policy: str  # the remat policy lora_sft trains with
     peaks: dict[str, int] = field(default_factory=dict)  # the predicted peak per chip of each candidate tried
     hbm_bytes: int | None = None  # the chip's; None: the devices report no limit (CPU), nothing was compiled
+    # (with a limit, ``peaks`` holds the chosen policy's and full's: :func:`tune` predicts both)
     fits: bool = True  # False: no candidate was predicted to fit; FALLBACK kept
 
     def note(self) -> str:
@@ -80,16 +81,14 @@ class Choice:
                 f"tuning: {KEY}={self.policy} (the devices report no memory limit, as on a CPU: the first "
                 "candidate, nothing compiled)"
             )
-        peak = self.peaks.get(self.policy)
-        chosen = f"predicted {_gib(peak)} of {_gib(self.hbm_bytes)}" if peak is not None else "not predicted"
         if not self.fits:
             tried = ", ".join(f"{p} {_gib(b)}" for p, b in self.peaks.items())
             return (
                 f"tuning: {KEY}={self.policy}, MaxText's default: no candidate is predicted to fit "
                 f"{_gib(self.hbm_bytes)} ({tried}); training as without tuning"
             )
-        full = self.peaks.get(FALLBACK)
-        beside = f"; {FALLBACK} would be {_gib(full)}" if full is not None and self.policy != FALLBACK else ""
+        chosen = f"predicted {_gib(self.peaks[self.policy])} of {_gib(self.hbm_bytes)}"
+        beside = f"; {FALLBACK} would be {_gib(self.peaks[FALLBACK])}" if self.policy != FALLBACK else ""
         return f"tuning: {KEY}={self.policy} ({chosen}{beside})"
 
     def summary(self) -> dict[str, Any]:
@@ -110,16 +109,15 @@ def tune(peak_of: Callable[[str], int], hbm_bytes: int | None) -> Choice:
     if hbm_bytes is None:
         return Choice(CANDIDATES[0])
     peaks: dict[str, int] = {}
-    chosen = None
     for policy in CANDIDATES:
         peaks[policy] = peak_of(policy)
-        chosen = choose(peaks, hbm_bytes)
-        if chosen is not None:
+        if fit_rule.fits(peaks[policy], hbm_bytes):
             break
+    chosen = choose(peaks, hbm_bytes)
     if FALLBACK not in peaks:
         peaks[FALLBACK] = peak_of(FALLBACK)
     return Choice(chosen or FALLBACK, peaks, hbm_bytes, fits=chosen is not None)
 
 
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / fit_rule.GIB:.1f} GiB"
+def _gib(n: int) -> str:
+    return f"{n / fit_rule.GIB:.1f} GiB"

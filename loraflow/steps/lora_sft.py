@@ -76,18 +76,24 @@ def fine_tune(ctx: StepContext) -> SftSummary | None:
 def sft_run(ctx: StepContext) -> SftRun:
     """This attempt: the typed config, the converted checkpoint's model, the inputs and where it writes."""
     cfg = parse(LoraSftConfig, ctx.config)
+    _refuse_conflict(cfg, cfg.model_overrides)  # a config sent by hand
     model = read_converted(cfg, ctx.inputs["checkpoint"])
-    problem = tuning_rules.conflict(cfg.tuning, model.overrides)  # a config sent by hand, or the checkpoint's
+    _refuse_conflict(cfg, model.overrides)  # a checkpoint converted with a remat_policy
+    return SftRun(cfg, model, ctx.inputs["dataset"], ctx.inputs["tokenizer"], ctx.output_uri, ctx.work, ctx.progress)
+
+
+def _refuse_conflict(cfg: LoraSftConfig, overrides: dict[str, Any] | None) -> None:
+    """training.tuning: auto beside a remat_policy in MaxText's overrides (the spec refuses it too)."""
+    problem = tuning_rules.conflict(cfg.tuning, overrides)
     if problem:
         raise LoraflowError(problem)
-    return SftRun(cfg, model, ctx.inputs["dataset"], ctx.inputs["tokenizer"], ctx.output_uri, ctx.work, ctx.progress)
 
 
 def _settings(cfg: LoraSftConfig, model: ConvertedModel) -> str:
     return (
         f"model_name={model.name}, rank={cfg.rank}, alpha={cfg.alpha}, quantization={cfg.quantization}, "
         f"steps={cfg.steps}, batch_size={cfg.batch_size}, learning_rate={cfg.learning_rate}, "
-        f"max_length={cfg.max_length}, target_modules={cfg.target_modules}"
+        f"max_length={cfg.max_length}, target_modules={cfg.target_modules}, tuning={cfg.tuning}"
     )
 
 

@@ -60,9 +60,15 @@ def compile_cache_args() -> list[str]:
 
 
 def sft_argv(
-    cfg: LoraSftConfig, model: ConvertedModel, data: PreparedData, tokenizer_dir: Path, base_output: str
+    cfg: LoraSftConfig,
+    model: ConvertedModel,
+    data: PreparedData,
+    tokenizer_dir: Path,
+    base_output: str,
+    remat_policy: str | None = None,
 ) -> list[str]:
-    """MaxText's ``train_sft`` command line: the model, the prepared examples, the spec's training and LoRA."""
+    """MaxText's ``train_sft`` command line: the model, the prepared examples, the spec's training and LoRA
+    (and the remat policy ``training.tuning: auto`` chose, :func:`training_args`)."""
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
 
     return [
@@ -74,16 +80,19 @@ def sft_argv(
         f"scan_layers={str(bool(model.scan_layers)).lower()}",
         f"load_parameters_path={model.parameters_path}",
         *_data_args(data, tokenizer_dir),
-        *training_args(cfg),
+        *training_args(cfg, remat_policy=remat_policy),
         *_output_args(cfg, base_output),
     ]
 
 
-def training_args(cfg: LoraSftConfig, devices: int | None = None) -> list[str]:
+def training_args(cfg: LoraSftConfig, devices: int | None = None, remat_policy: str | None = None) -> list[str]:
     """The spec's training and LoRA settings as MaxText's: the batch (split over ``devices``, see
-    :func:`_batch_args`), the optimizer, LoRA's targets and quantization. lora_sft's command line and
-    ``plan --fit``'s compile (:mod:`loraflow.trainer.fit`) both take them from here."""
-    return [*_batch_args(cfg, devices), *_optimizer_args(cfg), *_target_args(cfg), *_quantization_args(cfg)]
+    :func:`_batch_args`), the optimizer, LoRA's targets and quantization, and ``remat_policy`` when
+    ``training.tuning: auto`` chose one (:mod:`loraflow.spec.tuning`; None: MaxText's default, or the
+    spec's ``model_overrides``). lora_sft's command line and ``plan --fit``'s compile
+    (:mod:`loraflow.trainer.fit`) both take them from here."""
+    remat = [f"remat_policy={remat_policy}"] if remat_policy is not None else []
+    return [*_batch_args(cfg, devices), *_optimizer_args(cfg), *_target_args(cfg), *_quantization_args(cfg), *remat]
 
 
 def _data_args(data: PreparedData, tokenizer_dir: Path) -> list[str]:

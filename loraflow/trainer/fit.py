@@ -37,6 +37,7 @@ from typing import Any
 
 from loraflow.errors import LoraflowError
 from loraflow.spec import fit as rule
+from loraflow.spec import tuning as tuning_rules
 from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.trainer import argv as mt_argv
 from loraflow.trainer import donation
@@ -107,27 +108,63 @@ def _per_chip(tree: Any) -> int:
     return total
 
 
-def maxtext_config(cfg: LoraSftConfig, slice_name: str, chips: int, per_device_batch: float, work: str) -> Any:
+def maxtext_config(
+    cfg: LoraSftConfig,
+    slice_name: str,
+    chips: int,
+    per_device_batch: float,
+    work: str,
+    remat_policy: str | None = None,
+) -> Any:
     """MaxText's config of lora_sft's run, for ``per_device_batch`` rows per chip on the slice
-    ``slice_name`` (MaxText's compile_topology, e.g. v5e-1): the spec's model, training and LoRA settings,
-    no data or checkpoint (shapes only)."""
-    from maxtext.configs import pyconfig
-    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
-
+    ``slice_name`` (MaxText's compile_topology, e.g. v5e-1): the spec's model, training and LoRA settings
+    (and ``remat_policy``, as :func:`loraflow.trainer.argv.training_args` gives it to the stage), no data
+    or checkpoint (shapes only)."""
     if not cfg.model_name:
         raise LoraflowError("lora_sft's config names no model (base_model.maxtext_model); the prediction needs one")
     batch = cfg.model_copy(update={"batch_size": max(1, round(per_device_batch * chips))})
+    return _config(
+        [
+            *mt_argv.overrides_args(cfg.model_name, dict(cfg.model_overrides or {})),
+            "hardware=tpu",
+            "skip_jax_distributed_system=true",
+            "scan_layers=true",  # convert_checkpoint's layout (ConvertCheckpointConfig.scan_layers)
+            f"compile_topology={slice_name}",
+            "compile_topology_num_slices=1",
+            *mt_argv.training_args(batch, devices=chips, remat_policy=remat_policy),  # the stage's own settings
+            "jax_cache_dir=",  # no persistent compilation cache: these programs are for chips that are not here
+        ],
+        work,
+    )
+
+
+def present_config(
+    cfg: LoraSftConfig, model_name: str, overrides: dict[str, Any], scan_layers: bool, work: str, remat_policy: str
+) -> Any:
+    """MaxText's config of lora_sft's run on the devices JAX has here (the stage's own, before its set-up:
+    :mod:`loraflow.trainer.tuning`): the converted model, the stage's hardware, compilation cache and
+    training settings (:func:`loraflow.trainer.argv.training_args`) with ``remat_policy``; shapes only."""
+    return _config(
+        [
+            *mt_argv.overrides_args(model_name, overrides),
+            *mt_argv.hardware_args(cfg.hardware),
+            *mt_argv.compile_cache_args(),
+            f"scan_layers={str(bool(scan_layers)).lower()}",
+            *mt_argv.training_args(cfg, remat_policy=remat_policy),
+        ],
+        work,
+    )
+
+
+def _config(settings: list[str], work: str) -> Any:
+    """MaxText's SFT config of ``settings``, writing nothing (no checkpoints, evaluation or metrics)."""
+    from maxtext.configs import pyconfig
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
+
     argv = [
         "lora_sft_fit",
         os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "sft.yml"),
-        *mt_argv.overrides_args(cfg.model_name, dict(cfg.model_overrides or {})),
-        "hardware=tpu",
-        "skip_jax_distributed_system=true",
-        "scan_layers=true",  # convert_checkpoint's layout (ConvertCheckpointConfig.scan_layers)
-        f"compile_topology={slice_name}",
-        "compile_topology_num_slices=1",
-        *mt_argv.training_args(batch, devices=chips),  # the stage's own training settings
-        "jax_cache_dir=",  # no persistent compilation cache: these programs are for chips that are not here
+        *settings,
         f"base_output_directory={work}",
         f"run_name={mt_argv.RUN_NAME}",
         "enable_checkpointing=false",
@@ -267,22 +304,43 @@ def known_topology(target: rule.Slice) -> None:
     )
 
 
-def predict(cfg: LoraSftConfig, target: rule.Slice, per_device_batch: float) -> Prediction:
-    """The predicted peak per chip of lora_sft's training of ``cfg`` at ``per_device_batch`` on ``target``."""
-    import jax
-    from flax import nnx
+def predict(
+    cfg: LoraSftConfig, target: rule.Slice, per_device_batch: float, remat_policy: str | None = None
+) -> Prediction:
+    """The predicted peak per chip of lora_sft's training of ``cfg`` at ``per_device_batch`` on ``target``
+    (with ``remat_policy``: under that MaxText remat policy)."""
     from maxtext.trainers.pre_train import train_compile
 
     known_topology(target)
     with tempfile.TemporaryDirectory(prefix="loraflow-fit-") as work:
-        config = maxtext_config(cfg, target.maxtext_name, target.chips, per_device_batch, work)
-        mesh = train_compile.get_topology_mesh(config)
-        trainer, base = abstract_trainer(config, mesh)
-        step = step_peak(trainer, config, mesh)
-        state = _per_chip(nnx.state(trainer.model)) + _per_chip(nnx.state(trainer.optimizer))
-        setup = setup_peak(cfg, trainer, base, target.chips)
-        del trainer, base
-        jax.clear_caches()
+        config = maxtext_config(cfg, target.maxtext_name, target.chips, per_device_batch, work, remat_policy)
+        return _predicted(cfg, config, train_compile.get_topology_mesh(config), target.chips, per_device_batch)
+
+
+def predict_here(
+    cfg: LoraSftConfig, model_name: str, overrides: dict[str, Any], scan_layers: bool, remat_policy: str
+) -> Prediction:
+    """The predicted peak per device of lora_sft's training of ``cfg`` on the devices JAX has here, under
+    ``remat_policy``: the step compiled for them from shapes, as :func:`predict` compiles it for a slice."""
+    import jax
+    from maxtext.utils import maxtext_utils
+
+    with tempfile.TemporaryDirectory(prefix="loraflow-tuning-") as work:
+        config = present_config(cfg, model_name, overrides, scan_layers, work, remat_policy)
+        mesh = maxtext_utils.get_mesh_from_config(config)
+        return _predicted(cfg, config, mesh, jax.device_count(), cfg.batch_size / jax.device_count())
+
+
+def _predicted(cfg: LoraSftConfig, config: Any, mesh: Any, chips: int, per_device_batch: float) -> Prediction:
+    import jax
+    from flax import nnx
+
+    trainer, base = abstract_trainer(config, mesh)
+    step = step_peak(trainer, config, mesh)
+    state = _per_chip(nnx.state(trainer.model)) + _per_chip(nnx.state(trainer.optimizer))
+    setup = setup_peak(cfg, trainer, base, chips)
+    del trainer, base
+    jax.clear_caches()
     queued = rule.queued_peak(step.peak_bytes, step.output_bytes, step.alias_bytes, setup)
     return Prediction(per_device_batch, step, state, setup, max(step.peak_bytes, setup), queued)
 
@@ -292,17 +350,33 @@ def sizing(cfg: LoraSftConfig, target: rule.Slice, search: bool = True) -> dict[
     the peak at a second batch, the line through both (:func:`loraflow.spec.fit.largest_batch`), and its
     candidate checked both ways (:func:`loraflow.spec.fit.largest_fitting`: one row more while it fits,
     one row less while it does not, until a batch fits and the one above it does not; at most
-    SEARCH_COMPILES compiles after the line's two). ``peaks`` reports every batch compiled."""
+    SEARCH_COMPILES compiles after the line's two). ``peaks`` reports every batch compiled.
+
+    With ``training.tuning: auto`` every remat policy tuning may choose (:data:`loraflow.spec.tuning.CANDIDATES`)
+    is first predicted at the asked batch, and the one tuning chooses (:func:`loraflow.spec.tuning.choose`,
+    else ``full``) is the one sized: ``tuning`` reports the choice and each candidate's peak."""
     hbm = target.generation.hbm_bytes
     asked = cfg.batch_size / target.chips
-    first = predict(cfg, target, asked)
+    policy, chosen = None, None
+    if cfg.tuning == "auto":
+        candidates = {p: predict(cfg, target, asked, p) for p in tuning_rules.CANDIDATES}
+        policy = tuning_rules.choose({p: c.peak_bytes for p, c in candidates.items()}, hbm)
+        chosen = {
+            "remat_policy": policy or tuning_rules.FALLBACK,
+            "fits": policy is not None,
+            "peaks": {p: c.peak_bytes for p, c in candidates.items()},
+        }
+        policy = policy or tuning_rules.FALLBACK
+        first = candidates[policy]
+    else:
+        first = predict(cfg, target, asked)
     peaks = {asked: first.peak_bytes}
     largest = -1
     if search:
         second = asked * 2 if asked >= 1 else 1.0
-        peaks[second] = predict(cfg, target, second).peak_bytes
+        peaks[second] = predict(cfg, target, second, policy).peak_bytes
         largest = rule.largest_fitting(
-            peaks, hbm, lambda batch: predict(cfg, target, float(batch)).peak_bytes, SEARCH_COMPILES
+            peaks, hbm, lambda batch: predict(cfg, target, float(batch), policy).peak_bytes, SEARCH_COMPILES
         )
     return {
         "slice": target.maxtext_name,
@@ -313,6 +387,7 @@ def sizing(cfg: LoraSftConfig, target: rule.Slice, search: bool = True) -> dict[
         "asked": asdict(first),
         "peaks": sorted([b, p] for b, p in peaks.items()),
         "verdict": asdict(rule.verdict(first.peak_bytes, hbm, largest)),
+        **({"tuning": chosen} if chosen is not None else {}),
     }
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraflow.launchers import multihost
+from loraflow.spec.tuning import Choice
 from loraflow.trainer.answers import Answers
 from loraflow.trainer.export import PeftExport
 from loraflow.trainer.memory import Memory
@@ -38,15 +39,17 @@ class SftSummary:
     chat_template: dict[str, Any]
     memory: Memory
     answers: Answers | None
+    tuning: Choice | None = None  # training.tuning: auto's choice
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's summary: every figure above, the memory's and the answers' flattened in."""
         figures = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NESTED}
         answers = self.answers.summary() if self.answers is not None else {}
-        return {**figures, **self.memory.summary(), **answers}
+        tuned = self.tuning.summary() if self.tuning is not None else {}
+        return {**figures, **self.memory.summary(), **answers, **tuned}
 
 
-_NESTED = ("memory", "answers")
+_NESTED = ("memory", "answers", "tuning")
 
 
 def summarize(
@@ -81,6 +84,7 @@ def summarize(
         chat_template=trained.chat_template,
         memory=trained.memory,
         answers=trained.answers,
+        tuning=trained.tuning,
     )
 
 

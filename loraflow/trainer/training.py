@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.launchers import multihost
+from loraflow.spec.tuning import Choice
 from loraflow.trainer import answers
 from loraflow.trainer.argv import sft_argv
 from loraflow.trainer.checkpoints import checkpoint_storage
@@ -28,6 +29,7 @@ from loraflow.trainer.memory import (
 from loraflow.trainer.setup import quantization_note, setup_trainer
 from loraflow.trainer.sft_run import SftRun
 from loraflow.trainer.step_log import StepLog, StepRow
+from loraflow.trainer.tuning import choose_remat
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Trained:
     memory: Memory
     chat_template: dict[str, Any]  # the template's summary: origin and digest
     answers: answers.Answers | None  # QLoRA: the trained model's own answers to the first eval prompts
+    tuning: Choice | None = None  # training.tuning: auto: the remat policy chosen and the predictions
 
 
 def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: TrainingCurves | None = None) -> Trained:
@@ -64,7 +67,9 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     if answers.wanted(sft.cfg):
         answers.eval_file(sft.dataset)  # before hours of training, not after
     store = checkpoint_storage(sft, dist)
-    mt_config = pyconfig.initialize_pydantic(maxtext_argv(sft, train_set, store.base_output))
+    choice = choose_remat(sft)  # training.tuning: auto (None: off)
+    remat_policy = choice.policy if choice is not None else None
+    mt_config = pyconfig.initialize_pydantic(maxtext_argv(sft, train_set, store.base_output, remat_policy))
     train_sft.validate_config(mt_config)
 
     started = time.monotonic()
@@ -100,14 +105,15 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
         memory=Memory(state, step),
         chat_template=template.summary(),
         answers=eval_answers,
+        tuning=choice,
     )
 
 
-def maxtext_argv(sft: SftRun, train_set: TrainingSet, base_output: str) -> list[str]:
-    """MaxText's ``train_sft`` command line for this run; first renders the examples and writes them in
-    training order beside the training set."""
+def maxtext_argv(sft: SftRun, train_set: TrainingSet, base_output: str, remat_policy: str | None = None) -> list[str]:
+    """MaxText's ``train_sft`` command line for this run (with the remat policy tuning chose); first renders
+    the examples and writes them in training order beside the training set."""
     data = prepare(sft.cfg, train_set, sft.tokenizer)
-    return sft_argv(sft.cfg, sft.model, data, sft.tokenizer, base_output)
+    return sft_argv(sft.cfg, sft.model, data, sft.tokenizer, base_output, remat_policy)
 
 
 def _report_setup(

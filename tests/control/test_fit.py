@@ -326,3 +326,36 @@ def test_a_failed_prediction_is_an_error_not_a_verdict(
     )
     assert main(["plan", str(spec), "--fit"]) == 1
     assert "the prediction failed in the trainer environment (exit 1):\nTraceback\nBoom" in capsys.readouterr().err
+
+
+def test_fit_with_tuning_auto_names_the_policy_chosen_and_each_candidates_peak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sent: dict[str, Any] = {}
+    answer = _answer(True, 6)
+    answer["tuning"] = {
+        "remat_policy": "save_dot_except_mlp",
+        "fits": True,
+        "peaks": {"minimal": 17 * GIB, "save_dot_except_mlp": 15 * GIB, "full": 7 * GIB},
+    }
+
+    def run_fit(config: dict[str, Any], machine_type: str, topology: str) -> dict[str, Any]:
+        sent.update(config)
+        return answer
+
+    monkeypatch.setattr(commands, "run_fit", run_fit)
+    spec = _spec(tmp_path, TPU + "    machine_type: ct5lp-hightpu-4t\n    tpu_topology: 2x2\n")
+    spec.write_text(spec.read_text().replace("training:\n", "training:\n  tuning: auto\n", 1))
+    assert main(["plan", str(spec), "--fit"]) == 0
+    assert sent["tuning"] == "auto"  # the trainer is asked about the spec's own config, tuning in it
+    out = capsys.readouterr().out
+    assert (
+        "  training.tuning: auto: remat_policy=save_dot_except_mlp (the first that fits, least recomputed first); "
+        "predicted peaks: minimal 17.00 GiB, save_dot_except_mlp 15.00 GiB, full 7.00 GiB\n"
+    ) in out
+    answer["tuning"] = {**answer["tuning"], "remat_policy": "full", "fits": False}
+    assert main(["plan", str(spec), "--fit"]) == 0
+    assert "remat_policy=full (none fits: MaxText's default)" in capsys.readouterr().out
+    del answer["tuning"]
+    assert main(["plan", str(spec), "--fit"]) == 0
+    assert "tuning" not in capsys.readouterr().out

@@ -31,7 +31,11 @@ def test_auto_beside_a_remat_policy_override_is_refused_naming_both_and_the_fix(
         validate_spec(data, "x.yaml")
     text = str(err.value)
     assert "training.tuning: auto" in text and "base_model.model_overrides.remat_policy" in text
-    assert "remove base_model.model_overrides.remat_policy, or set training.tuning: off" in text
+    assert (
+        "training.tuning: auto chooses MaxText's remat_policy itself, but base_model.model_overrides.remat_policy "
+        "sets it (minimal); remove base_model.model_overrides.remat_policy, or set training.tuning: off to train "
+        "with the policy you name"
+    ) in text
 
 
 def test_off_keeps_the_remat_policy_override_and_auto_passes_without_one() -> None:
@@ -103,7 +107,11 @@ def test_tune_keeps_full_and_says_so_when_nothing_fits() -> None:
     choice = tuning.tune(lambda policy: HBM + 1, HBM)
     assert choice.policy == "full" and not choice.fits
     assert list(choice.peaks) == list(tuning.CANDIDATES)  # every candidate tried, full once
-    assert "no candidate is predicted to fit" in choice.note() and "training as without tuning" in choice.note()
+    tried = ", ".join(f"{p} 16.0 GiB" for p in tuning.CANDIDATES)
+    assert choice.note() == (
+        "tuning: remat_policy=full, MaxText's default: no candidate is predicted to fit 16.0 GiB "
+        f"({tried}); training as without tuning"
+    )
     assert choice.summary()["tuning_fits"] is False
 
 
@@ -122,4 +130,17 @@ def test_with_no_memory_limit_the_first_candidate_is_chosen_without_compiling() 
 
     choice = tuning.tune(never, None)
     assert choice.policy == "minimal" and choice.peaks == {} and choice.hbm_bytes is None
-    assert "nothing compiled" in choice.note()
+    assert choice.note() == (
+        "tuning: remat_policy=minimal (the devices report no memory limit, as on a CPU: the first candidate, "
+        "nothing compiled)"
+    )
+
+
+def test_the_run_report_names_the_policy_tuning_trained_with() -> None:
+    from loraflow.reporting.report import _training_section
+
+    summary = {"steps": 10, "tuning_remat_policy": "save_qkv_proj", "tuning_peak_bytes": {"minimal": 1}}
+    assert "training.tuning: auto trained with remat_policy save_qkv_proj" in _training_section(
+        {"training_summary": summary}
+    )
+    assert "tuning" not in _training_section({"training_summary": {"steps": 10}})
