@@ -12,7 +12,7 @@ from typing import Any
 from maxtext.trainers.post_train.sft.hooks import SFTTrainingHooks
 
 from loraflow.storage import checkpoint_sync
-from loraflow.trainer.curves import TrainingCurves, device_memory
+from loraflow.trainer.curves import TrainingCurves, device_memory, learning_rates, rate_at
 from loraflow.trainer.sft_run import Progress
 from loraflow.trainer.step_log import StepLog
 
@@ -33,6 +33,8 @@ class LoraflowHooks(SFTTrainingHooks):
         self.log = log
         self.syncer = syncer
         self.curves = curves
+        # before the first step: at a step's end the schedule's computation would wait for the queued step
+        self.rates = learning_rates(self.metric_logger.learning_rate_schedule, int(self.config.steps)) if curves else ()
 
     def on_train_step_start(self, train_ctx: Any) -> None:
         if self.syncer is not None:
@@ -44,8 +46,8 @@ class LoraflowHooks(SFTTrainingHooks):
     def on_train_step_end(self, train_ctx: Any, train_step: int, train_loss: Any, step_time: float = 0.0) -> None:
         super().on_train_step_end(train_ctx, train_step, train_loss, step_time)
         self.log.step_ended(int(train_step), float(train_loss))  # float() waits for the step's result
-        if self.curves is not None:  # optax counts updates from 0: step N's update used the rate at N - 1
-            rate = float(self.metric_logger.learning_rate_schedule(int(train_step) - 1))
+        if self.curves is not None:
+            rate = rate_at(self.rates, int(train_step))
             self.curves.step(self.log.rows[-1], rate, device_memory)  # read every MEMORY_EVERY steps
 
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loraflow.reporting.curves import evaluation_scalars, tensorboard_argv, tensorboard_command, trained_steps
 from loraflow.storage.artifacts import Manifest
-from loraflow.trainer.curves import GIB, training_curves
+from loraflow.trainer.curves import GIB, learning_rates, rate_at, training_curves
 from loraflow.trainer.step_log import StepRow
 from tests.tensorboard_events import scalars
 
@@ -60,6 +60,24 @@ def test_the_device_memory_is_read_after_step_1_and_every_100th_only(tmp_path: P
     tags = scalars(tmp_path / "tensorboard")
     assert sorted(tags["memory/hbm_in_use_gib"]) == [1, 100, 200]
     assert len(tags["train/loss"]) == 250
+
+
+def test_the_learning_rates_are_the_schedules_computed_once_and_step_n_gets_update_n_minus_1() -> None:
+    """The curves' rates come from one evaluation of the schedule before training (at a step's end the
+    schedule's computation waits for the step queued on the chip: issue 39); step N (from 1) updated with
+    the rate of update N - 1, and a step past the schedule's end with its last rate."""
+    import jax.numpy as jnp
+    import optax
+
+    calls: list[object] = []
+
+    def schedule(count):
+        calls.append(count)
+        return optax.linear_schedule(0.0, 1.0, 4)(count) + jnp.where(count >= 3, 10.0, 0.0)
+
+    rates = learning_rates(schedule, 5)
+    assert rates == (0.0, 0.25, 0.5, 10.75, 11.0) and len(calls) == 1  # one traced call, not one per step
+    assert [rate_at(rates, step) for step in (1, 2, 4, 5, 6, 99)] == [0.0, 0.25, 10.75, 11.0, 11.0, 11.0]
 
 
 def test_an_evaluation_scores_at_its_models_training_step() -> None:
