@@ -123,11 +123,54 @@ def _moved(value: Any, source: int | None, target: int | None, sharding: Any, ph
     import jax.numpy as jnp
 
     with phases.timed("transfers"):
-        value = jax.device_put(value, sharding).block_until_ready()
+        value = put(value, sharding).block_until_ready()
     if not _moves(value.ndim, source, target):
         return value
     with phases.timed("layer-axis moves"):
         return jax.jit(jnp.moveaxis, static_argnums=(1, 2))(value, source, target).block_until_ready()
+
+
+def put(value: Any, sharding: Any) -> Any:
+    """``value`` where ``sharding`` says. A 4-bit array bound for one device crosses as bytes, two values
+    to a byte, and is unpacked where it lands: on a TPU v5e uint4 crossed from the host at 1.06 GB/s
+    against 11.4 for uint8 (bench/results/tpu-transfer.json), 40 of an 8B QLoRA set-up's 102 s."""
+    import jax
+
+    if not _packable(value, sharding):
+        return jax.device_put(value, sharding)
+    dtype = value.dtype
+    packed = jax.jit(_pack)(value)  # where the value is: the host
+    return jax.jit(_unpacker(dtype), out_shardings=sharding)(jax.device_put(packed, sharding))
+
+
+def _packable(value: Any, sharding: Any) -> bool:
+    """A 4-bit array whose last dimension pairs up, for one device (a sharded array's bytes would split
+    where its values do not)."""
+    import jax.numpy as jnp
+
+    four_bit = value.dtype in (jnp.dtype(jnp.uint4), jnp.dtype(jnp.int4))
+    return four_bit and value.ndim >= 1 and value.shape[-1] % 2 == 0 and len(sharding.device_set) == 1
+
+
+def _pack(value: Any) -> Any:
+    """A 4-bit array as bytes: element ``2i`` in the low half of byte ``i`` of its row, ``2i + 1`` in the high."""
+    import jax.numpy as jnp
+
+    nibbles = value.astype(jnp.int8).astype(jnp.uint8) & 0xF  # int4's two's complement, four bits of it
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def _unpacker(dtype: Any) -> Callable[[Any], Any]:
+    """The inverse of :func:`_pack` for arrays of ``dtype`` (uint4 or int4)."""
+    import jax.numpy as jnp
+
+    def unpack(packed: Any) -> Any:
+        pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+        if dtype == jnp.dtype(jnp.int4):  # the four bits back to a signed value
+            return jnp.where(pairs >= 8, pairs.astype(jnp.int8) - 16, pairs.astype(jnp.int8)).astype(dtype)
+        return pairs.astype(dtype)
+
+    return unpack
 
 
 def host_config(config: Any) -> Any:

@@ -229,3 +229,31 @@ def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(convert
     stack = sum(k.size for k in kernels) * 4  # every targeted kernel of every layer, in f32
     assert kernels and all(k.shape[0] == layers for k in kernels)  # the host's stacks: layer axis first
     assert scratch and scratch[0] < 3 * stack / layers, (scratch, stack)
+
+
+def test_a_4bit_array_crosses_to_its_device_as_bytes_and_lands_with_every_value(monkeypatch):
+    """QLoRA's placement sends a 4-bit array as bytes, two values to a byte (uint4 crossed to a TPU at a tenth
+    of uint8's rate), and unpacks it where it lands: every uint4 and int4 value comes back in place. An odd
+    last dimension, or an array of another dtype, crosses as it is."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from loraflow.trainer import host_build
+
+    sent: list[str] = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: sent.append(str(x.dtype)) or device_put(x, *a, **k))
+    target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for dtype, values in ((jnp.uint4, np.arange(16)), (jnp.int4, np.arange(-8, 8))):
+        grid = np.stack([values, values[::-1], np.roll(values, 5)])  # every value at odd and even positions
+        array = jnp.asarray(np.concatenate([grid, grid[:, ::-1]], axis=1), dtype=dtype)
+        placed = host_build.put(array, target)
+        assert placed.dtype == array.dtype and placed.shape == array.shape == (3, 32)
+        assert np.array_equal(np.asarray(placed.astype(jnp.int8)), np.asarray(array.astype(jnp.int8)))
+    assert sent == ["uint8", "uint8"]
+    sent.clear()
+    odd, wide = jnp.asarray([[1, 2, 3]], dtype=jnp.uint4), jnp.zeros((2, 4), jnp.int8)
+    assert np.array_equal(np.asarray(host_build.put(odd, target).astype(jnp.int8)), [[1, 2, 3]])
+    host_build.put(wide, target)
+    assert sent == ["uint4", "int8"]
