@@ -74,8 +74,10 @@ def test_the_candidates_go_from_most_kept_to_full() -> None:
 def test_choose_takes_the_first_candidate_that_fits_in_the_fixed_order() -> None:
     peaks = {"full": 5 * GIB, "save_qkv_proj": 12 * GIB, "minimal": 17 * GIB, "save_dot_except_mlp": 14 * GIB}
     assert tuning.choose(peaks, HBM) == "save_dot_except_mlp"  # minimal is over, the next one fits
-    assert tuning.choose({**peaks, "minimal": HBM}, HBM) == "minimal"  # exactly the chip fits, as plan --fit says
-    assert tuning.choose({**peaks, "minimal": HBM + 1}, HBM) == "save_dot_except_mlp"
+    # a candidate leaves 5 % of the chip free (the prediction ran up to 4.4 % under the chip): at that, it fits
+    assert tuning.choose({**peaks, "minimal": HBM - HBM // 20}, HBM) == "minimal"
+    assert tuning.choose({**peaks, "minimal": HBM - HBM // 20 + 1}, HBM) == "save_dot_except_mlp"
+    assert tuning.choose({"full": HBM, "minimal": HBM}, HBM) == "full"  # full as plan --fit says: it runs anyway
     assert tuning.choose({"full": HBM + 1, "minimal": HBM + 2}, HBM) is None
 
 
