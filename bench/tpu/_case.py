@@ -283,6 +283,7 @@ def _own_compile_cache(folder: Path) -> None:
 def run_name(case: dict[str, Any]) -> str:
     queued = f"-inflight{case['inflight']}" if "inflight" in case else ""
     settings = "".join("-" + arg.replace("=", "_") for arg in case.get("maxtext", []))
+    settings += "".join(f"-{key}_{value}" for key, value in case.get("config", {}).items())
     return f"{case['size']}-{case['mode']}-{case['dtype']}-{case['quantization']}-{case['steps']}{queued}{settings}"
 
 
@@ -316,6 +317,7 @@ def train(case: dict[str, Any], root: Path) -> dict[str, Any]:
         "dtype": case["dtype"],
         "quantization": case["quantization"],
         "tile_size": TILE if case["quantization"] != "none" else None,
+        **case.get("config", {}),  # lora_sft settings of the case's own (e.g. training.tuning)
     }
     ctx = _context(root, case, config)
     _own_compile_cache(root / "runs" / run_name(case) / "jax_cache")

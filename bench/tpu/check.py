@@ -94,6 +94,7 @@ def phases() -> dict[str, list[dict[str, Any]]]:
             {**_train("1b", "loraflow", "bfloat16", "none", 30), "maxtext": [f"remat_policy={policy}"]}
             for policy in ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj")
         ],
+        {**_train("1b", "loraflow", "bfloat16", "none", 30), "config": {"tuning": "auto"}},  # the stage's own choice
     ]
     return {
         "tiny": tiny,
