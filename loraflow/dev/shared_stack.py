@@ -6,6 +6,8 @@ modules whose runs cannot disturb each other share one. Each module brings its o
 and the stack refuses a spec whose DAG name or artifact root another module's spec has: distinct DAG
 names keep the runs, registries and Asset events apart, and an artifact root of its own keeps a module
 from taking another's stages from the cache (the stage cache is per root: ``_cache/`` beside the runs).
+A module may name one whose root (and cached stages) it shares on purpose (``use``'s ``cache_from``): it
+runs after that module (``together``'s ``after``), whose runs it then cannot disturb.
 
 The stack starts when the first module asks for it, with that module's specs in place; a later module's
 specs are parsed at once (a priority parsing request for each DAG file, as the UI's reparse button
@@ -33,12 +35,17 @@ from loraflow.storage import gcs
 EMULATOR_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT")
 
 
-def together(modules: Sequence[str], sharing: Collection[str]) -> list[int]:
+def together(modules: Sequence[str], sharing: Collection[str], after: Mapping[str, str] | None = None) -> list[int]:
     """An order for tests given as their modules, in collection order (indices into ``modules``): the tests
     of the ``sharing`` modules one module after another, where the first of them came, so that a stack
-    they share is up only while they run; every other test keeps its place, each module its own order."""
+    they share is up only while they run; every other test keeps its place, each module its own order.
+    A sharing module that ``after`` maps to another sharing module runs right after that one."""
     grouped = [i for i, m in enumerate(modules) if m in sharing]
     first_seen = list(dict.fromkeys(modules[i] for i in grouped))
+    for late, early in (after or {}).items():
+        if late in first_seen and early in first_seen:
+            first_seen.remove(late)
+            first_seen.insert(first_seen.index(early) + 1, late)
     order: list[int] = []
     for i, module in enumerate(modules):
         if module not in sharing:
@@ -73,11 +80,13 @@ class SharedStack:
         self._emulator_env: dict[str, str] = {}
         self._exit = ExitStack()
 
-    def use(self, module: str, *specs: Path) -> LocalAirflow:
+    def use(self, module: str, *specs: Path, cache_from: str = "") -> LocalAirflow:
         """The stack, with ``module``'s pipeline ``specs`` added (their DAGs parsed), and this process's
-        GCS client pointed at its emulator (another stack or emulator started since may have moved it)."""
+        GCS client pointed at its emulator (another stack or emulator started since may have moved it).
+        ``cache_from``: a module that ran before whose artifact root the specs may share, to take its
+        runs' cached stages."""
         for path in specs:
-            self._claim(module, path)
+            self._claim(module, path, cache_from)
         self.pipelines.mkdir(parents=True, exist_ok=True)
         for path in specs:
             shutil.copy(path, self.pipelines / path.name)
@@ -90,9 +99,10 @@ class SharedStack:
         assert self.airflow is not None
         return self.airflow
 
-    def _claim(self, module: str, path: Path) -> None:
-        """Note ``module`` as the owner of the spec's artifact root; refuse a root another module owns, or a
-        file name already in the stack (a spec's file is named after its DAG, so no two DAGs share a name)."""
+    def _claim(self, module: str, path: Path, cache_from: str = "") -> None:
+        """Note ``module`` as the owner of the spec's artifact root; refuse a root another module owns (but
+        ``cache_from``), or a file name already in the stack (a spec's file is named after its DAG, so no two
+        DAGs share a name)."""
         spec = load_spec(path)
         if (self.pipelines / path.name).exists():
             raise LoraflowError(
@@ -100,7 +110,7 @@ class SharedStack:
             )
         root = spec.artifact_root  # the spec's schema drops a trailing slash
         owner = self.owners.setdefault(root, module)
-        if owner != module:
+        if owner not in (module, cache_from):
             raise LoraflowError(
                 f"{module}'s {path.name} has the artifact root {root}, which {owner}'s specs have in the "
                 "shared stack: give it one of its own"

@@ -156,6 +156,16 @@ def test_an_artifact_root_of_another_module_is_refused(stack: SharedStack, tmp_p
     assert not (stack.pipelines / "tiny-b.yaml").exists()  # nothing of a refused module reaches the stack
 
 
+def test_a_module_may_share_the_root_of_the_module_it_takes_cached_stages_from(
+    stack: SharedStack, tmp_path: Path
+) -> None:
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    stack.use("test_b", spec(tmp_path, "tiny-b"), cache_from="test_a")
+    assert (stack.pipelines / "tiny-b.yaml").exists() and stack.owners == {"gs://loraflow-demo/artifacts": "test_a"}
+    with pytest.raises(LoraflowError, match="which test_a's specs have"):  # only the module it names
+        stack.use("test_c", spec(tmp_path, "tiny-c"), cache_from="test_b")
+
+
 def test_a_file_name_already_in_the_stack_is_refused(stack: SharedStack, tmp_path: Path) -> None:
     stack.use("test_a", spec(tmp_path, "tiny-a"))
     with pytest.raises(LoraflowError, match=r"tiny-a\.yaml is in the shared stack already: give test_b's"):
@@ -194,6 +204,15 @@ def test_the_sharing_modules_run_one_after_another_where_the_first_was() -> None
     assert together(["a", "b", "a"], {"a", "b"}) == [0, 2, 1]  # a module's tests kept together
     assert together(modules, set()) == list(range(len(modules)))
     assert together(["c", "b", "a"], {"a", "b"}) == [0, 1, 2]
+
+
+def test_a_module_that_takes_anothers_cached_stages_runs_right_after_it() -> None:
+    modules = ["a", "a", "c", "b", "e", "e", "f"]
+    order = together(modules, {"a", "b", "e"}, {"a": "b"})
+    assert [modules[i] for i in order] == ["b", "a", "a", "e", "e", "c", "f"]  # where the group's first test came
+    assert together(modules, {"a", "b", "e"}, {"a": "e"}) == [3, 4, 5, 0, 1, 2, 6]  # after e, not at the end
+    assert together(modules, {"a", "b", "e"}, {"a": "x"}) == together(modules, {"a", "b", "e"})  # x not collected
+    assert together(modules, {"a", "b"}, {"a": "e"}) == together(modules, {"a", "b"})  # e is not in the group
 
 
 def test_emulator_env_names_what_local_stack_sets() -> None:

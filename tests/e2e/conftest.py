@@ -41,14 +41,26 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def _after(items: list[pytest.Item]) -> dict[str, str]:
+    """Each module (node id) with a ``CACHE_FROM`` (the ``__name__`` of the module whose cached stages it
+    takes), mapped to that module's node id where it was collected."""
+    modules = {getattr(i, "module", None): _module(i) for i in items}
+    names = {module.__name__: node for module, node in modules.items() if module is not None}
+    return {
+        node: names[module.CACHE_FROM] for module, node in modules.items() if getattr(module, "CACHE_FROM", "") in names
+    }
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that use one shared stack run one after another (where the first of them would run),
-    so that the stack is up only while they run: it stops after the last of them."""
+    so that the stack is up only while they run: it stops after the last of them. A module with a
+    ``CACHE_FROM`` (``SharedStack.use``'s ``cache_from``) runs right after that module."""
     users = {name: {_module(i) for i in items if name in getattr(i, "fixturenames", ())} for name in STACKS}
     config.stash[_STACK_USERS] = users
+    after = _after(items)
     for sharing in users.values():
         if sharing:
-            order = together([_module(item) for item in items], sharing)
+            order = together([_module(item) for item in items], sharing, after)
             items[:] = [items[i] for i in order]
 
 
@@ -117,7 +129,8 @@ def _shared_stack(
 def shared_stack(request: pytest.FixtureRequest, _shared_stack: SharedStack) -> Iterator[SharedStack]:
     """One GCS emulator + Airflow (``loraflow.dev.shared_stack``) for the modules that ask for it, instead of
     one each: a module calls ``shared_stack.use(__name__, *its_specs)`` for the Airflow, with DAG names and an
-    artifact root of its own. Stopped after the last module that uses it."""
+    artifact root of its own (or, with ``cache_from`` and a ``CACHE_FROM``, the root of a module that runs
+    before it, whose cached stages its runs take). Stopped after the last module that uses it."""
     yield _shared_stack
     _release(request, SHARED, _shared_stack)
 

@@ -5,7 +5,8 @@ the data docs of a dataset whose ids and prompts carry script: none of it runs.
 Playwright drives the system Chromium (``apt-get install -y chromium``; ``make test-e2e`` installs it)
 against a real local Airflow and the GCS emulator (the data docs test needs the emulator only): the stack
 the end-to-end modules share (tests/e2e/conftest.py), where the tiny pipeline's copy here has a DAG name
-and an artifact root of its own.
+of its own and test_tiny_pipeline.py's artifact root: run after that module (CACHE_FROM), its run takes
+validate_data, convert_checkpoint and evaluate_base from the cache and trains, merges and evaluates its own.
 Screenshots of every step are kept under tests/_artifacts/browser/ (ignored by git); the test prints
 the folder. About 5 minutes.
 """
@@ -36,6 +37,8 @@ DAG = "tiny-browser"
 CHROMIUM = Path(os.environ.get("LORAFLOW_CHROMIUM", "/usr/lib/chromium/chromium"))
 SHOTS = REPO / "tests" / "_artifacts" / "browser"
 DOCS_SHOTS = REPO / "tests" / "_artifacts" / "browser-data-docs"
+# The module whose runs (before this one's) leave the stages this run shares with them in the cache.
+CACHE_FROM = "test_tiny_pipeline"  # its __name__, as it names itself to the stack
 STEPS = 50  # changed in the form from the spec's 200: a shorter run that still succeeds (promoted or not)
 UI_TIMEOUT_MS = 60_000
 
@@ -49,15 +52,11 @@ def shots() -> Path:
 
 
 def browser_spec(folder: Path) -> Path:
-    """The tiny pipeline as a user has it, under a DAG name and an artifact root of its own in the shared stack."""
-    text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {DAG}")
-    text = text.replace(
-        "artifact_root: gs://loraflow-demo/artifacts", "artifact_root: gs://loraflow-demo/browser-artifacts"
-    )
+    """The tiny pipeline as a user has it, under a DAG name of its own in the shared stack."""
     path = folder / f"{DAG}.yaml"
-    path.write_text(text)
+    path.write_text(TINY.read_text().replace("name: tiny-llama-lora", f"name: {DAG}"))
     spec = load_spec(path)
-    assert (spec.name, spec.artifact_root) == (DAG, "gs://loraflow-demo/browser-artifacts")
+    assert (spec.name, spec.artifact_root) == (DAG, load_spec(TINY).artifact_root)
     return path
 
 
@@ -68,7 +67,7 @@ def test_trigger_from_the_form_and_open_the_run_report(
 
     assert CHROMIUM.exists(), f"{CHROMIUM} is missing: install Chromium with `apt-get install -y chromium`"
     home = tmp_path_factory.mktemp("browser")
-    airflow = shared_stack.use(__name__, browser_spec(home))
+    airflow = shared_stack.use(__name__, browser_spec(home), cache_from=CACHE_FROM)
     with sync_playwright() as pw:
         prepare(TINY, home)
         airflow.wait_for_dag(DAG)

@@ -81,7 +81,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shared_stack: SharedStack, li
     home = tmp_path_factory.mktemp("stack")
     bad = bad_data_spec(home, home / "bad-data")
     specs = [TINY, QLORA, *(path for path, *_ in OTHER_FAMILIES.values()), bad]
-    # The stack's other modules' specs have artifact roots of their own: none takes these runs' cached stages.
+    # The stack's other modules' specs have artifact roots of their own: none takes these runs' cached stages
+    # (test_browser.py shares this root, and runs after this module: its run takes what these cached).
     airflow = shared_stack.use(__name__, *specs)
     spec = prepare(TINY, home)
     prepare(bad, home, home / "bad-data")
