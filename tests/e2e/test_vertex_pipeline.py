@@ -1,6 +1,8 @@
 """The tiny pipeline with lora_sft on "Vertex AI" (the stand-in, tests/vertex_standin.py), deferred, on a
 real local Airflow with a triggerer: the stack the end-to-end modules share (tests/e2e/conftest.py, which
-names the stand-in's endpoint to it as it starts), the spec with an artifact root of its own. Two runs:
+names the stand-in's endpoint to it as it starts), the spec with test_tiny_pipeline.py's artifact root: run
+after that module (CACHE_FROM), its runs take validate_data, convert_checkpoint and evaluate_base from the
+cache (its lora_sft runs on the stand-in, never from the cache: asserted). Two runs:
 
 - ``ok``: the whole pipeline succeeds; lora_sft submits its CustomJob and waits in the triggerer. While
   it waits the stand-in answers one poll with PERMISSION_DENIED: the try fails saying so, the task is
@@ -35,7 +37,8 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "pipelines" / "tiny-llama-lora.yaml"
 DAG = "tiny-vertex"
-ARTIFACT_ROOT = "gs://loraflow-demo/vertex-artifacts"  # its own in the shared stack: no stage from another's cache
+# The module whose runs (before this one's) leave the local stages these runs share with them in the cache.
+CACHE_FROM = "test_tiny_pipeline"  # its __name__, as it names itself to the stack
 TRAINER_IMAGE = "us-docker.pkg.dev/loraflow-local/loraflow/trainer:e2e"
 VERTEX_LORA_SFT = f"""
   lora_sft:
@@ -49,7 +52,6 @@ VERTEX_LORA_SFT = f"""
 def vertex_spec(folder: Path) -> Path:
     """The tiny spec, renamed, with lora_sft on Vertex AI (deferrable is the default)."""
     text = TINY.read_text().replace("name: tiny-llama-lora", f"name: {DAG}")
-    text = text.replace("artifact_root: gs://loraflow-demo/artifacts", f"artifact_root: {ARTIFACT_ROOT}")
     text = text.replace(
         "compute:\n  default:\n    launcher: local\n", "compute:\n  default:\n    launcher: local" + VERTEX_LORA_SFT
     )
@@ -57,7 +59,7 @@ def vertex_spec(folder: Path) -> Path:
     path = folder / f"{DAG}.yaml"
     path.write_text(text)
     spec = load_spec(path)
-    assert spec.compute_for("lora_sft").launcher == "vertex" and spec.artifact_root == ARTIFACT_ROOT
+    assert spec.compute_for("lora_sft").launcher == "vertex" and spec.artifact_root == load_spec(TINY).artifact_root
     return path
 
 
@@ -93,7 +95,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, shared_stack: SharedStack, s
     host_env = replica_env(REPO)
     images = {TRAINER_IMAGE: str(ENVIRONMENTS["trainer"].local_python())}
     with VertexStandIn(images, home / "vertex", host_env, state_delay=0.5, port=shared_stack_vertex_port) as standin:
-        airflow = shared_stack.use(__name__, spec_path)
+        airflow = shared_stack.use(__name__, spec_path, cache_from=CACHE_FROM)
         # Airflow's components (workers, triggerer) took these as they started: the launcher and trigger talk to
         # the stand-in.
         assert {k: airflow.env[k] for k in endpoint_env(standin, 2)} == endpoint_env(standin, 2)
@@ -180,7 +182,7 @@ def test_the_pipeline_succeeds_with_lora_sft_on_vertex(stack: Stack) -> None:
     r = stack.results
     assert r["ok_state"] == "success"
     xcom = stack.airflow.xcom(DAG, r["ok"], "lora_sft")
-    run_prefix = gcs.join(ARTIFACT_ROOT, DAG, artifacts.safe_run_id(r["ok"]))
+    run_prefix = gcs.join(load_spec(TINY).artifact_root, DAG, artifacts.safe_run_id(r["ok"]))
     manifest = artifacts.read_manifest(xcom["manifest"])
     assert manifest.prefix == f"{run_prefix}/lora_sft" and xcom["cached"] is False
     assert xcom["summary"] == manifest.summary and manifest.summary  # the same XCom as a local run
