@@ -18,6 +18,7 @@ for QLoRA on one chip; on several, MaxText's set-up shards the full-precision mo
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -160,8 +161,10 @@ def _pack(value: Any) -> Any:
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
+@functools.cache
 def _unpacker(dtype: Any) -> Callable[[Any], Any]:
-    """The inverse of :func:`_pack` for arrays of ``dtype`` (uint4 or int4)."""
+    """The inverse of :func:`_pack` for arrays of ``dtype`` (uint4 or int4); one function per dtype, so that
+    ``jit`` compiles it once per shape, not once per array."""
     import jax.numpy as jnp
 
     def unpack(packed: Any) -> Any:

@@ -4,6 +4,7 @@ checked on its training in test_trainer_steps.py (its progress lines)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -231,7 +232,7 @@ def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(convert
     assert scratch and scratch[0] < 3 * stack / layers, (scratch, stack)
 
 
-def test_a_4bit_array_crosses_to_its_device_as_bytes_and_lands_with_every_value(monkeypatch):
+def test_a_4bit_array_crosses_to_its_device_as_bytes_and_lands_with_every_value(monkeypatch, caplog):
     """QLoRA's placement sends a 4-bit array as bytes, two values to a byte (uint4 crossed to a TPU at a tenth
     of uint8's rate), and unpacks it where it lands: every uint4 and int4 value comes back in place. An odd
     last dimension, or an array of another dtype, crosses as it is."""
@@ -257,3 +258,8 @@ def test_a_4bit_array_crosses_to_its_device_as_bytes_and_lands_with_every_value(
     assert np.array_equal(np.asarray(host_build.put(odd, target).astype(jnp.int8)), [[1, 2, 3]])
     host_build.put(wide, target)
     assert sent == ["uint4", "int8"]
+    # the unpacking compiles once per shape, not once per array (an 8B model has hundreds of arrays)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        for _ in range(3):
+            host_build.put(jnp.zeros((4, 6), jnp.uint4), target)
+    assert sum("compilation of jit(unpack)" in r.getMessage() for r in caplog.records) == 1
