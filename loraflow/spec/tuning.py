@@ -123,12 +123,18 @@ def tune(peak_of: Callable[[str], int], hbm_bytes: int | None) -> Choice:
     peaks: dict[str, int] = {}
     for policy in CANDIDATES:
         peaks[policy] = peak_of(policy)
-        chosen = choose(peaks, hbm_bytes)
-        if chosen:
+        if choose(peaks, hbm_bytes):
             break
     if FALLBACK not in peaks:
         peaks[FALLBACK] = peak_of(FALLBACK)
-    return Choice(chosen or FALLBACK, peaks, hbm_bytes, fits=chosen is not None)
+    return decided(peaks, hbm_bytes)
+
+
+def decided(peaks: Mapping[str, int], hbm_bytes: int) -> Choice:
+    """The choice among the candidates predicted in ``peaks`` on a chip of ``hbm_bytes`` (:func:`choose`), or
+    FALLBACK with ``fits`` False when none fits; what :func:`tune` and ``plan --fit`` both report."""
+    chosen = choose(peaks, hbm_bytes)
+    return Choice(chosen or FALLBACK, dict(peaks), hbm_bytes, fits=chosen is not None)
 
 
 def _gib(n: int) -> str:

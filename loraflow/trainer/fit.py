@@ -360,14 +360,9 @@ def sizing(cfg: LoraSftConfig, target: rule.Slice, search: bool = True) -> dict[
     policy, chosen = None, None
     if cfg.tuning == "auto":
         candidates = {p: predict(cfg, target, asked, p) for p in tuning_rules.CANDIDATES}
-        policy = tuning_rules.choose({p: c.peak_bytes for p, c in candidates.items()}, hbm)
-        chosen = {
-            "remat_policy": policy or tuning_rules.FALLBACK,
-            "fits": policy is not None,
-            "peaks": {p: c.peak_bytes for p, c in candidates.items()},
-        }
-        policy = policy or tuning_rules.FALLBACK
-        first = candidates[policy]
+        choice = tuning_rules.decided({p: c.peak_bytes for p, c in candidates.items()}, hbm)
+        policy, first = choice.policy, candidates[choice.policy]
+        chosen = {"remat_policy": choice.policy, "fits": choice.fits, "peaks": choice.peaks}
     else:
         first = predict(cfg, target, asked)
     peaks = {asked: first.peak_bytes}
