@@ -755,9 +755,7 @@ def _tpu_stage(s: dict) -> str:
 
 def _tpu_row(r: dict, peak_tflops: float | None) -> str:
     c, s = r["case"], r.get("summary", {})
-    what = f"{c['size']} | {c['mode']} | {c['dtype']} | {c['quantization']}"
-    if c.get("init") == "random":
-        what = what.replace(" | maxtext | ", " | maxtext, random init | ")
+    what = f"{c['size']} | {_tpu_entry(c)} | {c['dtype']} | {c['quantization']}"
     if "failed" in r:
         return f"| {what} | {_tpu_failure(r)} ||||||||"
     flops = r["flops_per_token"]["lora_model"] * r["tokens_per_s"] / 1e12
@@ -773,6 +771,22 @@ def _tpu_row(r: dict, peak_tflops: float | None) -> str:
         f"{f(r['peak_bytes_in_use'] / 2**30 if r.get('peak_bytes_in_use') else None, 2)} | "
         f"{f(state / 2**30 if state else None, 2)} | {f(flops, 1)} | {mfu} | {loss} |"
     )
+
+
+def _tpu_entry(c: dict) -> str:
+    """The entry point and what the case set beyond the phase's defaults (random init, MaxText settings, spec keys)."""
+    extra = ["random init"] if c.get("init") == "random" else []
+    extra += list(c.get("maxtext", []))
+    extra += [f"{key}: {value}" for key, value in (c.get("config") or {}).items()]
+    return ", ".join([c["mode"], *extra])
+
+
+TPU_TABLE_HEAD = [
+    "| size | entry | dtype | base weights | tokens/s median / mean | step (s) median / mean | compile (s) "
+    "| stage: tokens/s mean / median, compile (s) | peak HBM (GiB) | state (GiB) | model TFLOP/s | util "
+    "| loss first -> last |",
+    "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+]
 
 
 def _tpu_stage_against_clock(runs: list[dict]) -> list[str]:
@@ -828,10 +842,7 @@ def sec_tpu(d: dict) -> list[str]:
         "rematerialisation) x tokens/s; *util* = that over the chip's measured bf16 matmul rate"
         + (f" ({peak:.0f} TFLOP/s, 8192^3 products)." if peak else "."),
         "",
-        "| size | entry | dtype | base weights | tokens/s median / mean | step (s) median / mean | compile (s) "
-        "| stage: tokens/s mean / median, compile (s) | peak HBM (GiB) | state (GiB) | model TFLOP/s | util "
-        "| loss first -> last |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        *TPU_TABLE_HEAD,
     ]
     out += [_tpu_row(r, peak) for r in trained]
     out += _tpu_stage_against_clock(trained)
@@ -849,6 +860,54 @@ def sec_tpu(d: dict) -> list[str]:
                 f"over the median step{by_mean} (goal: at least 0.98x).",
             ]
     out += _tpu_compare(load("tpu_compare"))
+    return [*out, "", *_tpu_trainer_env(peak)]
+
+
+TPU_TRAINER_ENV = ("tpu-1b-trainer-env", "tpu-tuning", "tpu-8b-qlora-trainer-env")
+
+
+def _tpu_trainer_env(peak_tflops: float | None) -> list[str]:
+    """The same measurements on the trainer image's versions (bench/tpu/carry_env.sh): the 1b phase's LoRA
+    cases, the remat policies of the tuning phase (training.tuning), and 8B QLoRA; each case once, its latest
+    run (the tuning phase reuses the 1b phase's work folder, so its results repeat those cases)."""
+    files = {name: load(name) or {} for name in TPU_TRAINER_ENV}
+    runs: dict[str, dict] = {}
+    for d in files.values():
+        for r in d.get("results", []):
+            if r.get("case", {}).get("kind") == "train":
+                case = {k: v for k, v in r["case"].items() if k != "root"}
+                runs[json.dumps(case, sort_keys=True)] = r  # the later run of a case stands
+    if not runs:
+        return []
+    dev = next((r["device"] for r in runs.values() if r.get("device", {}).get("backend") == "tpu"), {})
+    when = "; ".join(f"{name.removeprefix('tpu-')} {d['saved_at']}" for name, d in files.items() if d.get("saved_at"))
+    out = [
+        "### 9a. The same chip on the trainer image's versions",
+        "",
+        f"*Measured {when}* with JAX {dev.get('jax')}, jaxlib {dev.get('jaxlib')}, libtpu {dev.get('libtpu')} "
+        "(the trainer image's, carried by `bench/tpu/carry_env.sh`); columns as above. *entry* names what a case "
+        "set: a MaxText setting appended to the stage's command line, or a spec key.",
+        "",
+        *TPU_TABLE_HEAD,
+        *[_tpu_row(r, peak_tflops) for r in runs.values()],
+        *_tpu_stage_against_clock(list(runs.values())),
+    ]
+    ok = [r for r in runs.values() if "failed" not in r and _tpu_step_mean(r)]
+    for direct in (r for r in ok if r["case"]["mode"] == "maxtext"):
+        mean_direct = _tpu_step_mean(direct)
+        assert mean_direct is not None  # for the type checker: ok holds cases with a mean
+        out += [
+            "",
+            f"{direct['case']['size']}: each loraflow case / MaxText's own entry point, tokens/s over the median / mean step:",
+            "",
+        ]
+        for lf in ok:
+            mean_lf = _tpu_step_mean(lf)
+            if lf["case"]["mode"] == "loraflow" and lf["case"]["size"] == direct["case"]["size"] and mean_lf:
+                out.append(
+                    f"- {_tpu_entry(lf['case'])}, {lf['case']['quantization']}: "
+                    f"**{lf['tokens_per_s'] / direct['tokens_per_s']:.3f}x / {mean_direct / mean_lf:.3f}x**"
+                )
     return [*out, ""]
 
 
