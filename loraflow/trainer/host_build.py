@@ -221,8 +221,13 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     on_cpu = jax.sharding.SingleDeviceSharding(host[0])
     host_phases = Phases()  # the host's own moves: not the accelerator's transfers
     for path, var in nnx.to_flat_state(params):
-        value = arrays.pop(path)  # the checkpoint's array goes as soon as its moved copy exists
+        value = arrays.pop(path)
         var.set_value(_moved(value, axes[path], _scan_axis(var), on_cpu, host_phases))
+        if _moves(value.ndim, axes[path], _scan_axis(var)):
+            # the checkpoint's array goes as soon as its moved copy exists: deleted, not left to its last
+            # reference, which the restore's result keeps in a reference cycle until a full garbage
+            # collection (at 1.5 B three 0.5 GiB stacks were alive beside their moved copies: 1.56x the model)
+            value.delete()
         del value
     phases.seconds["host layout"] = sum(host_phases.seconds.values())
     return nnx.merge(graphdef, params, rest), abstract.mesh

@@ -186,6 +186,31 @@ def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, eager_bu
     assert [phase.strip(", ") for phase, _ in named] == list(phases), placed
 
 
+def test_qlora_on_the_host_keeps_no_checkpoint_stack_beside_its_moved_copy(converted, monkeypatch):
+    """The host layout moves one stacked weight at a time, and the checkpoint's copy of each is gone before
+    the next is moved: host memory holds the model and at most one stack more (at 1.5 B the restore's
+    stacks outlived their moves, 1.56x the model in host memory). Counted in live arrays, not RSS."""
+    import jax
+    from maxtext.trainers.post_train.sft import train_sft
+
+    from loraflow.trainer import host_build, lora_apply
+
+    ctx = _sft_context(converted, "host-layout", steps=2, quantization="nf4", tile_size=32)
+    mt_config = _config(ctx)
+    moved, live, restored = host_build._moved, [], []
+
+    def counted(value: Any, source: Any, target: Any, *args: Any) -> Any:
+        if not restored and host_build._moves(value.ndim, source, target):  # the host layout's moves
+            live.append(sum(x.nbytes for x in jax.live_arrays()))
+        return moved(value, source, target, *args)
+
+    monkeypatch.setattr(host_build, "_moved", counted)
+    with lora_apply.applied_under_jit(restored.append), host_build.built_on_host(restored.append):
+        train_sft.model_creation_utils.from_pretrained(mt_config)
+    # before each move: the model's arrays (each once: moved or still the checkpoint's), nothing else
+    assert len(live) > 1 and max(live) == live[0], live
+
+
 def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(converted, tmp_path):
     """Quantizing on the host is one compiled program over the whole layer stack; its scratch must stay
     about one layer's, whatever the depth (an 8B model's stack in f32 is ~30 GiB: more than a TPU host
