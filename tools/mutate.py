@@ -207,6 +207,10 @@ TARGETS: dict[str, Target] = {
     "donation": Target("trainer", ["loraflow/trainer/donation.py"], ["tests/trainer/test_donation.py"], default=False),
     # the training curves' scalars and which steps read the device's memory (a read waits for the chip)
     "curves": Target("trainer", ["loraflow/trainer/curves.py"], ["tests/trainer/test_curves.py"], default=False),
+    # the training batches read ahead of the step in a thread: same order, the pipeline's end and errors, no thread left
+    "batches_ahead": Target(
+        "trainer", ["loraflow/trainer/batches_ahead.py"], ["tests/trainer/test_batches_ahead.py"], default=False
+    ),
     "db_template": Target(
         "control", ["loraflow/dev/db_template.py"], ["tests/control/test_db_template.py"], default=False
     ),

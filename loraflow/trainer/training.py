@@ -57,6 +57,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     from maxtext.configs import pyconfig
     from maxtext.trainers.post_train.sft import train_sft
 
+    from loraflow.trainer.batches_ahead import prepare_batches_ahead
     from loraflow.trainer.hooks import skip_trained_batches
 
     if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
@@ -80,12 +81,16 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     state = state_bytes(trainer)
     _report_setup(sft, trainer, mesh, dist, state)
     skip_trained_batches(trainer, start_step, sft.progress)
+    batches = prepare_batches_ahead(trainer, sft.progress)  # the chip does not wait for the host's data
     sft.progress(
         f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {sft.cfg.steps} "
         "(compiling first)"
     )
     t_train = time.monotonic()
-    train_sft.train_model(mt_config, trainer, mesh)
+    try:
+        train_sft.train_model(mt_config, trainer, mesh)
+    finally:
+        batches.close()
     train_seconds = time.monotonic() - t_train
     if store.syncer is not None:
         store.syncer.poll()

@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -255,6 +256,10 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
     # and its step donates the model (loraflow.trainer.donation): no copy of the frozen weights a step
     donated = "train step jitted with model and optimizer donated: no copy of the frozen weights"
     assert trained["progress"].count(donated) == 1, trained["progress"]
+    # its batches were prepared ahead of the step (loraflow.trainer.batches_ahead), and that thread is gone
+    ahead = "training batches prepared 2 ahead of the step, in a background thread"
+    assert trained["progress"].count(ahead) == 1, trained["progress"]
+    assert not [t for t in threading.enumerate() if t.name == "loraflow-batches-ahead"]
     # its compiled step's memory was read from the step that ran: nothing compiled again for it
     assert trained["step_compiles"] == [0] and s["step_temp_bytes"] > 0
     assert any(line.startswith("compiled train step, per device: ") for line in trained["progress"])

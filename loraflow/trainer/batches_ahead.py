@@ -1,0 +1,105 @@
+"""The training batches prepared ahead of the step, in a background thread.
+
+MaxText's SFT data pipeline (``dataset_type=hf`` with ``grain_worker_count=0``) renders, tokenizes and packs
+each batch when the training loop asks for it, in the loop's own thread: the chip waits for it between steps.
+Packed batches of short examples cost the host a varying time each (1.5 B LoRA case on a CPU: 0.13 to 1.1 s
+a batch, alternating; bench/notes.md), so on a v5e chip every second step waited ~0.2 s.
+:class:`BatchesAhead` reads the same iterator in one thread of its own, at most ``ahead`` batches before the
+loop: the loop gets the same batches in the same order, an exception of the pipeline at the ``next()`` where
+it would have come, and ``StopIteration`` at the end of the data. :func:`prepare_batches_ahead` puts it under
+the trainer's data loader; :meth:`BatchesAhead.close` ends the thread once training is over.
+
+A thread rather than grain's worker processes: the pipeline stays in this process (no fork of a process that
+holds the accelerator, inside Airflow's task process) and yields exactly what it yielded before.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+AHEAD = 2  # batches ready before the loop asks (each a few hundred KiB for 8 x 1,024 tokens)
+_PUT_WAIT_S = 0.1  # how often a thread waiting for room checks whether it was closed
+_END = object()  # the source ran dry
+
+
+class BatchesAhead:
+    """An iterator over ``source``'s items, read ``ahead`` items early by a daemon thread started on the first
+    ``next()`` (not before: MaxText's iterator restarts on ``iter()`` while nothing was read from it)."""
+
+    def __init__(self, source: Iterator[Any], ahead: int = AHEAD) -> None:
+        if ahead < 1:
+            raise ValueError(f"ahead must be at least 1, not {ahead}")
+        self.ahead = ahead
+        self._source = source
+        self._ready: queue.Queue[Any] = queue.Queue(maxsize=ahead)
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last: Any = None  # _END or the exception that ended the source, once taken
+
+    def __iter__(self) -> BatchesAhead:
+        return self
+
+    def __next__(self) -> Any:
+        if self._last is not None:  # ended: the same end every time, without waiting for a thread
+            return self._raise(self._last)
+        if self._thread is None:
+            if self._closed.is_set():
+                raise RuntimeError("BatchesAhead was closed")
+            self._thread = threading.Thread(target=self._fill, name="loraflow-batches-ahead", daemon=True)
+            self._thread.start()
+        item = self._ready.get()
+        if item is _END or isinstance(item, BaseException):
+            self._last = item
+            return self._raise(item)
+        return item
+
+    @staticmethod
+    def _raise(end: Any) -> Any:
+        if end is _END:
+            raise StopIteration
+        raise end
+
+    def _fill(self) -> None:
+        while not self._closed.is_set():
+            try:
+                item = next(self._source)
+            except StopIteration:
+                item = _END
+            except BaseException as exc:  # handed to the loop, raised there
+                item = exc
+            self._put(item)
+            if item is _END or isinstance(item, BaseException):
+                return
+
+    def _put(self, item: Any) -> None:
+        """Wait for room for ``item``, or until closed."""
+        while not self._closed.is_set():
+            try:
+                self._ready.put(item, timeout=_PUT_WAIT_S)
+                return
+            except queue.Full:
+                continue
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop reading ahead and wait (up to ``timeout`` s: the batch being prepared) for the thread to end."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def reading(self) -> bool:
+        """Whether the thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+
+def prepare_batches_ahead(trainer: Any, progress: Callable[[str], None], ahead: int = AHEAD) -> BatchesAhead:
+    """The trainer's data loader (MaxText's ``data_hooks.train_data_loader``) reads its iterator through a
+    :class:`BatchesAhead`; said once in ``progress``. Close it after training."""
+    loader = trainer.data_hooks.train_data_loader
+    batches = BatchesAhead(loader.data_iterator, ahead)
+    loader.data_iterator = batches
+    progress(f"training batches prepared {ahead} ahead of the step, in a background thread")
+    return batches
