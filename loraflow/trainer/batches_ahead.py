@@ -7,7 +7,8 @@ a batch, alternating; bench/notes.md), so on a v5e chip every second step waited
 :class:`BatchesAhead` reads the same iterator in one thread of its own, at most ``ahead`` batches before the
 loop: the loop gets the same batches in the same order, an exception of the pipeline at the ``next()`` where
 it would have come, and ``StopIteration`` at the end of the data. :func:`prepare_batches_ahead` puts it under
-the trainer's data loader; :meth:`BatchesAhead.close` ends the thread once training is over.
+the trainer's data loader when the step runs on an accelerator (on a CPU the step needs the cores the thread
+would take); :meth:`BatchesAhead.close` ends the thread once training is over.
 
 A thread rather than grain's worker processes: the pipeline stays in this process (no fork of a process that
 holds the accelerator, inside Airflow's task process) and yields exactly what it yielded before.
@@ -95,9 +96,23 @@ class BatchesAhead:
         return self._thread is not None and self._thread.is_alive()
 
 
-def prepare_batches_ahead(trainer: Any, progress: Callable[[str], None], ahead: int = AHEAD) -> BatchesAhead:
+def prepare_batches_ahead(
+    trainer: Any, progress: Callable[[str], None], ahead: int = AHEAD, backend: str | None = None
+) -> BatchesAhead | None:
     """The trainer's data loader (MaxText's ``data_hooks.train_data_loader``) reads its iterator through a
-    :class:`BatchesAhead`; said once in ``progress``. Close it after training."""
+    :class:`BatchesAhead` when the step runs on an accelerator (``backend``: JAX's default); said once in
+    ``progress``. Close it after training. None on a CPU backend: there the step computes on the same cores
+    the thread would take (the tiny model's steps: 65 ms median without it, 77-89 ms with it, bench/notes.md
+    section 11), and the batches are prepared in the loop as MaxText does."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    if backend == "cpu":
+        progress(
+            "training batches prepared in the loop: the step runs on this host's CPU, whose cores a thread reading ahead would take"
+        )
+        return None
     loader = trainer.data_hooks.train_data_loader
     batches = BatchesAhead(loader.data_iterator, ahead)
     loader.data_iterator = batches

@@ -81,7 +81,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     state = state_bytes(trainer)
     _report_setup(sft, trainer, mesh, dist, state)
     skip_trained_batches(trainer, start_step, sft.progress)
-    batches = prepare_batches_ahead(trainer, sft.progress)  # the chip does not wait for the host's data
+    batches = prepare_batches_ahead(trainer, sft.progress)  # the accelerator does not wait for the host's data
     sft.progress(
         f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {sft.cfg.steps} "
         "(compiling first)"
@@ -90,7 +90,8 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     try:
         train_sft.train_model(mt_config, trainer, mesh)
     finally:
-        batches.close()
+        if batches is not None:
+            batches.close()
     train_seconds = time.monotonic() - t_train
     if store.syncer is not None:
         store.syncer.poll()

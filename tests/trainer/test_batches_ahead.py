@@ -146,13 +146,30 @@ def test_the_trainer_s_data_loader_reads_through_it_and_the_log_says_so_once():
     loader = SimpleNamespace(data_iterator=source)
     trainer = SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader))
     said: list[str] = []
-    batches = prepare_batches_ahead(trainer, said.append)
-    assert loader.data_iterator is batches and batches.ahead == AHEAD == 2
+    batches = prepare_batches_ahead(trainer, said.append, backend="tpu")
+    assert batches is not None and loader.data_iterator is batches and batches.ahead == AHEAD == 2
     assert said == ["training batches prepared 2 ahead of the step, in a background thread"]
     assert [next(loader.data_iterator)["batch"] for _ in range(4)] == [0, 1, 2, 3]
     batches.close()
     assert not batches.reading
     loader.data_iterator = Source(1)
-    three = prepare_batches_ahead(trainer, said.append, ahead=3)
-    assert three.ahead == 3 and said[-1] == "training batches prepared 3 ahead of the step, in a background thread"
+    three = prepare_batches_ahead(trainer, said.append, ahead=3, backend="gpu")
+    assert (
+        three is not None
+        and three.ahead == 3
+        and said[-1] == "training batches prepared 3 ahead of the step, in a background thread"
+    )
     three.close()
+
+
+def test_on_a_cpu_the_loop_prepares_its_batches_itself_and_says_so():
+    """JAX's default backend decides (CPU here): the step computes on the cores a thread would take."""
+    source = Source(3)
+    loader = SimpleNamespace(data_iterator=source)
+    trainer = SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader))
+    said: list[str] = []
+    for backend in ("cpu", None):
+        assert prepare_batches_ahead(trainer, said.append, backend=backend) is None
+    assert loader.data_iterator is source and source.read == 0
+    cpu = "training batches prepared in the loop: the step runs on this host's CPU, whose cores a thread reading ahead would take"
+    assert said == [cpu, cpu]
