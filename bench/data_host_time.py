@@ -82,13 +82,13 @@ def main() -> None:
         t = time.perf_counter()
         loader = _loader(Path(tmp), args.batches)
         built = time.perf_counter() - t
-        if args.prefetch:  # as lora_sft puts it under its trainer's data loader
+        if args.prefetch:  # as lora_sft puts it under its trainer's data loader on an accelerator
             from types import SimpleNamespace
 
             from loraflow.trainer.batches_ahead import prepare_batches_ahead
 
             trainer = SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader))
-            ahead = prepare_batches_ahead(trainer, print, args.prefetch)
+            ahead = prepare_batches_ahead(trainer, print, args.prefetch, backend="tpu")
         load = loader.load_next_batch  # type: ignore[attr-defined]
         seconds, rows = [], []
         for _ in range(args.batches):
@@ -99,7 +99,7 @@ def main() -> None:
             seconds.append(time.perf_counter() - t)
             rows.append(int((batch["inputs_segmentation"] > 0).sum()))
         if args.prefetch:
-            ahead.close()
+            ahead.close()  # type: ignore[union-attr]
         cpu = time.process_time()
     print(
         json.dumps(
