@@ -72,7 +72,12 @@ def phases() -> dict[str, list[dict[str, Any]]]:
         frontier += [{**_train(size, "maxtext", "bfloat16", q, 5), "init": "random"} for q in ("nf4", "none")]
     # The moonshot: QLoRA of an 8B Llama-3.1-shaped model from a converted checkpoint, through lora_sft,
     # which builds and quantizes the model in host memory on one chip (its prepare takes most of a call).
-    moonshot = [{"kind": "prepare", "size": "8b"}, _train("8b", "loraflow", "bfloat16", "nf4", 8)]
+    # Case 2: the stage choosing its own remat policy (training.tuning: auto) where the chip has ~6 GiB to spare.
+    moonshot = [
+        {"kind": "prepare", "size": "8b"},
+        _train("8b", "loraflow", "bfloat16", "nf4", 8),
+        {**_train("8b", "loraflow", "bfloat16", "nf4", 8), "config": {"tuning": "auto"}},
+    ]
     # Where the step's peak comes from: the 1.5 B model's LoRA, nf4 and int8 steps, each step's memory
     # recorded, with Tunix's default two steps queued on the chip and with one (plan --fit's question).
     # Reading the chip's memory each step makes the steps run one at a time: the cases with Tunix's two
