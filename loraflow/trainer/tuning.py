@@ -15,16 +15,14 @@ from __future__ import annotations
 import time
 
 from loraflow.spec import tuning
+from loraflow.trainer.curves import device_memory
 from loraflow.trainer.sft_run import SftRun
 
 
 def device_memory_limit() -> int | None:
     """The bytes a program may use on this process's first device (``bytes_limit``); None when the
     device reports none (JAX's CPU devices)."""
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
+    limit = (device_memory() or {}).get("bytes_limit")
     return int(limit) if limit else None
 
 
