@@ -24,7 +24,9 @@ subset of the one before it, and what is not kept is recomputed:
 The choice (:func:`choose`) is pure: given each candidate's predicted peak bytes per chip (the trainer
 predicts them, :mod:`loraflow.trainer.tuning`) and the chip's HBM, the first candidate that
 :func:`loraflow.spec.fit.fits` (plan ``--fit``'s verdict, the same rule) with :data:`HEADROOM` of the chip
-left free, else ``full``.
+left free, else ``full``. Each prediction is a compile of the train step, so :func:`tune` stops at the
+first candidate that fits: one compile when ``minimal`` fits, all six only when no candidate before ``full``
+fits.
 Pure and light: every environment imports it.
 """
 
@@ -83,11 +85,13 @@ class Choice:
     policy: str  # the remat policy lora_sft trains with
     peaks: dict[str, int] = field(default_factory=dict)  # the predicted peak per chip of each candidate tried
     hbm_bytes: int | None = None  # the chip's; None: the devices report no limit (CPU), nothing was compiled
-    # (with a limit, ``peaks`` holds the chosen policy's and full's: :func:`tune` predicts both)
+    # (with a limit, :func:`tune`'s ``peaks`` holds the candidates before the chosen one, which did not fit,
+    # and the chosen one's: it predicts no further)
     fits: bool = True  # False: no candidate was predicted to fit; FALLBACK kept
 
     def note(self) -> str:
-        """The task log's line."""
+        """The task log's line: the policy, its predicted peak of the chip's, and the peak of each candidate
+        before it that was predicted and did not fit."""
         if self.hbm_bytes is None:
             return (
                 f"tuning: {KEY}={self.policy} (the devices report no memory limit, as on a CPU: the first "
@@ -100,7 +104,9 @@ class Choice:
                 f"{_gib(self.hbm_bytes)} ({tried}); training as without tuning"
             )
         chosen = f"predicted {_gib(self.peaks[self.policy])} of {_gib(self.hbm_bytes)}"
-        beside = f"; {FALLBACK} would be {_gib(self.peaks[FALLBACK])}" if self.policy != FALLBACK else ""
+        before = CANDIDATES[: CANDIDATES.index(self.policy)]
+        over = ", ".join(f"{p} {_gib(self.peaks[p])}" for p in before if p in self.peaks)
+        beside = f"; did not fit: {over}" if over else ""
         return f"tuning: {KEY}={self.policy} ({chosen}{beside})"
 
     def summary(self) -> dict[str, Any]:
@@ -114,10 +120,11 @@ class Choice:
 
 
 def tune(peak_of: Callable[[str], int], hbm_bytes: int | None) -> Choice:
-    """Predict the candidates in order (``peak_of(policy)``: peak bytes per chip) until one fits
-    ``hbm_bytes``, then ``full`` as well when it was not predicted yet (the log says what the choice
-    costs beside it). With no limit (``hbm_bytes`` None) the first candidate, nothing predicted. None
-    fitting: ``full`` (MaxText's default) and ``fits`` False; a run that would train without tuning trains."""
+    """Predict the candidates in order (``peak_of(policy)``: peak bytes per chip, one compile each) until one
+    fits ``hbm_bytes``, and none after it: the first that fits is the choice whatever the later ones would
+    need. With no limit (``hbm_bytes`` None) the first candidate, nothing predicted. None fitting: ``full``
+    (MaxText's default, predicted as the last candidate) and ``fits`` False; a run that would train without
+    tuning trains."""
     if hbm_bytes is None:
         return Choice(CANDIDATES[0])
     peaks: dict[str, int] = {}
@@ -125,8 +132,6 @@ def tune(peak_of: Callable[[str], int], hbm_bytes: int | None) -> Choice:
         peaks[policy] = peak_of(policy)
         if choose(peaks, hbm_bytes):
             break
-    if FALLBACK not in peaks:
-        peaks[FALLBACK] = peak_of(FALLBACK)
     return decided(peaks, hbm_bytes)
 
 

@@ -3,8 +3,8 @@
 Each candidate (:data:`loraflow.spec.tuning.CANDIDATES`, most kept first) is predicted as ``plan --fit``
 predicts a slice (:func:`loraflow.trainer.fit.predict_here`: the stage's train step compiled from shapes,
 no weight allocated, for the devices JAX has, with ``remat_policy=<candidate>`` appended to the stage's
-training settings), until one fits the device's memory (``bytes_limit``); then ``full`` as well, for the
-task log's comparison. The choice (:func:`loraflow.spec.tuning.tune`) reaches MaxText's command line
+training settings), until one fits the device's memory (``bytes_limit``), and none after it: one compile
+per candidate tried. The choice (:func:`loraflow.spec.tuning.tune`) reaches MaxText's command line
 through :func:`loraflow.trainer.argv.training_args`. Devices that report no memory limit (JAX on CPU)
 get the first candidate without any compile. Every process of a job compiles the same programs for
 the same devices and so chooses the same policy.
@@ -39,6 +39,7 @@ def choose_remat(sft: SftRun) -> tuning.Choice | None:
 
     started = time.monotonic()
     choice = tuning.tune(peak_of, device_memory_limit())
-    compiled = f"; {len(choice.peaks)} compiles in {time.monotonic() - started:.0f}s" if choice.peaks else ""
+    n = len(choice.peaks)
+    compiled = f"; {n} compile{'s' if n > 1 else ''} in {time.monotonic() - started:.0f}s" if n else ""
     sft.progress(choice.note() + compiled)
     return choice

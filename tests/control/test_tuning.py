@@ -81,34 +81,67 @@ def test_choose_takes_the_first_candidate_that_fits_in_the_fixed_order() -> None
     assert tuning.choose({"full": HBM + 1, "minimal": HBM + 2}, HBM) is None
 
 
-def test_tune_predicts_in_order_until_one_fits_then_full_beside_it() -> None:
+def _tune(peaks: dict[str, int]) -> tuple[tuning.Choice, list[str]]:
+    """tune() on a 16 GiB chip with each candidate's peak in GiB (7 for one not named), and the candidates it
+    predicted (each prediction is a compile of the train step on the chip), in the order it asked."""
     asked: list[str] = []
-    peaks = {"minimal": 20, "save_dot_except_mlpwi": 15, "save_dot_except_mlp": 9, "full": 5}
 
     def peak_of(policy: str) -> int:
         asked.append(policy)
         return peaks.get(policy, 7) * GIB
 
-    choice = tuning.tune(peak_of, HBM)
-    assert asked == ["minimal", "save_dot_except_mlpwi", "full"]
+    return tuning.tune(peak_of, HBM), asked
+
+
+def test_tune_compiles_only_the_first_candidate_when_it_fits() -> None:
+    choice, asked = _tune({"minimal": 11, "full": 5})
+    assert asked == ["minimal"]  # full is not compiled beside it: the choice does not need it
+    assert choice.policy == "minimal" and choice.fits and choice.peaks == {"minimal": 11 * GIB}
+    assert choice.note() == "tuning: remat_policy=minimal (predicted 11.0 GiB of 16.0 GiB)"
+
+
+def test_tune_predicts_in_order_until_one_fits_and_none_after_it() -> None:
+    choice, asked = _tune({"minimal": 20, "save_dot_except_mlpwi": 15, "save_dot_except_mlp": 9, "full": 5})
+    assert asked == ["minimal", "save_dot_except_mlpwi"]
     assert choice.policy == "save_dot_except_mlpwi" and choice.fits
-    assert choice.peaks == {"minimal": 20 * GIB, "save_dot_except_mlpwi": 15 * GIB, "full": 5 * GIB}
-    assert (
-        choice.note()
-        == "tuning: remat_policy=save_dot_except_mlpwi (predicted 15.0 GiB of 16.0 GiB; full would be 5.0 GiB)"
+    assert choice.peaks == {"minimal": 20 * GIB, "save_dot_except_mlpwi": 15 * GIB}
+    assert choice.note() == (
+        "tuning: remat_policy=save_dot_except_mlpwi (predicted 15.0 GiB of 16.0 GiB; did not fit: minimal 20.0 GiB)"
     )
     assert choice.summary() == {
         "tuning_remat_policy": "save_dot_except_mlpwi",
         "tuning_fits": True,
         "tuning_hbm_bytes": HBM,
-        "tuning_peak_bytes": choice.peaks,
+        "tuning_peak_bytes": {"minimal": 20 * GIB, "save_dot_except_mlpwi": 15 * GIB},
     }
 
 
+def test_the_note_names_every_candidate_that_did_not_fit_in_order() -> None:
+    choice, asked = _tune({"minimal": 30, "save_dot_except_mlpwi": 20, "save_dot_except_mlp": 16, "save_qkv_proj": 2})
+    assert asked == ["minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj"]
+    assert choice.note() == (
+        "tuning: remat_policy=save_qkv_proj (predicted 2.0 GiB of 16.0 GiB; did not fit: minimal 30.0 GiB, "
+        "save_dot_except_mlpwi 20.0 GiB, save_dot_except_mlp 16.0 GiB)"
+    )
+
+
+def test_the_note_of_plan_fits_choice_names_no_candidate_after_the_chosen_one() -> None:
+    """plan --fit predicts every candidate (decided() on all six): the note still names only those before the
+    chosen one, which did not fit, and no comparison with full."""
+    peaks = dict.fromkeys(tuning.CANDIDATES, 3 * GIB) | {"minimal": 17 * GIB}
+    choice = tuning.decided(peaks, HBM)
+    assert choice.policy == "save_dot_except_mlpwi" and choice.peaks == peaks
+    assert choice.note() == (
+        "tuning: remat_policy=save_dot_except_mlpwi (predicted 3.0 GiB of 16.0 GiB; did not fit: minimal 17.0 GiB)"
+    )
+
+
 def test_tune_keeps_full_and_says_so_when_nothing_fits() -> None:
-    choice = tuning.tune(lambda policy: HBM + 1, HBM)
+    asked: list[str] = []
+    choice = tuning.tune(lambda policy: asked.append(policy) or HBM + 1, HBM)
     assert choice.policy == "full" and not choice.fits
-    assert list(choice.peaks) == list(tuning.CANDIDATES)  # every candidate tried, full once
+    assert asked == list(tuning.CANDIDATES)  # all six compiled, each once, full last
+    assert list(choice.peaks) == list(tuning.CANDIDATES)
     tried = ", ".join(f"{p} 16.0 GiB" for p in tuning.CANDIDATES)
     assert choice.note() == (
         "tuning: remat_policy=full, MaxText's default: no candidate is predicted to fit 16.0 GiB "
@@ -123,7 +156,8 @@ def test_tune_on_full_alone_is_predicted_once() -> None:
     choice = tuning.tune(lambda p: asked.append(p) or peaks[p], HBM)
     assert choice.policy == "full" and choice.fits
     assert asked == list(tuning.CANDIDATES)
-    assert choice.note() == "tuning: remat_policy=full (predicted 16.0 GiB of 16.0 GiB)"
+    over = ", ".join(f"{p} 16.0 GiB" for p in tuning.CANDIDATES[:-1])
+    assert choice.note() == f"tuning: remat_policy=full (predicted 16.0 GiB of 16.0 GiB; did not fit: {over})"
 
 
 def test_with_no_memory_limit_the_first_candidate_is_chosen_without_compiling() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,32 @@ def test_no_candidate_fits_keeps_full_and_says_so(base: dict[str, Any], monkeypa
     assert all(peak > 1 for peak in choice.peaks.values())
     assert len(lines) == 1 and lines[0].startswith("tuning: remat_policy=full, MaxText's default: no candidate")
     assert "6 compiles in" in lines[0]
+
+
+def test_a_first_candidate_that_fits_is_the_only_compile(base: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device of 1 TiB: minimal, the first candidate, fits, and it is the only step compiled (no full
+    beside it: each compile is set-up time on a chip); the task log says so."""
+    from loraflow.trainer import fit
+
+    monkeypatch.setattr(tuning, "device_memory_limit", lambda: 1 << 40)
+    compiled: list[str] = []
+    predict_here = fit.predict_here
+
+    def counting(*args: Any) -> Any:
+        compiled.append(args[-1])
+        return predict_here(*args)
+
+    monkeypatch.setattr(fit, "predict_here", counting)
+    cfg = parse(LoraSftConfig, {**SFT, "tuning": "auto"})
+    lines: list[str] = []
+    sft = SftRun(cfg, read_converted(cfg, base["ckpt"]), base["dataset"], base["hf"], "", base["root"], lines.append)
+    choice = tuning.choose_remat(sft)
+    assert compiled == ["minimal"]
+    assert choice is not None and choice.policy == "minimal" and choice.fits and list(choice.peaks) == ["minimal"]
+    assert len(lines) == 1
+    assert re.fullmatch(
+        r"tuning: remat_policy=minimal \(predicted 0\.0 GiB of 1024\.0 GiB\); 1 compile in \d+s", lines[0]
+    )
 
 
 def test_off_chooses_nothing(base: dict[str, Any]) -> None:
