@@ -118,34 +118,91 @@ def _scan_axis(var: Any) -> int | None:
 
 
 def _moved(value: Any, source: int | None, target: int | None, sharding: Any, phases: Phases) -> Any:
-    """``value`` put where ``sharding`` says, with its layer axis moved from ``source`` to ``target``
-    there (:func:`_moves`). The move runs where the array lands: numpy's copy of a strided 4-bit view
-    took minutes at 1.5B. Each is waited for, so that ``phases`` times the transfer and the move apart."""
+    """``value`` put where ``sharding`` says (:func:`put`), with its layer axis moved from ``source`` to
+    ``target`` there (:func:`_moves`). The move runs where the array lands: numpy's copy of a strided 4-bit
+    view took minutes at 1.5B. Each step is waited for, so that ``phases`` times them apart."""
     import jax
     import jax.numpy as jnp
 
-    with phases.timed("transfers"):
-        value = put(value, sharding).block_until_ready()
+    value = put(value, sharding, phases)
     if not _moves(value.ndim, source, target):
         return value
     with phases.timed("layer-axis moves"):
         return jax.jit(jnp.moveaxis, static_argnums=(1, 2))(value, source, target).block_until_ready()
 
 
-def put(value: Any, sharding: Any) -> Any:
-    """``value`` where ``sharding`` says. A 4-bit array crosses as the bytes ml_dtypes already keeps it in
-    on the host (one value a byte, int4 sign-extended: a view, no copy) and is narrowed where it lands: on a
-    TPU v5e uint4 crossed from the host at 1.06 GB/s against 11.4 for uint8 (bench/results/tpu-transfer.json),
-    40 of an 8B QLoRA set-up's 102 s; packing two values a byte on the host first cost more than it saved."""
-    import jax
+def put(value: Any, sharding: Any, phases: Phases | None = None) -> Any:
+    """``value`` where ``sharding`` says, waited for; ``phases`` times its packing, transfer and unpacking.
 
-    wide = _wide_dtype(value.dtype)
-    if wide is None:
-        return jax.device_put(value, sharding)
+    A 4-bit array never crosses as 4-bit values: on a TPU v5e uint4 crossed from the host at 1.06 GB/s
+    against 11.4 for uint8 (bench/results/tpu-transfer.json). One that :func:`_packable` says pairs up is
+    packed two values to a byte where it is, by a program compiled for its own device (:func:`_pack`), and
+    unpacked where it lands (:func:`_unpacker`): half the bytes cross, and no host core copies ml_dtypes' one
+    value a byte out of it (``np.asarray`` of a 4-bit JAX array took 0.57-1.7 s per 256 Mi values on this
+    project's CPU, the compiled pack 0.08-0.2 s: at 8B the transfers were 23 s with that copy). Any other
+    4-bit array crosses as the bytes ml_dtypes keeps it in (int4 sign-extended to int8, uint4 as uint8) and
+    is narrowed where it lands."""
+    import jax
     import numpy as np
 
-    on_chip = jax.device_put(np.asarray(value).view(wide), sharding)
-    return jax.jit(_narrower(value.dtype), out_shardings=sharding)(on_chip)
+    phases = Phases() if phases is None else phases
+    if _packable(value):
+        # compiled under a mesh of the value's own device: under the trainer's mesh (the TPU) a jit of a
+        # host array fails on the chip ("incompatible devices"), which a one-device CPU cannot show
+        with phases.timed("packing"), jax.set_mesh(jax.sharding.Mesh(np.array(list(value.devices())), ("host",))):
+            packed = jax.jit(_pack)(value).block_until_ready()
+        with phases.timed("transfers"):
+            on_device = jax.device_put(packed, sharding).block_until_ready()
+        with phases.timed("unpacking"):
+            return jax.jit(_unpacker(value.dtype), out_shardings=sharding)(on_device).block_until_ready()
+    wide = _wide_dtype(value.dtype)
+    with phases.timed("transfers"):
+        as_sent = value if wide is None else np.asarray(value).view(wide)
+        on_device = jax.device_put(as_sent, sharding).block_until_ready()
+    if wide is None:
+        return on_device
+    with phases.timed("unpacking"):
+        return jax.jit(_narrower(value.dtype), out_shardings=sharding)(on_device).block_until_ready()
+
+
+def _packable(value: Any) -> bool:
+    """Whether :func:`put` packs ``value``: a 4-bit JAX array (on the host's device) whose last dimension
+    pairs up. Where it lands does not matter: the unpacking is one program over the whole array, which XLA
+    shards as ``sharding`` says."""
+    import jax
+
+    return (
+        _wide_dtype(value.dtype) is not None
+        and isinstance(value, jax.Array)
+        and value.ndim >= 1
+        and value.shape[-1] % 2 == 0
+    )
+
+
+def _pack(value: Any) -> Any:
+    """A 4-bit array as bytes: element ``2i`` of a row in the low half of the row's byte ``i``, ``2i + 1`` in
+    the high half (explicit arithmetic: a bitcast's nibble order is the platform's)."""
+    import jax.numpy as jnp
+
+    nibbles = value.astype(jnp.int8).astype(jnp.uint8) & 0xF  # int4's two's complement, four bits of it
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+@functools.cache
+def _unpacker(dtype: Any) -> Callable[[Any], Any]:
+    """The inverse of :func:`_pack` for arrays of ``dtype`` (uint4 or int4); one function per dtype, so that
+    ``jit`` compiles it once per shape, not once per array."""
+    import jax.numpy as jnp
+
+    signed = dtype == jnp.dtype(jnp.int4)
+
+    def unpack(packed: Any) -> Any:
+        pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+        if signed:  # the four bits back to a signed value: 0-7 as they are, 8-15 as -8 to -1
+            return ((pairs.astype(jnp.int8) ^ 8) - 8).astype(dtype)
+        return pairs.astype(dtype)
+
+    return unpack
 
 
 def _wide_dtype(dtype: Any) -> Any:

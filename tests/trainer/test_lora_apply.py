@@ -181,9 +181,11 @@ def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, eager_bu
     # the set-up's time, phase by phase (where an 8B QLoRA's minute of set-up goes): every phase named once
     placed = [n for n in notes if "model placed on" in n]
     assert len(placed) == 1, notes
-    phases = ("checkpoint read", "host layout", "quantize", "abstract model", "transfers", "layer-axis moves")
+    phases = {"checkpoint read", "host layout", "quantize", "abstract model", "transfers", "layer-axis moves"}
+    if quantization == "nf4":  # its 4-bit values are packed on the host and unpacked where they land
+        phases |= {"packing", "unpacking"}
     named = re.findall(r"([a-z -]+?) (\d+)s", placed[0].rsplit("(", 1)[1])
-    assert [phase.strip(", ") for phase, _ in named] == list(phases), placed
+    assert sorted(phase.strip(", ") for phase, _ in named) == sorted(phases), placed
 
 
 def test_qlora_on_the_host_keeps_no_checkpoint_stack_beside_its_moved_copy(converted, monkeypatch):
@@ -258,36 +260,88 @@ def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(convert
 
 
 def test_a_4bit_array_crosses_to_its_device_as_bytes_and_lands_with_every_value(monkeypatch, caplog):
-    """QLoRA's placement sends a 4-bit array as the bytes the host keeps it in (uint4 crossed to a TPU at a
-    tenth of uint8's rate) and narrows it where it lands: every uint4 and int4 value comes back in place,
-    whatever the shape. An array of another dtype crosses as it is. It runs under the trainer's mesh, as
-    lora_sft calls it (a host-side jit there failed on the chip, where the mesh names the TPU; a CPU cannot show that)."""
+    """QLoRA's placement never sends 4-bit values (uint4 crossed to a TPU at a tenth of uint8's rate): a 4-bit
+    array whose last dimension pairs up crosses packed, two values to a byte, and one that does not as the
+    bytes the host keeps it in; either is turned back into its 4-bit values where it lands, every uint4 and
+    int4 value in place, at odd and even positions. An array of another dtype crosses as it is. It runs under
+    the trainer's mesh, as lora_sft calls it."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from loraflow.trainer import host_build
 
-    sent: list[str] = []
+    sent: list[tuple[str, tuple[int, ...]]] = []
     device_put = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: sent.append(str(x.dtype)) or device_put(x, *a, **k))
+    monkeypatch.setattr(
+        jax, "device_put", lambda x, *a, **k: sent.append((str(x.dtype), x.shape)) or device_put(x, *a, **k)
+    )
     target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     with jax.set_mesh(mesh):
         for dtype, values in ((jnp.uint4, np.arange(16)), (jnp.int4, np.arange(-8, 8))):
             grid = np.stack([values, values[::-1], np.roll(values, 5)])
-            array = jnp.asarray(np.concatenate([grid, grid[:, :-1]], axis=1), dtype=dtype)  # an odd last dim
-            placed = host_build.put(array, target)
-            assert placed.dtype == array.dtype and placed.shape == array.shape == (3, 31)
-            assert np.array_equal(np.asarray(placed.astype(jnp.int8)), np.asarray(array.astype(jnp.int8)))
-    assert sent == ["uint8", "int8"]
+            for width, row in (
+                (32, np.concatenate([grid, grid[:, ::-1]], axis=1)),
+                (31, np.concatenate([grid, grid[:, :-1]], axis=1)),
+            ):
+                array = jnp.asarray(row, dtype=dtype)
+                phases = host_build.Phases()
+                placed = host_build.put(array, target, phases)
+                assert placed.dtype == array.dtype and placed.shape == array.shape == (3, width)
+                assert np.array_equal(np.asarray(placed.astype(jnp.int8)), np.asarray(array.astype(jnp.int8)))
+                packed = width % 2 == 0
+                assert list(phases.seconds) == (["packing"] if packed else []) + ["transfers", "unpacking"]
+    # packed: half the bytes, uint8 for both; not packed: ml_dtypes' own bytes (int4 as int8)
+    assert sent == [("uint8", (3, 16)), ("uint8", (3, 31)), ("uint8", (3, 16)), ("int8", (3, 31))]
     sent.clear()
     for other in (jnp.zeros((2, 4), jnp.int8), jnp.ones((2, 3), jnp.bfloat16)):
         placed = host_build.put(other, target)
         assert placed.dtype == other.dtype and np.array_equal(np.asarray(placed), np.asarray(other))
-    assert sent == ["int8", "bfloat16"]
-    # the narrowing compiles once per shape, not once per array (an 8B model has hundreds of arrays)
+    assert sent == [("int8", (2, 4)), ("bfloat16", (2, 3))]
+    sent.clear()
+    # a 4-bit numpy array and a 4-bit scalar cross as their bytes (nothing to pack, no device of their own)
+    for value in (np.asarray([[3, 12]], dtype=jnp.uint4), jnp.asarray(-5, jnp.int4)):
+        placed = host_build.put(value, target)
+        assert placed.dtype == value.dtype and np.array_equal(
+            np.asarray(placed.astype(jnp.int8)), np.asarray(value).astype(np.int8)
+        )
+    assert sent == [("uint8", (1, 2)), ("int8", ())]
+    # each program compiles once per shape, not once per array (an 8B model has hundreds of arrays)
     with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
         for _ in range(3):
             host_build.put(jnp.zeros((4, 6), jnp.uint4), target)
-    assert sum("compilation of jit(narrow)" in r.getMessage() for r in caplog.records) == 1
+            host_build.put(jnp.zeros((4, 5), jnp.uint4), target)
+    compiled = [r.getMessage() for r in caplog.records if "compilation of jit(" in r.getMessage()]
+    assert [sum(f"compilation of jit({f})" in m for m in compiled) for f in ("_pack", "unpack", "narrow")] == [1, 1, 1]
+
+
+def test_a_4bit_array_is_packed_on_its_own_device_under_another_devices_mesh(tmp_path):
+    """lora_sft places the host-built model under its own mesh (the TPU's): packing a host array with a program
+    compiled for that mesh fails there ("incompatible devices"). Two CPU devices stand in for the host and the
+    chip, in a process of their own (the device count is fixed when JAX starts); a packed array sharded over
+    both lands with every value in place too."""
+    import subprocess
+
+    script = tmp_path / "two_devices.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from loraflow.trainer import host_build\n"
+        "host, chip = jax.devices()[:2]\n"
+        "values = jax.device_put(jnp.asarray(np.arange(-8, 8).reshape(2, 8), jnp.int4), host)\n"
+        "with jax.set_mesh(jax.sharding.Mesh(np.array([chip]), ('data',))):\n"
+        "    placed = host_build.put(values, jax.sharding.SingleDeviceSharding(chip))\n"
+        "assert placed.devices() == {chip} and placed.dtype == jnp.int4, placed\n"
+        "assert np.array_equal(np.asarray(placed.astype(jnp.int8)), np.arange(-8, 8).reshape(2, 8))\n"
+        "both = jax.sharding.Mesh(np.array([host, chip]), ('x',))\n"
+        "with jax.set_mesh(both):\n"
+        "    split = host_build.put(values, jax.sharding.NamedSharding(both, jax.sharding.PartitionSpec(None, 'x')))\n"
+        "assert split.devices() == {host, chip} and split.addressable_shards[1].data.shape == (2, 4), split\n"
+        "assert np.array_equal(np.asarray(split.astype(jnp.int8)), np.arange(-8, 8).reshape(2, 8))\n"
+        "print('placed')\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0 and done.stdout.strip() == "placed", done.stderr[-3000:]
