@@ -100,6 +100,18 @@ def phases() -> dict[str, list[dict[str, Any]]]:
             for policy in ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj")
         ],
         {**_train("1b", "loraflow", "bfloat16", "none", 30), "config": {"tuning": "auto"}},  # the stage's own choice
+        # beyond the remat policy, under `minimal`: the attention kernel. MaxText's `autoselected` is its splash
+        # (flash) kernel at 1,024 tokens on a TPU, in blocks of 512; XLA's own attention, then splash in one block
+        *[
+            {**_train("1b", "loraflow", "bfloat16", "none", 30), "maxtext": ["remat_policy=minimal", *extra]}
+            for extra in (
+                ["attention=dot_product"],
+                [
+                    f"sa_block_{b}=1024"
+                    for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")
+                ],
+            )
+        ],
     ]
     return {
         "tiny": tiny,
