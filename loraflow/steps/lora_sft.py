@@ -30,6 +30,7 @@ from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 from loraflow.trainer.converted import ConvertedModel, read_converted
 from loraflow.trainer.curves import training_curves
+from loraflow.trainer.data_failure import stopped_early, traceback_lines
 from loraflow.trainer.distributed import start_distributed
 from loraflow.trainer.export import PeftExport, adapter_meta, export_peft, lora_b_norm, write_adapter
 from loraflow.trainer.sft_run import SftRun
@@ -60,7 +61,10 @@ def fine_tune(ctx: StepContext) -> SftSummary | None:
         ctx.progress("training done; process 0 writes the outputs and commits them")
         return None
     if trained.final_step < sft.cfg.steps:
-        raise LoraflowError(f"training stopped at step {trained.final_step} of {sft.cfg.steps} (data ran out?)")
+        if trained.data_failure is not None:
+            for line in traceback_lines(trained.data_failure):
+                ctx.progress(line)
+        raise LoraflowError(stopped_early(trained.final_step, sft.cfg.steps, trained.data_failure))
     write_loss_csv(ctx.out / LOSS_CSV, trained.rows)
     if trained.answers is not None:
         trained.answers.write(ctx.out)

@@ -48,6 +48,7 @@ class Trained:
     chat_template: dict[str, Any]  # the template's summary: origin and digest
     answers: answers.Answers | None  # QLoRA: the trained model's own answers to the first eval prompts
     tuning: Choice | None = None  # training.tuning: auto: the remat policy chosen and the predictions
+    data_failure: Exception | None = None  # the data pipeline's exception, which MaxText logs and ends the loop on
 
 
 def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: TrainingCurves | None = None) -> Trained:
@@ -58,6 +59,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     from maxtext.trainers.post_train.sft import train_sft
 
     from loraflow.trainer.batches_ahead import prepare_batches_ahead
+    from loraflow.trainer.data_failure import watch_batches
     from loraflow.trainer.hooks import skip_trained_batches
 
     if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
@@ -82,6 +84,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     _report_setup(sft, trainer, mesh, dist, state)
     skip_trained_batches(trainer, start_step, sft.progress)
     batches = prepare_batches_ahead(trainer, sft.progress)  # the accelerator does not wait for the host's data
+    watched = watch_batches(trainer)  # a pipeline error MaxText swallows, kept for the stage's error
     sft.progress(
         f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {sft.cfg.steps} "
         "(compiling first)"
@@ -112,6 +115,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
         chat_template=template.summary(),
         answers=eval_answers,
         tuning=choice,
+        data_failure=watched.failure,
     )
 
 

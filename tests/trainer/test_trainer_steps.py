@@ -306,6 +306,50 @@ def test_batches_read_ahead_train_the_same_steps_on_the_same_data(base, trained,
     assert len(ahead) == SFT["steps"] and ahead == in_loop
 
 
+def test_a_data_pipeline_that_fails_is_the_stage_s_error_not_data_running_out(base, tmp_path, monkeypatch):
+    """MaxText's pipeline raising at its 4th batch (as a tokenizer error or a bad row would): MaxText logs it
+    and ends the loop after 3 steps; the stage fails naming the exception and the step, its traceback in the
+    task log, and writes no adapter (loraflow.trainer.data_failure)."""
+    from loraflow.errors import LoraflowError
+    from loraflow.steps import lora_sft
+    from loraflow.trainer import hooks
+
+    class FailsAtFourth:
+        def __init__(self, source):
+            self.source, self.read = source, 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.read += 1
+            if self.read == 4:
+                raise ValueError("row 29: the chat template has no 'tool' role")
+            return next(self.source)
+
+    real_skip = hooks.skip_trained_batches
+
+    def with_a_failing_pipeline(trainer, n, progress):  # training.train calls it before the loop's readers
+        real_skip(trainer, n, progress)
+        loader = trainer.data_hooks.train_data_loader
+        loader.data_iterator = FailsAtFourth(loader.data_iterator)
+
+    monkeypatch.setattr(hooks, "skip_trained_batches", with_a_failing_pipeline)
+    inputs = {"checkpoint": base["ckpt"], "dataset": base["dataset"], "tokenizer": base["hf"]}
+    # the trained fixture's settings: its compiled programs (the session's cache) serve this run too
+    ctx = _ctx(tmp_path, "lora_sft", inputs, dict(SFT), str(tmp_path / "remote"))
+    lines: list[str] = []
+    ctx.progress = lines.append  # type: ignore[method-assign]
+    with pytest.raises(LoraflowError) as failed:
+        lora_sft.run(ctx)
+    assert str(failed.value) == (
+        "training stopped at step 3 of 150: the data pipeline failed: ValueError: row 29: the chat template has no "
+        "'tool' role (its traceback is in the task log above)"
+    )
+    assert lines[-1] == "ValueError: row 29: the chat template has no 'tool' role", lines[-5:]
+    assert "Traceback (most recent call last):" in lines and not (ctx.out / "adapter").exists()
+
+
 def test_qlora_nf4_trains_exports_and_merges_into_the_full_precision_base(base, trained, tmp_path):
     """QLoRA (issue 15): the targeted kernels' base weights held as nf4 while training; the adapter,
     exported as PEFT and merged into the full-precision HF base (what loraflow publishes), answers
