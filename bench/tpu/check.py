@@ -77,6 +77,9 @@ def phases() -> dict[str, list[dict[str, Any]]]:
         {"kind": "prepare", "size": "8b"},
         _train("8b", "loraflow", "bfloat16", "nf4", 8),
         {**_train("8b", "loraflow", "bfloat16", "nf4", 8), "config": {"tuning": "auto"}},
+        # Case 3: nf4 in tiles of 256 values instead of 64 (a quarter of the scales to apply in each step's
+        # dequantization), against case 1's speed and loss curve (issue 39 item 3: 3,000 tokens/s)
+        {**_train("8b", "loraflow", "bfloat16", "nf4", 8), "config": {"tile_size": 256}},
     ]
     # Where the step's peak comes from: the 1.5 B model's LoRA, nf4 and int8 steps, each step's memory
     # recorded, with Tunix's default two steps queued on the chip and with one (plan --fit's question).
