@@ -246,6 +246,7 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     one and a bit (one stacked weight at a time is moved to the host's layout). Its other state (the
     RNG streams) is made as MaxText makes it, by a compiled model build that computes nothing else."""
     import jax
+    import numpy as np
     import orbax.checkpoint as ocp
     from flax import nnx
     from flax.core.spmd import logical_axis_rules
@@ -266,12 +267,18 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
             use_ocdbt=config.checkpoint_storage_use_ocdbt, use_zarr3=config.checkpoint_storage_use_zarr3
         )
     )
+    # Read as numpy arrays, not as jax.Arrays. Orbax's jax.Array restore reads every array into a numpy
+    # buffer and copies it into a CPU jax.Array; jaxlib lets go of a buffer it copied from only at its next
+    # garbage collection (a gc callback), so the read peaked at the model and 0.5-0.8 GiB more at 1.5 B on
+    # CPU, 0.49 GiB of it still held when the read returned, and took 11-46 s. Read as numpy: the model and
+    # about 0.1 GiB, 3.7 s (bench/notes.md section 12). Orbax's in-flight bound (restore_concurrent_gb)
+    # changed neither. The loop below then copies one array at a time into its jax.Array.
+    restore_args = jax.tree_util.tree_map(
+        lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype), target
+    )
     with phases.timed("checkpoint read"):
         restored = checkpointer.restore(
-            str(config.load_parameters_path),
-            item=target,
-            transforms={},
-            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            str(config.load_parameters_path), item=target, transforms={}, restore_args=restore_args
         )
     arrays = dict(nnx.to_flat_state(nnx.State(restored["params"]["params"])))
     del restored, target
@@ -279,14 +286,12 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     on_cpu = jax.sharding.SingleDeviceSharding(host[0])
     host_phases = Phases()  # the host's own moves: not the accelerator's transfers
     for path, var in nnx.to_flat_state(params):
-        value = arrays.pop(path)
-        var.set_value(_moved(value, axes[path], _scan_axis(var), on_cpu, host_phases))
-        if _moves(value.ndim, axes[path], _scan_axis(var)):
-            # the checkpoint's array goes as soon as its moved copy exists: deleted, not left to its last
-            # reference, which the restore's result keeps in a reference cycle until a full garbage
-            # collection (at 1.5 B three 0.5 GiB stacks were alive beside their moved copies: 1.56x the model)
-            value.delete()
-        del value
+        var.set_value(_moved(arrays.pop(path), axes[path], _scan_axis(var), on_cpu, host_phases))
+        # the checkpoint's numpy array goes now that its jax.Array (moved or not) exists: jaxlib holds the
+        # buffer it copied from until a garbage collection runs its callback, and a young-generation one
+        # runs it (without it 2.0 GiB of the 2.8 GiB model's numpy arrays were still alive at the loop's end
+        # at 1.5 B: 1.7x the model); host memory holds the model and one array more
+        gc.collect(0)
     phases.seconds["host layout"] = sum(host_phases.seconds.values())
     return nnx.merge(graphdef, params, rest), abstract.mesh
 
