@@ -424,8 +424,9 @@ class ModelRegistryStandIn:
 
     What it does: ``models:upload`` (``POST .../models:upload`` with ``modelId`` for a new model or
     ``parentModel`` for a new version of one) answers a long-running operation
-    (``.../models/ID/operations/N``) that is done once ``state_delay`` seconds passed, polled with
-    ``GET`` on its name, whose response is an ``UploadModelResponse``; ``models`` get (``.../models/ID``,
+    (``.../models/ID/operations/N``) that is done once ``state_delay`` seconds passed and it was polled
+    once already (the first poll always finds it running, whatever the machine's load: a client that
+    takes the upload's answer for done fails, and ``polls`` is at least 2), polled with ``GET`` on its name, whose response is an ``UploadModelResponse``; ``models`` get (``.../models/ID``,
     ``ID@VERSION`` or ``ID@ALIAS``; the default version without one), list (``?filter=labels.k="v"``,
     default versions only), ``:listVersions`` and ``ID@VERSION:mergeVersionAliases`` (``-alias``
     removes one). As Vertex does, a model's first version carries the ``default`` alias, an alias is
@@ -443,6 +444,7 @@ class ModelRegistryStandIn:
         self.polls = 0
         self._versions: dict[str, list[dict[str, Any]]] = {}  # model name -> its versions, oldest first
         self._operations: dict[str, tuple[float, dict[str, Any]]] = {}  # name -> (done at, operation)
+        self._polled: set[str] = set()  # operations polled at least once
         self._lock = threading.Lock()
 
     def versions(self, model_name: str) -> list[dict[str, Any]]:
@@ -567,12 +569,14 @@ class ModelRegistryStandIn:
             return operation
 
     def _poll(self, op_name: str) -> dict[str, Any]:
-        """An operation's state (lock held): done once its delay passed."""
+        """An operation's state (lock held): done once its delay passed and it was polled before."""
         self.polls += 1
         if op_name not in self._operations:
             raise ApiError(404, "NOT_FOUND", f"Operation {op_name} does not exist")
         done_at, finished = self._operations[op_name]
-        if time.monotonic() < done_at:
+        first = op_name not in self._polled
+        self._polled.add(op_name)
+        if first or time.monotonic() < done_at:
             return {k: v for k, v in finished.items() if k != "response"} | {"done": False}
         return json.loads(json.dumps(finished))
 
