@@ -19,11 +19,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 AHEAD = 2  # batches ready before the loop asks (each a few hundred KiB for 8 x 1,024 tokens)
 _PUT_WAIT_S = 0.1  # how often a thread waiting for room checks whether it was closed
 _END = object()  # the source ran dry
+Reader = TypeVar("Reader", bound=Iterator[Any])
 
 
 class BatchesAhead:
@@ -113,8 +114,15 @@ def prepare_batches_ahead(
             "training batches prepared in the loop: the step runs on this host's CPU, whose cores a thread reading ahead would take"
         )
         return None
-    loader = trainer.data_hooks.train_data_loader
-    batches = BatchesAhead(loader.data_iterator, ahead)
-    loader.data_iterator = batches
+    batches = read_batches_through(trainer, lambda source: BatchesAhead(source, ahead))
     progress(f"training batches prepared {ahead} ahead of the step, in a background thread")
     return batches
+
+
+def read_batches_through(trainer: Any, reader: Callable[[Iterator[Any]], Reader]) -> Reader:
+    """The trainer's data loader (MaxText's ``data_hooks.train_data_loader``) reads its batches through
+    ``reader(the iterator it read until now)``, which is returned: the one place that knows where MaxText
+    keeps that iterator."""
+    loader = trainer.data_hooks.train_data_loader
+    loader.data_iterator = wrapped = reader(loader.data_iterator)
+    return wrapped

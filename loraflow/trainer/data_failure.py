@@ -16,6 +16,8 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from loraflow.trainer.batches_ahead import read_batches_through
+
 MESSAGE_CHARS = 500  # of the exception's message in the stage's error (a row echoed whole could be megabytes)
 
 
@@ -45,10 +47,7 @@ def watch_batches(trainer: Any) -> WatchedBatches:
     """The trainer's data loader (MaxText's ``data_hooks.train_data_loader``) reads its batches through a
     :class:`WatchedBatches`; call it after :func:`~loraflow.trainer.batches_ahead.prepare_batches_ahead`,
     whose reader it then watches."""
-    loader = trainer.data_hooks.train_data_loader
-    watched = WatchedBatches(loader.data_iterator)
-    loader.data_iterator = watched
-    return watched
+    return read_batches_through(trainer, WatchedBatches)
 
 
 def describe(exc: BaseException) -> str:
