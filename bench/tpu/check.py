@@ -46,7 +46,20 @@ def _train(size: str, mode: str, dtype: str, quantization: str, steps: int) -> d
 
 def phases() -> dict[str, list[dict[str, Any]]]:
     """Each phase's cases, in order; each must fit one device call (10 minutes) with the install."""
-    tiny = [
+    return {
+        "tiny": _tiny(),
+        **{size: _large(size) for size in ("1b", "3b")},
+        "8b": _frontier(),
+        "8b-qlora": _moonshot(),
+        "memory": _memory(),
+        "tuning": _tuning(),
+        **serving(),
+    }
+
+
+def _tiny() -> list[dict[str, Any]]:
+    """The chip's matmul rate, then the tiny model through loraflow (float32, bf16, nf4) and MaxText."""
+    return [
         {"kind": "matmul"},
         {"kind": "prepare", "size": "tiny", "hf": str(REPO / ".tpu-inputs" / "tiny")},
         _train("tiny", "loraflow", "float32", "none", 150),
@@ -54,38 +67,49 @@ def phases() -> dict[str, list[dict[str, Any]]]:
         _train("tiny", "loraflow", "bfloat16", "nf4", 150),
         _train("tiny", "maxtext", "float32", "none", 150),
     ]
-    large = {
-        size: [
-            {"kind": "prepare", "size": size},
-            _train(size, "maxtext", "bfloat16", "none", 30),
-            _train(size, "loraflow", "bfloat16", "none", 30),
-            _train(size, "loraflow", "bfloat16", "nf4", 30),
-            _train(size, "loraflow", "bfloat16", "int8", 30),  # last: the first a short call leaves out
-        ]
-        for size in ("1b", "3b")
-    }
-    # Can MaxText build an 8B (and a 6B) model on one chip for LoRA / QLoRA? It builds the whole bf16
-    # model before it reads a checkpoint or quantizes, so these start from random weights (no convert).
-    frontier = []
+
+
+def _large(size: str) -> list[dict[str, Any]]:
+    """A generated model of ``size``: MaxText's entry point against loraflow's LoRA, nf4 and int8."""
+    return [
+        {"kind": "prepare", "size": size},
+        _train(size, "maxtext", "bfloat16", "none", 30),
+        _train(size, "loraflow", "bfloat16", "none", 30),
+        _train(size, "loraflow", "bfloat16", "nf4", 30),
+        _train(size, "loraflow", "bfloat16", "int8", 30),  # last: the first a short call leaves out
+    ]
+
+
+def _frontier() -> list[dict[str, Any]]:
+    """Can MaxText build an 8B (and a 6B) model on one chip for LoRA / QLoRA? It builds the whole bf16
+    model before it reads a checkpoint or quantizes, so these start from random weights (no convert)."""
+    cases: list[dict[str, Any]] = []
     for size in ("8b", "6b"):
-        frontier.append({"kind": "prepare", "size": size, "weights": False})
-        frontier += [{**_train(size, "maxtext", "bfloat16", q, 5), "init": "random"} for q in ("nf4", "none")]
-    # The moonshot: QLoRA of an 8B Llama-3.1-shaped model from a converted checkpoint, through lora_sft,
-    # which builds and quantizes the model in host memory on one chip (its prepare takes most of a call).
-    # Case 2: the stage choosing its own remat policy (training.tuning: auto) where the chip has ~6 GiB to spare.
-    moonshot = [
+        cases.append({"kind": "prepare", "size": size, "weights": False})
+        cases += [{**_train(size, "maxtext", "bfloat16", q, 5), "init": "random"} for q in ("nf4", "none")]
+    return cases
+
+
+def _moonshot() -> list[dict[str, Any]]:
+    """QLoRA of an 8B Llama-3.1-shaped model from a converted checkpoint, through lora_sft, which builds and
+    quantizes the model in host memory on one chip (its prepare takes most of a call)."""
+    return [
         {"kind": "prepare", "size": "8b"},
         _train("8b", "loraflow", "bfloat16", "nf4", 8),
+        # the stage choosing its own remat policy (training.tuning: auto) where the chip has ~6 GiB to spare
         {**_train("8b", "loraflow", "bfloat16", "nf4", 8), "config": {"tuning": "auto"}},
-        # Case 3: nf4 in tiles of 256 values instead of 64 (a quarter of the scales to apply in each step's
+        # nf4 in tiles of 256 values instead of 64 (a quarter of the scales to apply in each step's
         # dequantization), against case 1's speed and loss curve (issue 39 item 3: 3,000 tokens/s)
         {**_train("8b", "loraflow", "bfloat16", "nf4", 8), "config": {"tile_size": 256}},
     ]
-    # Where the step's peak comes from: the 1.5 B model's LoRA, nf4 and int8 steps, each step's memory
-    # recorded, with Tunix's default two steps queued on the chip and with one (plan --fit's question).
-    # Reading the chip's memory each step makes the steps run one at a time: the cases with Tunix's two
-    # queued steps record only the whole run's peaks.
-    memory = [
+
+
+def _memory() -> list[dict[str, Any]]:
+    """Where the step's peak comes from: the 1.5 B model's LoRA, nf4 and int8 steps, each step's memory
+    recorded, with Tunix's default two steps queued on the chip and with one (plan --fit's question).
+    Reading the chip's memory each step makes the steps run one at a time: the cases with Tunix's two
+    queued steps record only the whole run's peaks."""
+    return [
         {"kind": "prepare", "size": "1b"},
         *[_train("1b", "loraflow", "bfloat16", q, 10) for q in ("none", "nf4", "int8")],
         *[
@@ -93,38 +117,27 @@ def phases() -> dict[str, list[dict[str, Any]]]:
             for q in ("none", "nf4", "int8")
         ],
     ]
-    # What the chip rewards (issue 39 item 2): the 1.5 B LoRA case of ``1b`` (MaxText's default remat policy,
-    # "full") under the policies that recompute less, each MaxText setting appended to the stage's command line.
-    # Same model, data and tokens seen: only the backward pass's recompute differs.
-    tuning = [
+
+
+def _tuning() -> list[dict[str, Any]]:
+    """What the chip rewards (issue 39 item 2): the 1.5 B LoRA case of ``1b`` (MaxText's default remat
+    policy, "full") under the policies that recompute less, each MaxText setting appended to the stage's
+    command line; the stage's own choice; then, under ``minimal``, the attention kernel. Same model, data
+    and tokens seen."""
+    lora = _train("1b", "loraflow", "bfloat16", "none", 30)
+    # MaxText's `autoselected` attention is its splash (flash) kernel at 1,024 tokens on a TPU, in blocks
+    # of 512: XLA's own attention instead, then splash in one block
+    splash_blocks = ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")
+    attention = (["attention=dot_product"], [f"sa_block_{b}=1024" for b in splash_blocks])
+    return [
         {"kind": "prepare", "size": "1b"},
         *[
-            {**_train("1b", "loraflow", "bfloat16", "none", 30), "maxtext": [f"remat_policy={policy}"]}
+            {**lora, "maxtext": [f"remat_policy={policy}"]}
             for policy in ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj")
         ],
-        {**_train("1b", "loraflow", "bfloat16", "none", 30), "config": {"tuning": "auto"}},  # the stage's own choice
-        # beyond the remat policy, under `minimal`: the attention kernel. MaxText's `autoselected` is its splash
-        # (flash) kernel at 1,024 tokens on a TPU, in blocks of 512; XLA's own attention, then splash in one block
-        *[
-            {**_train("1b", "loraflow", "bfloat16", "none", 30), "maxtext": ["remat_policy=minimal", *extra]}
-            for extra in (
-                ["attention=dot_product"],
-                [
-                    f"sa_block_{b}=1024"
-                    for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")
-                ],
-            )
-        ],
+        {**lora, "config": {"tuning": "auto"}},
+        *[{**lora, "maxtext": ["remat_policy=minimal", *extra]} for extra in attention],
     ]
-    return {
-        "tiny": tiny,
-        **large,
-        "8b": frontier,
-        "8b-qlora": moonshot,
-        "memory": memory,
-        "tuning": tuning,
-        **serving(),
-    }
 
 
 def _evaluate(name: str, model: str, dtype: str, **extra: Any) -> dict[str, Any]:
