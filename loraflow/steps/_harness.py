@@ -195,7 +195,7 @@ def import_permanently(*modules: str) -> float:
     return time.monotonic() - started
 
 
-def exit_process(status: int) -> NoReturn:
+def exit_process(status: int, wait: bool = True) -> NoReturn:
     """End this process with ``status`` as a normal exit would, minus the interpreter's teardown.
 
     What anyone outside the process can see still happens, in the interpreter's own order: threads
@@ -206,11 +206,17 @@ def exit_process(status: int) -> NoReturn:
     module and object one by one, which the task would wait for after the step has committed:
     about 1.5 s after Great Expectations, 2.5-3.5 s after JAX/MaxText or vLLM on 2 cores
     (docs/benchmarks.md, section 6). The step programs' ``__main__``:
-    ``exit_process(run_step(STAGE, run))``; ``run_step`` itself returns to a caller in the same process."""
-    wait_for_threads = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first
-    if wait_for_threads is not None:
-        wait_for_threads()
-    atexit._run_exitfuncs()
+    ``exit_process(run_step(STAGE, run))``; ``run_step`` itself returns to a caller in the same process.
+
+    ``wait=False``: neither the threads nor the ``atexit`` handlers, only the streams flushed: a failed
+    process of a multi-host job, whose threads (Orbax's checkpoint saves) and JAX's shutdown barrier wait
+    for the other hosts while those wait for it in a collective; it ends as a lost host does, and they stop
+    within the heartbeat timeout (loraflow.trainer.distributed)."""
+    if wait:
+        wait_for_threads = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first
+        if wait_for_threads is not None:
+            wait_for_threads()
+        atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

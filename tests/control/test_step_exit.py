@@ -30,7 +30,7 @@ def worker():
 threading.Thread(target=worker).start()  # not a daemon: a normal exit waits for it
 atexit.register(lambda: print("atexit ran"))
 print("buffered, never flushed by hand")  # stdout is a pipe: block-buffered
-exit_process(int(sys.argv[1]))
+exit_process(int(sys.argv[1]), wait=len(sys.argv) < 3)
 print("unreachable")
 """
 
@@ -53,9 +53,26 @@ def test_exit_process_keeps_a_normal_exit_but_skips_the_teardown(status: int) ->
     assert "teardown" not in lines
 
 
+def test_a_failed_host_of_a_job_exits_at_once_with_its_output_flushed() -> None:
+    """``wait=False`` (lora_sft on a host of a multi-host job that failed): the thread, which could be waiting
+    for the other hosts, is not waited for and no atexit handler runs (JAX's shutdown barrier); the status
+    and what was printed still come out."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, "2", "at once"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.splitlines() == ["buffered, never flushed by hand"], proc.stderr
+
+
 def test_every_step_program_ends_with_exit_process() -> None:
     for path in sorted((REPO / "loraflow" / "steps").glob("[!_]*.py")):
         text = path.read_text()
         if 'if __name__ == "__main__":' in text:
             main = text.split('if __name__ == "__main__":', 1)[1]
-            assert "exit_process(run_step(" in main, f"{path.name}: end __main__ with exit_process(run_step(...))"
+            ends = "exit_process(run_step(" in main or ("= run_step(" in main and "exit_process(status" in main)
+            assert ends, f"{path.name}: end __main__ with exit_process(run_step(...))"
