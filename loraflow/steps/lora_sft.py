@@ -15,7 +15,9 @@ build (``setup``), checkpoints and their persistence (``checkpoints``), a job of
 (``distributed``), the outputs (``export``). In a multi-host job only process 0 writes the outputs,
 after every process has finished training, and the harness commits the manifest from process 0 only;
 the others write no outputs (staged: only their checkpoint parts) and, through JAX's shutdown
-barrier, exit when process 0 does.
+barrier, exit when process 0 does. A process of a job that fails exits at once (its threads and that
+barrier wait for the others, which wait for it in a collective); the others stop within the heartbeat
+timeout (``loraflow.trainer.distributed``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from loraflow.spec.step_configs import LoraSftConfig, parse
 from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
 from loraflow.trainer.converted import ConvertedModel, read_converted
 from loraflow.trainer.curves import training_curves
-from loraflow.trainer.data_failure import stopped_early, traceback_lines
-from loraflow.trainer.distributed import start_distributed
+from loraflow.trainer.data_failure import stopped
+from loraflow.trainer.distributed import in_a_job, start_distributed
 from loraflow.trainer.export import PeftExport, adapter_meta, export_peft, lora_b_norm, write_adapter
 from loraflow.trainer.sft_run import SftRun
 from loraflow.trainer.step_log import write_loss_csv
@@ -57,14 +59,11 @@ def fine_tune(ctx: StepContext) -> SftSummary | None:
     import_permanently("maxtext.configs.pyconfig", "maxtext.trainers.post_train.sft.train_sft")
     with training_curves(ctx.out, writes=ctx.commits) as curves:
         trained = train(sft, dist, curves)
+    if trained.final_step < sft.cfg.steps:  # on every process: one that exited 0 here would hide it
+        raise stopped(trained.final_step, sft.cfg.steps, trained.data_failure, ctx.progress)
     if not ctx.commits:
         ctx.progress("training done; process 0 writes the outputs and commits them")
         return None
-    if trained.final_step < sft.cfg.steps:
-        if trained.data_failure is not None:
-            for line in traceback_lines(trained.data_failure):
-                ctx.progress(line)
-        raise LoraflowError(stopped_early(trained.final_step, sft.cfg.steps, trained.data_failure))
     write_loss_csv(ctx.out / LOSS_CSV, trained.rows)
     if trained.answers is not None:
         trained.answers.write(ctx.out)
@@ -117,4 +116,7 @@ def _export_peft(sft: SftRun, trained: Trained, ctx: StepContext) -> PeftExport:
 
 
 if __name__ == "__main__":
-    exit_process(run_step("lora_sft", run))
+    status = run_step("lora_sft", run)
+    # A host of a job that failed leaves at once: its threads and JAX's shutdown barrier would wait for the
+    # others, which wait for it in the step's collective; they stop within the heartbeat timeout.
+    exit_process(status, wait=status == 0 or not in_a_job())

@@ -4,12 +4,14 @@ Every process calls ``jax.distributed.initialize`` with its wiring before JAX st
 then spans every process's devices (parameters sharded across hosts, each host loading its share of
 every batch). Losing a host: the others stop within ``LORAFLOW_HEARTBEAT_TIMEOUT`` seconds (default
 100: JAX's coordination service) and the job fails; the retry resumes from the newest committed
-checkpoint.
+checkpoint. A host whose step fails leaves the same way: lora_sft exits at once when :func:`in_a_job`
+(``exit_process(status, wait=False)``), not through JAX's shutdown barrier.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from loraflow.launchers import multihost
@@ -45,6 +47,15 @@ def start_distributed(progress: Progress) -> multihost.DistributedConfig | None:
         f"{jax.device_count()} {jax.default_backend()} devices"
     )
     return dist
+
+
+def in_a_job() -> bool:
+    """Whether this process joined a job of several processes (:func:`start_distributed`)."""
+    if "jax" not in sys.modules:  # nothing joined anything: no need to import JAX to say so
+        return False
+    import jax
+
+    return jax.distributed.is_initialized()
 
 
 def _gloo_on_loopback() -> None:

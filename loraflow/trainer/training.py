@@ -59,7 +59,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     from maxtext.trainers.post_train.sft import train_sft
 
     from loraflow.trainer.batches_ahead import prepare_batches_ahead
-    from loraflow.trainer.data_failure import watch_batches
+    from loraflow.trainer.data_failure import stop_where_the_batches_end, watch_batches
     from loraflow.trainer.hooks import skip_trained_batches
 
     if not flags.FLAGS.is_parsed():  # grain reads absl flags; the harness parses its own argv
@@ -85,6 +85,8 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     skip_trained_batches(trainer, start_step, sft.progress)
     batches = prepare_batches_ahead(trainer, sft.progress)  # the accelerator does not wait for the host's data
     watched = watch_batches(trainer)  # a pipeline error MaxText swallows, kept for the stage's error
+    if dist is not None:  # a host whose batches end early fails there: the others wait in a collective for it
+        stop_where_the_batches_end(trainer, watched, sft.cfg.steps, sft.progress)
     sft.progress(
         f"set up in {time.monotonic() - started:.0f}s; training from step {start_step} to {sft.cfg.steps} "
         "(compiling first)"

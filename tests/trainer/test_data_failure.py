@@ -1,5 +1,6 @@
-"""loraflow.trainer.data_failure: a data pipeline that raises is the stage's error, named, and not "data ran
-out"; a pipeline that really ran out keeps that message.
+"""loraflow.trainer.data_failure: a data pipeline that raises, or a batch MaxText's loader fails on after reading
+it, is the stage's error, named, and not "data ran out"; a pipeline that really ran out keeps that message; a
+host of a multi-host job fails at the batch it lacks instead of ending its loop.
 
 MaxText's own data hooks and loader run here around a stand-in iterator (no model, no compilation); the tiny
 model's run that stops on a failing pipeline is ``test_trainer_steps.py``'s."""
@@ -9,16 +10,19 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
+from loraflow.errors import LoraflowError
 from loraflow.trainer.batches_ahead import prepare_batches_ahead
 from loraflow.trainer.data_failure import (
     MESSAGE_CHARS,
     WatchedBatches,
     describe,
+    stop_where_the_batches_end,
     stopped_early,
     traceback_lines,
     watch_batches,
@@ -120,6 +124,87 @@ def test_data_that_runs_out_is_no_failure_through_maxtext(backend):
             ahead.close()
     assert got[2] is None and watched.failure is None
     assert stopped_early(2, 10, watched.failure) == "training stopped at step 2 of 10 (data ran out?)"
+
+
+class TextAt(Pipeline):
+    """Numbered batches, but read ``at`` gives a batch of text, which MaxText's ``jax.device_put`` rejects."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def __next__(self) -> dict[str, int]:
+        batch = super().__next__()
+        return {"batch": "text"} if self.read == self.at else batch  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_a_batch_that_fails_after_it_was_read_is_the_failure_too(backend):
+    """The pipeline gives a batch MaxText's loader cannot put on the devices (``jax.device_put`` in its
+    ``load_next_batch``, inside the same ``except`` as the read): that error is kept, not "data ran out"."""
+    hooks = _maxtext_hooks(TextAt(3))
+    trainer = SimpleNamespace(data_hooks=hooks)
+    ahead = prepare_batches_ahead(trainer, lambda _: None, backend=backend)
+    watched = watch_batches(trainer)
+    try:
+        got = [hooks.load_next_train_batch(None) for _ in range(3)]
+    finally:
+        if ahead is not None:
+            ahead.close()
+    assert [None if b is None else int(b["batch"]) for b in got] == [0, 1, None]
+    assert isinstance(watched.failure, TypeError)
+    assert stopped_early(2, 10, watched.failure) == (
+        "training stopped at step 2 of 10: the data pipeline failed: TypeError: Argument 'text' of type <class "
+        "'str'> is not a valid JAX type (its traceback is in the task log above)"
+    )
+
+
+def test_the_loader_s_watch_passes_its_arguments_on():
+    """MaxText's ``RampUpDataLoader.load_next_batch`` takes ``rampup_manager=``; the watch hands on what it is
+    given, and its result."""
+    loader = SimpleNamespace(data_iterator=iter(()), load_next_batch=lambda *args, **kwargs: (args, kwargs))
+    watch_batches(SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader)))
+    assert loader.load_next_batch(1, rampup_manager=2) == ((1,), {"rampup_manager": 2})
+
+
+def _host_of_a_job(pipeline: Pipeline, steps: int) -> tuple[Any, list[str]]:
+    """MaxText's data hooks over ``pipeline``, watched, failing where the batches end (as on a host of a
+    multi-host job); the hooks and the progress lines."""
+    hooks = _maxtext_hooks(pipeline)
+    trainer = SimpleNamespace(data_hooks=hooks)
+    lines: list[str] = []
+    stop_where_the_batches_end(trainer, watch_batches(trainer), steps, lines.append)
+    return hooks, lines
+
+
+def test_a_host_of_a_job_whose_pipeline_fails_fails_there_with_the_stage_s_error():
+    """Where MaxText's hook would hand the loop None (which ends it, and Tunix would save and close while the
+    other hosts wait in the next step's collective), the stage's error is raised, the traceback logged."""
+    hooks, lines = _host_of_a_job(Pipeline(fail_at=2), steps=10)
+    assert [hooks.load_next_train_batch(SimpleNamespace(train_steps=s))["batch"] for s in range(2)] == [0, 1]
+    assert lines == []
+    with pytest.raises(LoraflowError) as failed:
+        hooks.load_next_train_batch(SimpleNamespace(train_steps=2))
+    assert str(failed.value) == (
+        "training stopped at step 2 of 10: the data pipeline failed: KeyError: 'content' (its traceback is in "
+        "the task log above)"
+    )
+    assert lines[0] == "Traceback (most recent call last):" and lines[-1] == "KeyError: 'content'", lines
+
+
+def test_a_host_of_a_job_whose_data_runs_out_early_fails_there_and_at_the_end_does_not():
+    hooks, lines = _host_of_a_job(Pipeline(n=2), steps=3)
+    assert [hooks.load_next_train_batch(SimpleNamespace(train_steps=s))["batch"] for s in range(2)] == [0, 1]
+    with pytest.raises(LoraflowError, match=r"^training stopped at step 2 of 3 \(data ran out\?\)$"):
+        hooks.load_next_train_batch(SimpleNamespace(train_steps=2))
+    assert lines == []
+    # the loop reads one batch more after its last step: none there ends the loop as before
+    hooks, _ = _host_of_a_job(Pipeline(n=2), steps=2)
+    assert [hooks.load_next_train_batch(SimpleNamespace(train_steps=s)) is None for s in range(3)] == [
+        False,
+        False,
+        True,
+    ]
 
 
 def test_the_message_names_the_type_and_cuts_a_long_message():

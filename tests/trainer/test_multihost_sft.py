@@ -1,5 +1,5 @@
 """lora_sft as a 2- and a 4-host job on loopback equals the 1-host run; a lost host fails the job, the
-retry resumes: jax.distributed for real, on CPU.
+retry resumes; a host whose data pipeline fails fails the job at once, named: jax.distributed for real, on CPU.
 
 Every run is the real step program (``python -m loraflow.steps.lora_sft``; each host of a job started
 through ``every_host_caches.py``, which changes only that every host, not process 0 alone, keeps its
@@ -20,7 +20,8 @@ through tensorstore's GCS driver, pointed at the emulator). The 1-host reference
 ``loraflow.data.epochs``); ``packing`` is off: MaxText packs each host's share of the stream by
 itself, so packed rows (and with them the examples of a step) depend on the host count.
 About 6 minutes on 2 shared CPU cores (374 s wall, 319 CPU s at load 3 to 7, 2026-12-07), most of it the
-processes importing MaxText and compiling side by side.
+processes importing MaxText and compiling side by side; 243 s with the data-failure job at a lower load
+(2026-12-07 08:16; that job's hosts stop at their 2nd batch: 39-43 s alone).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def _argv(sources: dict[str, str], output: str, **config: object) -> list[str]:
 DEVICES = 4  # in every run, split evenly over its processes
 # runs a host's step program keeping its compilations whatever its process id (JAX's own rule: process 0 only)
 EVERY_HOST_CACHES = Path(__file__).parent / "every_host_caches.py"
+# the same, its data pipeline raising at the N-th batch where LORAFLOW_TEST_PIPELINE_FAILS_AT=N
+FAILING_PIPELINE = Path(__file__).parent / "failing_pipeline.py"
 
 
 def _env(devices: int, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -121,8 +124,12 @@ def _run_hosts(
     n: int,
     env_of: dict[int, dict[str, str]] | None = None,
     storage: str = "direct",
+    program: Path = EVERY_HOST_CACHES,
+    limit: float = 900,
 ) -> tuple[list[int], list[str], list[float]]:
-    """lora_sft as ``n`` separate hosts; (exit codes, logs, when each process exited: seconds from the start)."""
+    """lora_sft as ``n`` separate hosts, each ``python program loraflow.steps.lora_sft ...``, the ones still
+    running after ``limit`` seconds killed; (exit codes, logs, when each process exited: seconds from the
+    start, inf for one killed)."""
     wiring = {"LORAFLOW_COORDINATOR": f"127.0.0.1:{free_port()}", "LORAFLOW_NUM_PROCESSES": str(n)}
     hosts = [host_dirs(root, f"host{i}") for i in range(n)]
     started = time.monotonic()
@@ -131,11 +138,11 @@ def _run_hosts(
         logs.append((cwd / "lora_sft.log").open("w+"))
         env = _env(DEVICES // n, {**wiring, "LORAFLOW_PROCESS_ID": str(i), **disk, **(env_of or {}).get(i, {})})
         argv = _argv(sources, output, checkpoint_storage=storage)
-        argv[1:2] = [str(EVERY_HOST_CACHES)]  # python every_host_caches.py loraflow.steps.lora_sft ...
+        argv[1:2] = [str(program)]  # python every_host_caches.py loraflow.steps.lora_sft ...
         procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=logs[i], stderr=subprocess.STDOUT))
     exited: dict[int, float] = {}
     try:
-        while len(exited) < n and time.monotonic() - started < 900:
+        while len(exited) < n and time.monotonic() - started < limit:
             exited |= {
                 i: time.monotonic() - started for i, p in enumerate(procs) if i not in exited and p.poll() is not None
             }
@@ -266,6 +273,36 @@ def test_a_lost_host_fails_the_whole_job_and_the_retry_resumes_to_the_same_adapt
     done = artifacts.read_manifest(output)
     assert done.summary["resumed_from_step"] in (1, 2)  # Tunix checkpoints step 1, then every period
     _assert_same_adapter(single["adapter"], _adapter(output, tmp_path / "resumed"), 1e-3)
+
+
+def test_a_data_pipeline_failing_on_one_host_fails_the_whole_job_named(sources, tmp_path):
+    """Process 1's data pipeline raises at its 2nd batch (MaxText logs it and would end that host's loop as if
+    the data had run out, while process 0 waits in step 2's collective for it): process 1 fails at once
+    naming the exception, process 0 stops within a bounded time instead of waiting, nothing is committed."""
+    import failing_pipeline
+
+    output = f"{sources['root']}/data-failure/lora_sft"
+    env = {"LORAFLOW_HEARTBEAT_TIMEOUT": str(HEARTBEAT)}
+    env_of = {0: env, 1: env | {failing_pipeline.FAILS_AT: "2"}}
+    bound = HEARTBEAT + 60  # as for a lost host
+    # setting up both hosts takes 1-2 minutes; without the fix process 0 would wait out JAX's timeouts
+    codes, logs, seconds = _run_hosts(sources, output, tmp_path, 2, env_of, program=FAILING_PIPELINE, limit=300)
+    print(
+        f"[data failure] process 1 exited at {seconds[1]:.1f}s ({codes[1]}), process 0 at {seconds[0]:.1f}s ({codes[0]})"
+    )
+    assert codes[1] not in (0, -9), logs[1][-3000:]  # failed, not killed at the limit
+    assert (
+        f"training stopped at step 1 of {CONFIG['steps']}: the data pipeline failed: ValueError: "
+        f"{failing_pipeline.MESSAGE} (its traceback is in the task log above)"
+    ) in logs[1], logs[1][-3000:]
+    assert "Traceback (most recent call last):" in logs[1]
+    assert codes[0] not in (0, -9), logs[0][-3000:]
+    assert seconds[0] - seconds[1] <= bound, (seconds, logs[0][-2000:])
+    with pytest.raises(Exception, match="missing"):
+        artifacts.read_manifest(output)
+    bucket, prefix = gcs.split_uri(output)
+    names = [b.name[len(prefix) + 1 :] for b in gcs.client().list_blobs(bucket, prefix=prefix + "/")]
+    assert not [n for n in names if not n.startswith("_checkpoints/")], names  # no adapter, no outputs
 
 
 def test_staged_a_host_lost_while_uploading_its_part_leaves_the_step_uncommitted_and_the_retry_resumes(
