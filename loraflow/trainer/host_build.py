@@ -21,6 +21,7 @@ import contextlib
 import functools
 import gc
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,14 +287,43 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     on_cpu = jax.sharding.SingleDeviceSharding(host[0])
     host_phases = Phases()  # the host's own moves: not the accelerator's transfers
     for path, var in nnx.to_flat_state(params):
-        var.set_value(_moved(arrays.pop(path), axes[path], _scan_axis(var), on_cpu, host_phases))
-        # the checkpoint's numpy array goes now that its jax.Array (moved or not) exists: jaxlib holds the
-        # buffer it copied from until a garbage collection runs its callback, and a young-generation one
-        # runs it (without it 2.0 GiB of the 2.8 GiB model's numpy arrays were still alive at the loop's end
-        # at 1.5 B: 1.7x the model); host memory holds the model and one array more
-        gc.collect(0)
+        placed, read = _from_host_memory(arrays.pop(path), axes[path], _scan_axis(var), on_cpu, host_phases)
+        var.set_value(placed)
+        if read is not None:
+            _let_go(read)
     phases.seconds["host layout"] = sum(host_phases.seconds.values())
     return nnx.merge(graphdef, params, rest), abstract.mesh
+
+
+def _from_host_memory(
+    array: Any, source: int | None, target: int | None, sharding: Any, phases: Phases
+) -> tuple[Any, weakref.ref[Any] | None]:
+    """``array``, read from the checkpoint into host memory, placed by :func:`_moved`, and a weak reference
+    to it for :func:`_let_go`: None where JAX took its buffer as it is (no copy: it is the model's memory)."""
+    placed = _moved(array, source, target, sharding, phases)
+    if placed.unsafe_buffer_pointer() == array.ctypes.data:
+        return placed, None
+    return placed, weakref.ref(array)
+
+
+def _let_go(read: weakref.ref[Any], seconds: float = 10.0) -> None:
+    """Return once the checkpoint array behind ``read`` is freed (or after ``seconds``), so that host
+    memory holds the model and one array more, never two.
+
+    jaxlib lets go of a host buffer it copied from (or aliased, for a copy that was then moved) by
+    handing its last reference to its garbage collection callback, which any collection runs, a young-
+    generation one too: without one, 2.0 GiB of the 2.8 GiB model's numpy arrays were still alive at the
+    loop's end at 1.5 B (1.7x the model). One young collection right after each placing was not always
+    enough: a fresh-clone CI run under load found an array alive at the next placing. So: a young
+    collection; if the array lives on, a full one (a reference cycle older than the young generation);
+    then young ones until it is gone (let go on jaxlib's own thread, after the copy was waited for)."""
+    gc.collect(0)
+    if read() is not None:
+        gc.collect()
+    deadline = time.monotonic() + seconds
+    while read() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+        gc.collect(0)
 
 
 def _build(config: Any, apply_lora: Callable[..., Any], progress: Progress) -> tuple[Any, Any]:

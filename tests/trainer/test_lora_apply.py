@@ -4,10 +4,13 @@ checked on its training in test_trainer_steps.py (its progress lines)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +232,101 @@ def test_qlora_on_the_host_keeps_no_checkpoint_array_beside_its_placed_copy(conv
     assert len(read) > 1 and not any(r() is not None for r in read), len(read)
     # each placing added its array's bytes in jax.Arrays (its place, moved or not) and nothing more
     assert all(added == nbytes for added, nbytes in kept), kept
+
+
+class _Held:
+    """An object that weak references can follow, standing in for a checkpoint array."""
+
+
+def test_a_placed_array_held_in_an_old_reference_cycle_is_freed_before_the_next_is_read():
+    """A checkpoint array that only a garbage collection can free, from a cycle that outlived the young
+    generation: the build's wait frees it (a full collection) before it reads the next array."""
+    import weakref
+
+    from loraflow.trainer import host_build
+
+    held = _Held()
+    held.cycle = held  # type: ignore[attr-defined]
+    gc.collect()  # the cycle is now in the oldest generation
+    read = weakref.ref(held)
+    del held
+    gc.collect(0)
+    assert read() is not None  # a young collection does not reach it
+    host_build._let_go(read, seconds=30)
+    assert read() is None
+
+
+@contextlib.contextmanager
+def _jaxlib_garbage() -> Iterator[list[Any]]:
+    """A stand-in for the list jaxlib hands the host buffers it lets go of to: only a garbage collection
+    (its callback, any generation) empties it, freeing what the list alone held."""
+    garbage: list[Any] = []
+
+    def collect(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            garbage.clear()
+
+    gc.callbacks.append(collect)
+    try:
+        yield garbage
+    finally:
+        gc.callbacks.remove(collect)
+
+
+def test_a_placed_array_let_go_by_one_collection_costs_no_full_collection():
+    """The usual case: the young collection after a placing frees its array; no full collection (which
+    walks every object in the trainer's process) is paid for it."""
+    import weakref
+
+    from loraflow.trainer import host_build
+
+    generations: list[int] = []
+
+    def counted(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            generations.append(info["generation"])
+
+    with _jaxlib_garbage() as garbage:
+        garbage.append(_Held())
+        read = weakref.ref(garbage[0])
+        gc.callbacks.append(counted)
+        try:
+            host_build._let_go(read, seconds=30)
+        finally:
+            gc.callbacks.remove(counted)
+    assert read() is None
+    assert generations and 2 not in generations, generations
+
+
+def test_a_placed_array_let_go_late_on_another_thread_is_waited_for():
+    """jaxlib may let go of the buffer it copied from after the copy was waited for, on its own thread,
+    into its garbage: the wait lasts until a collection after that, not one collection."""
+    import threading
+    import time
+    import weakref
+
+    from loraflow.trainer import host_build
+
+    holder = [_Held()]
+    read = weakref.ref(holder[0])
+    with _jaxlib_garbage() as garbage:
+        threading.Timer(0.3, lambda: garbage.append(holder.pop())).start()
+        started = time.monotonic()
+        host_build._let_go(read, seconds=30)
+    assert read() is None and time.monotonic() - started >= 0.3
+
+
+def test_a_placed_array_that_is_never_let_go_stops_the_wait_at_its_bound():
+    """An array something else keeps (no fault of the build's) costs the wait's bound, not a hang."""
+    import time
+    import weakref
+
+    from loraflow.trainer import host_build
+
+    kept = _Held()
+    started = time.monotonic()
+    host_build._let_go(weakref.ref(kept), seconds=0.5)
+    assert 0.5 <= time.monotonic() - started < 20
 
 
 def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(converted, tmp_path):
