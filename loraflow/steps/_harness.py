@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,28 @@ def import_permanently(*modules: str) -> float:
     return time.monotonic() - started
 
 
+def run_and_exit(stage: str, fn: StepFn, leave_at_once: Callable[[], bool] | None = None) -> NoReturn:
+    """A step program's ``__main__``: :func:`run_step`, then :func:`exit_process` with its status.
+
+    ``leave_at_once`` (lora_sft: whether this process is a host of a multi-host job) says whether a
+    failed process exits without waiting for its threads and ``atexit`` handlers: with a loraflow error
+    (status 2) or any other exception (status 1, its traceback printed first), which would otherwise wait
+    in JAX's shutdown barrier for hosts that wait for it in a collective. Without it, or when it is false,
+    an exception ends the process as Python's own exit does."""
+
+    def at_once() -> bool:
+        return leave_at_once is not None and leave_at_once()
+
+    try:
+        status = run_step(stage, fn)
+    except Exception:
+        if not at_once():
+            raise
+        traceback.print_exc()
+        status = 1
+    exit_process(status, wait=status == 0 or not at_once())
+
+
 def exit_process(status: int, wait: bool = True) -> NoReturn:
     """End this process with ``status`` as a normal exit would, minus the interpreter's teardown.
 
@@ -205,8 +228,8 @@ def exit_process(status: int, wait: bool = True) -> NoReturn:
     temporary directories' finalizers), stdout and stderr are flushed. Skipped: destroying every
     module and object one by one, which the task would wait for after the step has committed:
     about 1.5 s after Great Expectations, 2.5-3.5 s after JAX/MaxText or vLLM on 2 cores
-    (docs/benchmarks.md, section 6). The step programs' ``__main__``:
-    ``exit_process(run_step(STAGE, run))``; ``run_step`` itself returns to a caller in the same process.
+    (docs/benchmarks.md, section 6). The step programs end with it through :func:`run_and_exit`;
+    ``run_step`` itself returns to a caller in the same process.
 
     ``wait=False``: neither the threads nor the ``atexit`` handlers, only the streams flushed: a failed
     process of a multi-host job, whose threads (Orbax's checkpoint saves) and JAX's shutdown barrier wait

@@ -44,7 +44,7 @@ from typing import Any
 from loraflow import models
 from loraflow.errors import LoraflowError
 from loraflow.spec.step_configs import ConvertCheckpointConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
+from loraflow.steps._harness import StepContext, import_permanently, run_and_exit
 from loraflow.trainer.argv import compile_cache_args, hardware_args, overrides_args
 from loraflow.trainer.converted import CHECKPOINT_JSON
 
@@ -232,4 +232,4 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    exit_process(run_step("convert_checkpoint", run))
+    run_and_exit("convert_checkpoint", run)

@@ -72,7 +72,7 @@ from loraflow.reporting.curves import evaluation_scalars, scalar_writer, trained
 from loraflow.spec.stages import METRICS_JSON, PREDICTIONS_JSONL, PREDICTIONS_PARQUET
 from loraflow.spec.step_configs import EvaluateConfig, parse
 from loraflow.steps import _guard
-from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
+from loraflow.steps._harness import StepContext, import_permanently, run_and_exit
 
 #: The CPU backend's KV cache, when the config does not say, is what ``batch_size`` sequences of
 #: ``max_model_len`` tokens can fill (vLLM's own default takes about half the machine's memory, which it
@@ -538,4 +538,4 @@ def stage_from_argv(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    exit_process(run_step(stage_from_argv(sys.argv[1:]), run))
+    run_and_exit(stage_from_argv(sys.argv[1:]), run)

@@ -52,7 +52,7 @@ from loraflow.evaluation.metrics import METRICS, Metric
 from loraflow.registry import store as registry
 from loraflow.spec.stages import DECISION, METRICS_JSON, PREDICTIONS_JSONL, PREDICTIONS_PARQUET
 from loraflow.spec.step_configs import GateConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, run_and_exit
 from loraflow.storage import json_objects
 
 STAGE = "gate"
@@ -374,4 +374,4 @@ def summary(decision: Decision, compared: dict[str, Any] | None, guard: GuardChe
 
 
 if __name__ == "__main__":
-    exit_process(run_step(STAGE, run))
+    run_and_exit(STAGE, run)

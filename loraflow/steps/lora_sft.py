@@ -29,7 +29,7 @@ from loraflow.errors import LoraflowError
 from loraflow.spec import tuning as tuning_rules
 from loraflow.spec.stages import LOSS_CSV
 from loraflow.spec.step_configs import LoraSftConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
+from loraflow.steps._harness import StepContext, import_permanently, run_and_exit
 from loraflow.trainer.converted import ConvertedModel, read_converted
 from loraflow.trainer.curves import training_curves
 from loraflow.trainer.data_failure import stopped
@@ -116,7 +116,6 @@ def _export_peft(sft: SftRun, trained: Trained, ctx: StepContext) -> PeftExport:
 
 
 if __name__ == "__main__":
-    status = run_step("lora_sft", run)
-    # A host of a job that failed leaves at once: its threads and JAX's shutdown barrier would wait for the
+    # A host of a job that fails leaves at once: its threads and JAX's shutdown barrier would wait for the
     # others, which wait for it in the step's collective; they stop within the heartbeat timeout.
-    exit_process(status, wait=status == 0 or not in_a_job())
+    run_and_exit("lora_sft", run, leave_at_once=in_a_job)

@@ -22,7 +22,7 @@ from typing import Any
 from loraflow.errors import LoraflowError
 from loraflow.lora.merge import MergeReport, find_adapter, merge_checkpoint
 from loraflow.spec.step_configs import MergeAdapterConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, run_and_exit
 
 
 class NoOpMergeError(LoraflowError):
@@ -68,4 +68,4 @@ def check_changed(report: MergeReport) -> None:
 
 
 if __name__ == "__main__":
-    exit_process(run_step("merge_adapter", run))
+    run_and_exit("merge_adapter", run)

@@ -54,7 +54,7 @@ from loraflow.registry import store as registry
 from loraflow.registry import vertex as vertex_registry
 from loraflow.spec.stages import DECISION, REGISTRY_ENTRY
 from loraflow.spec.step_configs import PublishConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, run_and_exit
 from loraflow.storage import artifacts, gcs, json_objects
 from loraflow.storage.summaries import GateSummary
 
@@ -348,4 +348,4 @@ def _promoted_record(
 
 
 if __name__ == "__main__":
-    exit_process(run_step(STAGE, run))
+    run_and_exit(STAGE, run)

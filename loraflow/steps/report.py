@@ -56,7 +56,7 @@ from loraflow.spec.stages import (
 )
 from loraflow.spec.step_configs import ReportConfig, parse
 from loraflow.steps import _tracking
-from loraflow.steps._harness import StepContext, exit_process, run_step
+from loraflow.steps._harness import StepContext, run_and_exit
 from loraflow.storage import artifacts, gcs, json_objects
 from loraflow.storage.summaries import GateSummary
 
@@ -312,4 +312,4 @@ def run(ctx: StepContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    exit_process(run_step(STAGE, run))
+    run_and_exit(STAGE, run)

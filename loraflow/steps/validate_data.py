@@ -61,7 +61,7 @@ from loraflow.errors import DataValidationError, LoraflowError
 from loraflow.spec import expectations as contract
 from loraflow.spec.stages import DATA_REPORT
 from loraflow.spec.step_configs import ValidateDataConfig, parse
-from loraflow.steps._harness import StepContext, exit_process, import_permanently, run_step
+from loraflow.steps._harness import StepContext, import_permanently, run_and_exit
 
 STAGE = "validate_data"
 SPLITS = ("train", "eval")
@@ -803,4 +803,4 @@ def _accepted_summary(
 
 
 if __name__ == "__main__":
-    exit_process(run_step(STAGE, run))
+    run_and_exit(STAGE, run)

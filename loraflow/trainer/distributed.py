@@ -5,7 +5,7 @@ then spans every process's devices (parameters sharded across hosts, each host l
 every batch). Losing a host: the others stop within ``LORAFLOW_HEARTBEAT_TIMEOUT`` seconds (default
 100: JAX's coordination service) and the job fails; the retry resumes from the newest committed
 checkpoint. A host whose step fails leaves the same way: lora_sft exits at once when :func:`in_a_job`
-(``exit_process(status, wait=False)``), not through JAX's shutdown barrier.
+(``run_and_exit``'s ``leave_at_once``), whatever it raised, not through JAX's shutdown barrier.
 """
 
 from __future__ import annotations

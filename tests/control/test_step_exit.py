@@ -69,10 +69,81 @@ def test_a_failed_host_of_a_job_exits_at_once_with_its_output_flushed() -> None:
     assert proc.stdout.splitlines() == ["buffered, never flushed by hand"], proc.stderr
 
 
-def test_every_step_program_ends_with_exit_process() -> None:
+# A step program's __main__ (run_and_exit) whose step raises: argv[1] is what it raises ("loraflow",
+# "other" or "nothing"), argv[2] whether it is a host of a multi-host job ("job": leave_at_once true; else none given).
+FAILING = """
+import atexit, sys, threading, time
+from loraflow.errors import LoraflowError
+from loraflow.steps import _harness
+
+def worker():
+    time.sleep(1)
+    print("thread finished")
+
+def call(stage, fn, args):  # run_step's call of the step, without GCS (no inputs, nothing committed)
+    return fn(None)
+
+def run(ctx):
+    threading.Thread(target=worker).start()  # not a daemon: a normal exit waits for it
+    atexit.register(lambda: print("atexit ran"))
+    print("training", flush=True)
+    if raised == "loraflow":
+        raise LoraflowError("the data pipeline failed")
+    if raised == "other":
+        raise RuntimeError("an error nobody named")
+    return 0  # the status run_step returns for a step that ended well
+
+raised, where = sys.argv[1:]
+sys.argv[1:] = ["--output", "gs://bucket/lora_sft"]
+_harness._run = call
+_harness.run_and_exit("lora_sft", run, leave_at_once=(lambda: True) if where == "job" else None)
+"""
+
+
+def _failing(raised: str, where: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", FAILING, raised, where],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("raised", ["loraflow", "other"])
+def test_a_host_of_a_job_that_fails_with_any_exception_leaves_at_once(raised: str) -> None:
+    """On a host of a multi-host job (lora_sft's ``leave_at_once``) an exception loraflow did not name
+    leaves at once too, its traceback printed: its threads and the shutdown barrier are not waited for."""
+    proc = _failing(raised, "job")
+    assert proc.stdout.splitlines() == ["training"], (proc.stdout, proc.stderr)
+    if raised == "other":
+        assert proc.returncode == 1
+        assert "RuntimeError: an error nobody named" in proc.stderr and "Traceback" in proc.stderr
+    else:
+        assert (proc.returncode, proc.stderr) == (2, "[lora_sft] ERROR: the data pipeline failed\n")
+
+
+def test_an_exception_on_a_single_host_ends_as_pythons_own_exit_does() -> None:
+    """Not in a job: the exception escapes (Python prints it, exit status 1) and the process still waits
+    for its threads and runs its atexit handlers, as it always did."""
+    proc = _failing("other", "alone")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "RuntimeError: an error nobody named", proc.stderr
+    assert proc.stdout.splitlines() == ["training", "thread finished", "atexit ran"], proc.stderr
+
+
+def test_every_step_program_ends_with_run_and_exit() -> None:
     for path in sorted((REPO / "loraflow" / "steps").glob("[!_]*.py")):
         text = path.read_text()
         if 'if __name__ == "__main__":' in text:
             main = text.split('if __name__ == "__main__":', 1)[1]
-            ends = "exit_process(run_step(" in main or ("= run_step(" in main and "exit_process(status" in main)
-            assert ends, f"{path.name}: end __main__ with exit_process(run_step(...))"
+            assert "run_and_exit(" in main, f"{path.name}: end __main__ with run_and_exit(STAGE, run)"
+
+
+def test_a_host_of_a_job_that_ends_well_waits_as_a_normal_exit_does() -> None:
+    """A host of a job whose step ended well still waits for its threads and runs its atexit handlers: JAX's
+    shutdown barrier is how it waits for process 0 to commit the outputs."""
+    proc = _failing("nothing", "job")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["training", "thread finished", "atexit ran"], proc.stderr
