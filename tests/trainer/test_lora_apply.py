@@ -302,7 +302,6 @@ def test_a_placed_array_let_go_late_on_another_thread_is_waited_for():
     """jaxlib may let go of the buffer it copied from after the copy was waited for, on its own thread,
     into its garbage: the wait lasts until a collection after that, not one collection."""
     import threading
-    import time
     import weakref
 
     from loraflow.trainer import host_build
@@ -310,10 +309,10 @@ def test_a_placed_array_let_go_late_on_another_thread_is_waited_for():
     holder = [_Held()]
     read = weakref.ref(holder[0])
     with _jaxlib_garbage() as garbage:
+        # holder keeps it until the timer hands it to the garbage: gone means the wait outlasted that
         threading.Timer(0.3, lambda: garbage.append(holder.pop())).start()
-        started = time.monotonic()
         host_build._let_go(read, seconds=30)
-    assert read() is None and time.monotonic() - started >= 0.3
+    assert read() is None
 
 
 def test_a_placed_array_that_is_never_let_go_stops_the_wait_at_its_bound():
