@@ -88,21 +88,28 @@ def _maxtext_hooks(pipeline: Pipeline) -> object:
     return hooks
 
 
-@pytest.mark.parametrize("backend", ["cpu", "tpu"])  # in the loop; read ahead in a thread
-def test_maxtext_swallows_the_pipeline_s_error_and_the_watch_keeps_it(backend):
-    """MaxText's ``load_next_train_batch`` gives the loop the batches, then None (the loop's end) where the
-    pipeline raised: the watch, over the loop's reader or over the thread reading ahead, keeps the exception."""
-    pipeline = Pipeline(fail_at=3, error=UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+def _read_through_maxtext(pipeline: Pipeline, backend: str, reads: int) -> tuple[list[Any], WatchedBatches]:
+    """``reads`` calls of MaxText's ``load_next_train_batch`` over ``pipeline``, read in the loop ("cpu") or
+    ahead in a thread ("tpu"), with the watch under the loader; the batches (None where MaxText gave none)
+    and the watch."""
     hooks = _maxtext_hooks(pipeline)
     trainer = SimpleNamespace(data_hooks=hooks)
     ahead = prepare_batches_ahead(trainer, lambda _: None, backend=backend)
     watched = watch_batches(trainer)
     assert hooks.train_data_loader.data_iterator is watched
     try:
-        got = [hooks.load_next_train_batch(None) for _ in range(4)]
+        return [hooks.load_next_train_batch(None) for _ in range(reads)], watched
     finally:
         if ahead is not None:
             ahead.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])  # in the loop; read ahead in a thread
+def test_maxtext_swallows_the_pipeline_s_error_and_the_watch_keeps_it(backend):
+    """MaxText's ``load_next_train_batch`` gives the loop the batches, then None (the loop's end) where the
+    pipeline raised: the watch, over the loop's reader or over the thread reading ahead, keeps the exception."""
+    pipeline = Pipeline(fail_at=3, error=UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    got, watched = _read_through_maxtext(pipeline, backend, 4)
     assert [None if b is None else int(b["batch"]) for b in got] == [0, 1, 2, None]
     assert watched.failure is pipeline.error
     assert stopped_early(3, 10, watched.failure) == (
@@ -113,15 +120,7 @@ def test_maxtext_swallows_the_pipeline_s_error_and_the_watch_keeps_it(backend):
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_data_that_runs_out_is_no_failure_through_maxtext(backend):
-    hooks = _maxtext_hooks(Pipeline(n=2))
-    trainer = SimpleNamespace(data_hooks=hooks)
-    ahead = prepare_batches_ahead(trainer, lambda _: None, backend=backend)
-    watched = watch_batches(trainer)
-    try:
-        got = [hooks.load_next_train_batch(None) for _ in range(3)]
-    finally:
-        if ahead is not None:
-            ahead.close()
+    got, watched = _read_through_maxtext(Pipeline(n=2), backend, 3)
     assert got[2] is None and watched.failure is None
     assert stopped_early(2, 10, watched.failure) == "training stopped at step 2 of 10 (data ran out?)"
 
@@ -142,15 +141,7 @@ class TextAt(Pipeline):
 def test_a_batch_that_fails_after_it_was_read_is_the_failure_too(backend):
     """The pipeline gives a batch MaxText's loader cannot put on the devices (``jax.device_put`` in its
     ``load_next_batch``, inside the same ``except`` as the read): that error is kept, not "data ran out"."""
-    hooks = _maxtext_hooks(TextAt(3))
-    trainer = SimpleNamespace(data_hooks=hooks)
-    ahead = prepare_batches_ahead(trainer, lambda _: None, backend=backend)
-    watched = watch_batches(trainer)
-    try:
-        got = [hooks.load_next_train_batch(None) for _ in range(3)]
-    finally:
-        if ahead is not None:
-            ahead.close()
+    got, watched = _read_through_maxtext(TextAt(3), backend, 3)
     assert [None if b is None else int(b["batch"]) for b in got] == [0, 1, None]
     assert isinstance(watched.failure, TypeError)
     assert stopped_early(2, 10, watched.failure) == (
