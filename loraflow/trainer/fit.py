@@ -27,6 +27,7 @@ arithmetic of fitting and the slices.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -341,6 +342,11 @@ def _predicted(cfg: LoraSftConfig, config: Any, mesh: Any, chips: int, per_devic
     setup = setup_peak(cfg, trainer, base, chips)
     del trainer, base
     jax.clear_caches()
+    # The trace and the compile leave their objects in reference cycles (91,000 of them for the tiny model,
+    # the compiled program among them), which only a full collection frees. Freed here, at set-up, not at whatever
+    # training step the collector next walks the heap: twice on the chip one step of a `tuning: auto` run
+    # took 1.5-2.0 s against its neighbours' 0.51 (bench/notes.md section 13; the cause not yet confirmed there).
+    gc.collect()
     queued = rule.queued_peak(step.peak_bytes, step.output_bytes, step.alias_bytes, setup)
     return Prediction(per_device_batch, step, state, setup, max(step.peak_bytes, setup), queued)
 
