@@ -30,9 +30,6 @@ from loraflow.errors import LoraflowError
 
 Progress = Callable[[str], None]
 GIB = 1 << 30
-# JAX's CPU client takes a numpy array's buffer as it is (no copy) only at this alignment in bytes (measured
-# on jaxlib 0.12: 64 aliases, 16, 32, 48 and 96 copy); numpy places a large array 16 bytes past a page.
-ALIASED_ALIGNMENT = 64
 
 
 def device_bytes(tree: Any) -> int:
@@ -301,31 +298,12 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
 def _from_host_memory(
     array: Any, source: int | None, target: int | None, sharding: Any, phases: Phases
 ) -> tuple[Any, weakref.ref[Any] | None]:
-    """``array``, read from the checkpoint into host memory, placed by :func:`_moved` from an aligned copy
-    (:func:`_aligned`; ``array`` itself goes when this returns), and a weak reference to what was placed
-    for :func:`_let_go`: None where JAX took its buffer as it is (no copy: it is the model's memory)."""
-    with phases.timed("aligned copies"):
-        array = _aligned(array)
+    """``array``, read from the checkpoint into host memory, placed by :func:`_moved`, and a weak reference
+    to it for :func:`_let_go`: None where JAX took its buffer as it is (no copy: it is the model's memory)."""
     placed = _moved(array, source, target, sharding, phases)
     if placed.unsafe_buffer_pointer() == array.ctypes.data:
         return placed, None
     return placed, weakref.ref(array)
-
-
-def _aligned(array: Any) -> Any:
-    """``array``, or a copy of it at :data:`ALIASED_ALIGNMENT`, which JAX's CPU client then takes without a
-    copy of its own. Its own copy of an unaligned array ran at 1.5 GB/s against numpy's 5.8 (0.37 s against
-    0.09 for a 0.5 GiB bf16 stack on this project's CPU), and Orbax's reads are never aligned: at 8B on
-    the chip's host the placing loop took 31-32 s for the 15 GiB model (bench/notes.md section 13)."""
-    import numpy as np
-
-    if array.ctypes.data % ALIASED_ALIGNMENT == 0:
-        return array
-    buffer = np.empty(array.nbytes + ALIASED_ALIGNMENT, dtype=np.uint8)
-    start = -buffer.ctypes.data % ALIASED_ALIGNMENT
-    copy = buffer[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
-    np.copyto(copy, array)
-    return copy
 
 
 def _let_go(read: weakref.ref[Any], seconds: float = 10.0) -> None:

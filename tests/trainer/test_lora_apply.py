@@ -328,58 +328,6 @@ def test_a_placed_array_that_is_never_let_go_stops_the_wait_at_its_bound():
     assert 0.5 <= time.monotonic() - started < 20
 
 
-def _at(offset: int, shape: tuple[int, ...], source: Any) -> Any:
-    """A numpy bfloat16 array holding ``source``'s values ``offset`` bytes past a 64-byte boundary (Orbax's
-    reads lie 16 past one: numpy puts a large array 16 bytes past a page)."""
-    import ml_dtypes
-    import numpy as np
-
-    buffer = np.empty(int(np.prod(shape)) * 2 + 128, dtype=np.uint8)
-    start = -buffer.ctypes.data % 64 + offset
-    array = buffer[start : start + int(np.prod(shape)) * 2].view(ml_dtypes.bfloat16).reshape(shape)
-    np.copyto(array, source)
-    return array
-
-
-def test_an_unaligned_checkpoint_array_is_copied_once_and_taken_by_jax_as_it_is():
-    """JAX's CPU client copies an unaligned numpy array itself, at a quarter of numpy's speed (the placing
-    loop took 31 s at 8B on the chip's host): the build copies it once to an aligned buffer, which JAX then
-    takes as it is (the model's memory: nothing left for the wait), and the read array goes at once. An
-    array already aligned is not copied."""
-    import weakref
-
-    import jax
-    import ml_dtypes
-    import numpy as np
-
-    from loraflow.trainer import host_build
-
-    values = np.arange(4 * 64 * 96, dtype=np.float32).reshape(4, 64, 96).astype(ml_dtypes.bfloat16)
-    on_cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    for shape, source, target in (((4, 64, 96), None, None), ((4, 64, 96), 1, 0)):
-        arrays = [_at(16, shape, values)]
-        assert arrays[0].ctypes.data % 64 == 16
-        checkpoint = weakref.ref(arrays[0])
-        phases = host_build.Phases()
-        placed, read = host_build._from_host_memory(arrays.pop(), source, target, on_cpu, phases)
-        assert checkpoint() is None  # the array read is gone; what remains is the placed copy
-        expected = values if source is None else np.moveaxis(values, source, target)
-        assert np.array_equal(np.asarray(placed), expected)
-        assert "aligned copies" in phases.seconds
-        if source is None:
-            assert read is None  # JAX took the aligned copy as its buffer: it is the model's memory
-            assert placed.unsafe_buffer_pointer() % host_build.ALIASED_ALIGNMENT == 0
-        else:  # moved where it landed: the aligned copy it was taken from is let go
-            assert read is not None
-            host_build._let_go(read, seconds=30)
-            assert read() is None
-    aligned = _at(0, (4, 64, 96), values)
-    assert host_build._aligned(aligned) is aligned
-    for offset in (16, 32, 48):
-        copy = host_build._aligned(_at(offset, (4, 64, 96), values))
-        assert copy.ctypes.data % 64 == 0 and copy.dtype == values.dtype and np.array_equal(copy, values)
-
-
 def test_qlora_on_the_host_needs_scratch_for_a_layer_not_the_layer_stack(converted, tmp_path):
     """Quantizing on the host is one compiled program over the whole layer stack; its scratch must stay
     about one layer's, whatever the depth (an 8B model's stack in f32 is ~30 GiB: more than a TPU host
