@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -247,7 +248,6 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     one and a bit (one stacked weight at a time is moved to the host's layout). Its other state (the
     RNG streams) is made as MaxText makes it, by a compiled model build that computes nothing else."""
     import jax
-    import numpy as np
     import orbax.checkpoint as ocp
     from flax import nnx
     from flax.core.spmd import logical_axis_rules
@@ -272,15 +272,10 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     # buffer and copies it into a CPU jax.Array; jaxlib lets go of a buffer it copied from only at its next
     # garbage collection (a gc callback), so the read peaked at the model and 0.5-0.8 GiB more at 1.5 B on
     # CPU, 0.49 GiB of it still held when the read returned, and took 11-46 s. Read as numpy: the model and
-    # about 0.1 GiB, 3.7 s (bench/notes.md section 12). Orbax's in-flight bound (restore_concurrent_gb)
-    # changed neither. The loop below then copies one array at a time into its jax.Array.
-    restore_args = jax.tree_util.tree_map(
-        lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype), target
-    )
+    # about 0.1 GiB, 3.7 s (bench/notes.md section 12). The loop below then copies one array at a time into
+    # its jax.Array.
     with phases.timed("checkpoint read"):
-        restored = checkpointer.restore(
-            str(config.load_parameters_path), item=target, transforms={}, restore_args=restore_args
-        )
+        restored = _read(checkpointer, str(config.load_parameters_path), target)
     arrays = dict(nnx.to_flat_state(nnx.State(restored["params"]["params"])))
     del restored, target
     axes = {path: _scan_axis(var) for path, var in nnx.to_flat_state(stored_params)}
@@ -293,6 +288,48 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
             _let_go(read)
     phases.seconds["host layout"] = sum(host_phases.seconds.values())
     return nnx.merge(graphdef, params, rest), abstract.mesh
+
+
+READ_GROUP_BYTES = 1 << 30
+
+
+def _read(checkpointer: Any, directory: str, target: dict[str, Any]) -> dict[str, Any]:
+    """``target``'s arrays read from the checkpoint in ``directory`` as numpy arrays, in groups of at most
+    :data:`READ_GROUP_BYTES` (an array larger than that alone), one Orbax restore a group.
+
+    One restore of the whole tree asks tensorstore for every chunk of every array at once (Orbax's numpy
+    handler gathers them all and ignores its ``restore_concurrent_gb`` bound), and chunks read but not yet
+    decoded into their arrays pile up beside the model: at 3.6 B on a 2-core CPU the read peaked at
+    1.08-1.17x the model, in 1 GiB groups at 1.04x, in the same time (bench/notes.md section 13b)."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import traverse_util
+
+    leaves = traverse_util.flatten_dict(target)
+    sizes = {path: math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for path, leaf in leaves.items()}
+    restored: dict[Any, Any] = {}
+    for group in _groups(sizes):
+        item = traverse_util.unflatten_dict({path: leaves[path] for path in group})
+        args = traverse_util.unflatten_dict(
+            {path: ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaves[path].dtype) for path in group}
+        )
+        part = checkpointer.restore(directory, item=item, transforms={}, restore_args=args)
+        restored |= traverse_util.flatten_dict(part)
+    return traverse_util.unflatten_dict(restored)
+
+
+def _groups(sizes: dict[Any, int]) -> list[list[Any]]:
+    """The keys of ``sizes`` in order, in groups whose sizes add up to at most :data:`READ_GROUP_BYTES`
+    (a key whose size is more than that in a group of its own)."""
+    groups: list[list[Any]] = []
+    total = 0
+    for key, size in sizes.items():
+        if not groups or total + size > READ_GROUP_BYTES:
+            groups.append([])
+            total = 0
+        groups[-1].append(key)
+        total += size
+    return groups
 
 
 def _from_host_memory(

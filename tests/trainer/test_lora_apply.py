@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import re
@@ -232,6 +233,61 @@ def test_qlora_on_the_host_keeps_no_checkpoint_array_beside_its_placed_copy(conv
     assert len(read) > 1 and not any(r() is not None for r in read), len(read)
     # each placing added its array's bytes in jax.Arrays (its place, moved or not) and nothing more
     assert all(added == nbytes for added, nbytes in kept), kept
+
+
+def test_qlora_reads_the_checkpoint_in_groups_of_bounded_bytes_and_builds_the_same_model(converted, monkeypatch):
+    """QLoRA's host read (host_build._read) is one Orbax restore per group of arrays (:func:`_groups`, in
+    bytes), in the tree's order, each array once: one restore of the whole tree let chunks read but not
+    yet decoded pile up beside the model (bench/notes.md section 13b). The model built from the grouped
+    reads is the one built from a single read of the whole tree. Counted in the bytes each restore
+    returned, not RSS."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import traverse_util
+
+    from loraflow.trainer import host_build
+
+    mt_config = _config(_sft_context(converted, "host-read", steps=2, quantization="nf4", tile_size=32))
+    restore, calls = ocp.Checkpointer.restore, []
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        read = restore(self, *args, **kwargs)
+        calls.append({path: array.nbytes for path, array in traverse_util.flatten_dict(read).items()})
+        return read
+
+    def built(bound: int) -> tuple[dict[str, Any], list[dict[Any, int]]]:
+        calls.clear()
+        monkeypatch.setattr(host_build, "READ_GROUP_BYTES", bound)
+        model, _ = host_build._restored_on_host(mt_config, host_build.Phases())
+        return _arrays(model), list(calls)
+
+    monkeypatch.setattr(ocp.Checkpointer, "restore", recorded)
+    whole, [tree] = built(1 << 40)  # the whole tree in one restore
+    sizes = list(tree.values())
+    # one byte short of the layers' two norm scales (the tree's 5th and 6th arrays): each is read alone,
+    # and so is every kernel (larger than the bound)
+    bound = sizes[4] + sizes[5] - 1
+    assert sizes[4] <= bound < max(sizes) and len(sizes) > 6, list(tree.items())
+    grouped, groups = built(bound)
+
+    assert [path for group in groups for path in group] == list(tree)
+    assert all(group and (sum(group.values()) <= bound or len(group) == 1) for group in groups), groups
+    closed = [(sum(group.values()), next(iter(after.values()))) for group, after in itertools.pairwise(groups)]
+    assert all(total + first > bound for total, first in closed), (bound, closed)
+    assert grouped.keys() == whole.keys()
+    different = [k for k in whole if grouped[k].dtype != whole[k].dtype or not np.array_equal(grouped[k], whole[k])]
+    assert different == [], different
+
+
+def test_read_groups_take_arrays_in_order_while_their_bytes_fit_the_bound(monkeypatch):
+    """host_build._groups: a group takes the next array while the group's bytes stay at most the bound
+    (filling it exactly too), and an array larger than the bound is a group of its own."""
+    from loraflow.trainer import host_build
+
+    monkeypatch.setattr(host_build, "READ_GROUP_BYTES", 10)
+    sizes = {"a": 4, "b": 6, "c": 3, "d": 3, "e": 5, "f": 12, "g": 1, "h": 10}
+    assert host_build._groups(sizes) == [["a", "b"], ["c", "d"], ["e"], ["f"], ["g"], ["h"]]
+    assert host_build._groups({}) == []
 
 
 class _Held:
