@@ -183,10 +183,12 @@ def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float) -> dic
             stderr=subprocess.STDOUT,
             text=True,
         )
-        short = _stop_when_memory_runs_short(proc)
+        host, watcher = _watch_host_memory(proc)
         try:
             output, _ = proc.communicate(timeout=timeout)
-            rc: int | str = proc.returncode if not short else f"stopped: {short[0]}"
+            watcher.join()
+            short = host.get("stopped")
+            rc: int | str = proc.returncode if not short else f"stopped: {short}"
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
@@ -195,35 +197,53 @@ def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float) -> dic
     wall = time.perf_counter() - t
     found = [line for line in output.splitlines() if line.startswith("BENCH_JSON ")]
     if rc == 0 and found:
-        return {**json.loads(found[-1][len("BENCH_JSON ") :]), "wall_s": wall}
-    return {"case": case, "failed": rc, "wall_s": wall, "tail": output[-4000:]}
+        return {**json.loads(found[-1][len("BENCH_JSON ") :]), "wall_s": wall, "host_memory": host}
+    return {"case": case, "failed": rc, "wall_s": wall, "host_memory": host, "tail": output[-4000:]}
 
 
-def _available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 62
+def _meminfo(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """``keys`` of a /proc file of ``Key: N kB`` lines, in bytes (those it lacks left out)."""
+    found: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    found[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
 
 
-def _stop_when_memory_runs_short(proc: subprocess.Popen[str]) -> list[str]:
-    """Watch the host's available memory while ``proc`` runs; kill it below ``MIN_AVAILABLE_BYTES`` (the
-    device machine returns nothing at all when the host runs out). The returned list says why, once killed."""
-    why: list[str] = []
+def _watch_host_memory(proc: subprocess.Popen[str]) -> tuple[dict[str, Any], threading.Thread]:
+    """Watch the host's memory while ``proc`` runs, every 0.5 s: kill it when MemAvailable falls below
+    ``MIN_AVAILABLE_BYTES`` (the device machine returns nothing at all when the host runs out; the dict's
+    ``stopped`` then says why). The dict also keeps the process's own peaks (``peak_rss_bytes``,
+    ``peak_anon_bytes``: VmRSS, RssAnon) beside the machine's MemAvailable as it began, its lowest and the
+    page cache then (``available_at_start_bytes``, ``min_available_bytes``, ``cached_bytes_at_min``): under gVisor MemAvailable counts the file data the
+    sandbox caches as used, which the process's own figures do not (bench/notes.md section 13b). Join the
+    thread once ``proc`` has ended before reading the dict."""
+    at_start = _meminfo("/proc/meminfo", ("MemAvailable",)).get("MemAvailable")
+    seen: dict[str, Any] = {"available_at_start_bytes": at_start, "peak_rss_bytes": 0, "peak_anon_bytes": 0}
 
     def watch() -> None:
         while proc.poll() is None:
-            available = _available_bytes()
-            if available < MIN_AVAILABLE_BYTES:
-                why.append(f"host memory ran short ({available / 2**30:.1f} GiB available)")
+            mine = _meminfo(f"/proc/{proc.pid}/status", ("VmRSS", "RssAnon"))
+            seen["peak_rss_bytes"] = max(seen["peak_rss_bytes"], mine.get("VmRSS", 0))
+            seen["peak_anon_bytes"] = max(seen["peak_anon_bytes"], mine.get("RssAnon", 0))
+            host = _meminfo("/proc/meminfo", ("MemAvailable", "Cached"))
+            available = host.get("MemAvailable")
+            if available is not None and available < seen.get("min_available_bytes", 1 << 62):
+                seen["min_available_bytes"], seen["cached_bytes_at_min"] = available, host.get("Cached")
+            if available is not None and available < MIN_AVAILABLE_BYTES:
+                seen["stopped"] = f"host memory ran short ({available / 2**30:.1f} GiB available)"
                 proc.kill()
                 return
             time.sleep(0.5)
 
-    if os.path.exists("/proc/meminfo"):
-        threading.Thread(target=watch, daemon=True).start()
-    return why
+    watcher = threading.Thread(target=watch if os.path.exists("/proc/meminfo") else lambda: None, daemon=True)
+    watcher.start()
+    return seen, watcher
 
 
 def pack_adapters(root: Path, dest: Path) -> None:
@@ -286,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run_case(case, root, args.out / f"tpu-{args.phase}.log", left)
         results.append(res)
         shown = ("failed", "skipped", "wall_s", "tokens_per_s", "step_s_median", "summary", "warm_tokens_per_s")
-        brief = {k: res[k] for k in (*shown, "stage_over_raw", "peak_bytes_in_use") if k in res}
+        brief = {k: res[k] for k in (*shown, "stage_over_raw", "peak_bytes_in_use", "host_memory") if k in res}
         print(f"[tpu-check] -> {json.dumps(brief, default=str)}", flush=True)
         so_far = earlier + results
         kept.write_text(json.dumps(so_far))
