@@ -118,7 +118,13 @@ RULES: tuple[Rule, ...] = (
 # loraflow's own variables a spec may set: step tunables that change no trust boundary (the rest of
 # LORAFLOW_* wires hosts, scratch space, environments and fault injection: the deployer's).
 STEP_TUNABLES = frozenset(
-    {"LORAFLOW_LOG_LEVEL", "LORAFLOW_JOIN_TIMEOUT", "LORAFLOW_HEARTBEAT_TIMEOUT", "LORAFLOW_HARDWARE"}
+    {
+        "LORAFLOW_LOG_LEVEL",
+        "LORAFLOW_JOIN_TIMEOUT",
+        "LORAFLOW_HEARTBEAT_TIMEOUT",
+        "LORAFLOW_SHUTDOWN_TIMEOUT",
+        "LORAFLOW_HARDWARE",
+    }
 )
 
 
@@ -213,6 +219,9 @@ ALLOWED: dict[str, Allowed] = {
     ),
     "LORAFLOW_HEARTBEAT_TIMEOUT": whole_number(
         "seconds without a host's heartbeat before the other hosts stop", 1, 86400, "whole seconds"
+    ),
+    "LORAFLOW_SHUTDOWN_TIMEOUT": whole_number(
+        "seconds the hosts of a multi-host step that ended well wait for host 0's outputs", 1, 86400, "whole seconds"
     ),
     "LORAFLOW_HARDWARE": Allowed(
         "MaxText's hardware when JAX's devices do not tell", "cpu, tpu, gpu or gpu_multiprocess",

@@ -5,7 +5,9 @@ then spans every process's devices (parameters sharded across hosts, each host l
 every batch). Losing a host: the others stop within ``LORAFLOW_HEARTBEAT_TIMEOUT`` seconds (default
 100: JAX's coordination service) and the job fails; the retry resumes from the newest committed
 checkpoint. A host whose step fails leaves the same way: lora_sft exits at once when :func:`in_a_job`
-(``run_and_exit``'s ``leave_at_once``), whatever it raised, not through JAX's shutdown barrier.
+(``run_and_exit``'s ``leave_at_once``), whatever it raised, not through JAX's shutdown barrier. A job that
+ended well: the other processes wait in that barrier while process 0 commits the outputs, up to
+``LORAFLOW_SHUTDOWN_TIMEOUT`` seconds (default :data:`SHUTDOWN_TIMEOUT`, an hour; JAX's own 300 s).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any
 
 from loraflow.launchers import multihost
 from loraflow.trainer.sft_run import Progress
+
+# seconds the other hosts of a job that ended well wait for process 0's outputs (LORAFLOW_SHUTDOWN_TIMEOUT)
+SHUTDOWN_TIMEOUT = 3600
 
 
 def start_distributed(progress: Progress) -> multihost.DistributedConfig | None:
@@ -38,6 +43,11 @@ def start_distributed(progress: Progress) -> multihost.DistributedConfig | None:
         initialization_timeout=int(os.environ.get("LORAFLOW_JOIN_TIMEOUT", "300")),
         # A lost host: the others stop within this many seconds instead of waiting in a collective.
         heartbeat_timeout_seconds=int(os.environ.get("LORAFLOW_HEARTBEAT_TIMEOUT", "100")),
+        # Hosts that ended well wait in JAX's shutdown barrier while process 0 writes, exports and commits the
+        # outputs. Past this bound the coordination service aborts every process (status 134), process 0
+        # in the middle of its commit: JAX's 300 s is too short for a large model's outputs; a process 0 that
+        # dies is caught by the heartbeat, not this bound.
+        shutdown_timeout_seconds=int(os.environ.get("LORAFLOW_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT))),
         coordinator_bind_address=dist.coordinator if loopback else None,
     )
     if loopback:

@@ -173,7 +173,8 @@ GOOD = {
     "JAX_DEFAULT_MATMUL_PRECISION": "highest", "TF_CPP_MIN_LOG_LEVEL": "0", "TPU_STDERR_LOG_LEVEL": "2",
     "TPU_MIN_LOG_LEVEL": "1", "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
     "OMP_NUM_THREADS": "8", "TOKENIZERS_PARALLELISM": "false", "LORAFLOW_LOG_LEVEL": "info",
-    "LORAFLOW_JOIN_TIMEOUT": "600", "LORAFLOW_HEARTBEAT_TIMEOUT": "120", "LORAFLOW_HARDWARE": "tpu",
+    "LORAFLOW_JOIN_TIMEOUT": "600", "LORAFLOW_HEARTBEAT_TIMEOUT": "120", "LORAFLOW_SHUTDOWN_TIMEOUT": "7200",
+    "LORAFLOW_HARDWARE": "tpu",
 }  # fmt: skip
 
 
@@ -253,7 +254,8 @@ def test_a_name_off_the_allow_list_is_refused_naming_it_the_list_and_how_to_ask(
 @pytest.mark.parametrize(
     ("name", "lowest", "highest", "unit"),
     [("OMP_NUM_THREADS", 1, 1024, "a number"), ("LORAFLOW_JOIN_TIMEOUT", 1, 86400, "whole seconds"),
-     ("LORAFLOW_HEARTBEAT_TIMEOUT", 1, 86400, "whole seconds")],
+     ("LORAFLOW_HEARTBEAT_TIMEOUT", 1, 86400, "whole seconds"),
+     ("LORAFLOW_SHUTDOWN_TIMEOUT", 1, 86400, "whole seconds")],
 )  # fmt: skip
 def test_a_whole_number_variable_takes_its_documented_range_compared_as_a_number(
     name: str, lowest: int, highest: int, unit: str
