@@ -10,8 +10,8 @@
 # pack: the interpreter of .venvs/trainer (its stdlib without tests, idle, tk and the static library) and
 #   the packages of .venvs/trainer's site-packages that the trainer steps can import (everything except a
 #   list of large packages nothing on the training path imports: EXCLUDE below, checked by tracing the
-#   imports of `check.py tiny`), as one zstd-compressed tar split into parts that fit one device call's
-#   carry (64 MiB), with their checksums and a zstd binary in .tpu-env/meta.
+#   imports of `check.py tiny`), compiled to bytecode, as one zstd-compressed tar split into parts that fit
+#   one device call's carry (64 MiB), with their checksums and a zstd binary in .tpu-env/meta.
 # unpack: moves each carried part out of the way (to $PARTS), says which parts are still missing (exit 3),
 #   and once all are there and their checksums match, unpacks the environment into $ENV_DIR (exit 0).
 # run ARGS...: runs the unpacked interpreter with ARGS, e.g. `bash bench/tpu/carry_env.sh run
@@ -63,7 +63,13 @@ pack() {
     local dest="$stage/lib/python$ver/site-packages" skip=() name
     mkdir -p "$dest" || fail "cannot stage site-packages"
     for name in "${EXCLUDE[@]}"; do skip+=(--exclude="./$name"); done
-    tar -C "$site" "${skip[@]}" -cf - . | tar -C "$dest" -xf - || fail "cannot copy site-packages"
+    tar -C "$site" "${skip[@]}" --exclude='__pycache__' -cf - . | tar -C "$dest" -xf - || fail "cannot copy site-packages"
+    # Bytecode for every module, whatever this venv happens to hold: uv installs none, and the device's
+    # processes appear to keep none they write, so each case compiled MaxText and JAX from source
+    # (lora_sft's first log line to its second: 11 s with bytecode carried, 23-24 s without, 2026-12-07).
+    # Tracebacks name the unpacked paths.
+    "$venv/bin/python" -m compileall -q -j 0 -s "$stage" -p "$ENV_DIR" "$stage/lib/python$ver" >/dev/null \
+        || say "some files did not compile (their modules compile where they are imported)"
     # a fallback for the system libraries the stdlib's extension modules link, should the machine lack one
     mkdir -p "$stage/syslib"
     for name in libffi.so.8 libssl.so.3 libcrypto.so.3 libsqlite3.so.0 libbz2.so.1.0 liblzma.so.5 libuuid.so.1; do
