@@ -186,13 +186,14 @@ def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float) -> dic
         host, watcher = _watch_host_memory(proc)
         try:
             output, _ = proc.communicate(timeout=timeout)
-            watcher.join()
-            short = host.get("stopped")
-            rc: int | str = proc.returncode if not short else f"stopped: {short}"
+            rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
             rc = "timeout"
+        watcher.join()  # proc has ended: the watcher's last reading is in
+        if "stopped" in host:
+            rc = f"stopped: {host['stopped']}"
         sink.write(output)
     wall = time.perf_counter() - t
     found = [line for line in output.splitlines() if line.startswith("BENCH_JSON ")]
@@ -220,9 +221,9 @@ def _watch_host_memory(proc: subprocess.Popen[str]) -> tuple[dict[str, Any], thr
     ``MIN_AVAILABLE_BYTES`` (the device machine returns nothing at all when the host runs out; the dict's
     ``stopped`` then says why). The dict also keeps the process's own peaks (``peak_rss_bytes``,
     ``peak_anon_bytes``: VmRSS, RssAnon) beside the machine's MemAvailable as it began, its lowest and the
-    page cache then (``available_at_start_bytes``, ``min_available_bytes``, ``cached_bytes_at_min``): under gVisor MemAvailable counts the file data the
-    sandbox caches as used, which the process's own figures do not (bench/notes.md section 13b). Join the
-    thread once ``proc`` has ended before reading the dict."""
+    page cache then (``available_at_start_bytes``, ``min_available_bytes``, ``cached_bytes_at_min``): under
+    gVisor MemAvailable counts the file data the sandbox caches as used, which the process's own figures do
+    not (bench/notes.md section 13b). Join the thread once ``proc`` has ended before reading the dict."""
     at_start = _meminfo("/proc/meminfo", ("MemAvailable",)).get("MemAvailable")
     seen: dict[str, Any] = {"available_at_start_bytes": at_start, "peak_rss_bytes": 0, "peak_anon_bytes": 0}
 
