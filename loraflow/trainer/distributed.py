@@ -16,11 +16,15 @@ import os
 import sys
 from typing import Any
 
+from loraflow.errors import LoraflowError
 from loraflow.launchers import multihost
+from loraflow.spec import env_rules
 from loraflow.trainer.sft_run import Progress
 
-# seconds the other hosts of a job that ended well wait for process 0's outputs (LORAFLOW_SHUTDOWN_TIMEOUT)
-SHUTDOWN_TIMEOUT = 3600
+# Seconds, unless the step's environment says otherwise: a host joining (LORAFLOW_JOIN_TIMEOUT), a host
+# silent before the others stop (LORAFLOW_HEARTBEAT_TIMEOUT, JAX's default), and the other hosts of a job
+# that ended well waiting for process 0's outputs (LORAFLOW_SHUTDOWN_TIMEOUT; JAX's is 300).
+JOIN_TIMEOUT, HEARTBEAT_TIMEOUT, SHUTDOWN_TIMEOUT = 300, 100, 3600
 
 
 def start_distributed(progress: Progress) -> multihost.DistributedConfig | None:
@@ -40,14 +44,14 @@ def start_distributed(progress: Progress) -> multihost.DistributedConfig | None:
     progress(f"process {dist.process_id} of {dist.num_processes} ({dist.source}): joining {dist.coordinator}")
     jax.distributed.initialize(
         **dist.jax_kwargs(),
-        initialization_timeout=int(os.environ.get("LORAFLOW_JOIN_TIMEOUT", "300")),
+        initialization_timeout=_seconds("LORAFLOW_JOIN_TIMEOUT", JOIN_TIMEOUT),
         # A lost host: the others stop within this many seconds instead of waiting in a collective.
-        heartbeat_timeout_seconds=int(os.environ.get("LORAFLOW_HEARTBEAT_TIMEOUT", "100")),
+        heartbeat_timeout_seconds=_seconds("LORAFLOW_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT),
         # Hosts that ended well wait in JAX's shutdown barrier while process 0 writes, exports and commits the
         # outputs. Past this bound the coordination service aborts every process (status 134), process 0
         # in the middle of its commit: JAX's 300 s is too short for a large model's outputs; a process 0 that
         # dies is caught by the heartbeat, not this bound.
-        shutdown_timeout_seconds=int(os.environ.get("LORAFLOW_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT))),
+        shutdown_timeout_seconds=_seconds("LORAFLOW_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT),
         coordinator_bind_address=dist.coordinator if loopback else None,
     )
     if loopback:
@@ -57,6 +61,18 @@ def start_distributed(progress: Progress) -> multihost.DistributedConfig | None:
         f"{jax.device_count()} {jax.default_backend()} devices"
     )
     return dist
+
+
+def _seconds(name: str, default: int) -> int:
+    """The step environment's ``name`` (a timeout in whole seconds), checked as a spec's value is
+    (:func:`loraflow.spec.env_rules.value_problem`: the deployer may set it too), else ``default``."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    problem = env_rules.value_problem(name, value)
+    if problem:
+        raise LoraflowError(f"{name}: {problem} (default {default}), or unset it")
+    return int(value)
 
 
 def in_a_job() -> bool:

@@ -47,6 +47,7 @@ def test_a_job_that_ended_well_waits_an_hour_for_process_0_not_jaxs_five_minutes
     outputs may take; a process 0 that dies is caught by the heartbeat (100 s), whatever this bound."""
     asked = _joined(monkeypatch, {})
     assert asked["shutdown_timeout_seconds"] == distributed.SHUTDOWN_TIMEOUT == 3600
+    assert (distributed.JOIN_TIMEOUT, distributed.HEARTBEAT_TIMEOUT) == (300, 100)
     assert (asked["initialization_timeout"], asked["heartbeat_timeout_seconds"]) == (300, 100)
     assert (asked["coordinator_address"], asked["num_processes"], asked["process_id"]) == ("10.0.0.2:8476", 2, 1)
 
@@ -58,3 +59,15 @@ def test_the_timeouts_a_spec_sets_reach_the_coordination_service(monkeypatch) ->
     )
     assert (asked["initialization_timeout"], asked["heartbeat_timeout_seconds"]) == (600, 120)
     assert asked["shutdown_timeout_seconds"] == 7200
+
+
+@pytest.mark.parametrize("value", ["1h", "0", "86401", " 60"])
+def test_a_timeout_that_is_not_whole_seconds_in_range_is_refused_by_name_before_joining(monkeypatch, value) -> None:
+    """Set by the deployer, not a spec (which refuses it at validation): named with its range and the
+    fix, before anything is joined, not a bare ValueError from int() or a bound JAX takes as it is."""
+    from loraflow.errors import LoraflowError
+
+    with pytest.raises(LoraflowError) as refused:
+        _joined(monkeypatch, {"LORAFLOW_SHUTDOWN_TIMEOUT": value})
+    assert str(refused.value).startswith("LORAFLOW_SHUTDOWN_TIMEOUT: the value ")
+    assert "whole seconds from 1 to 86400" in str(refused.value) and "(default 3600), or unset it" in str(refused.value)
