@@ -243,7 +243,8 @@ def test_qlora_on_the_host_keeps_no_checkpoint_array_beside_its_placed_copy(conv
     monkeypatch.setattr(host_build, "_moved", moving)
     with lora_apply.applied_under_jit(restored.append), host_build.built_on_host(restored.append):
         train_sft.model_creation_utils.from_pretrained(mt_config)
-    assert len(read) > 1 and len(copies) > 1 and not any(r() is not None for r in read + copies), (read, copies)
+    # where Orbax's arrays happen to be aligned JAX takes them without a copy, and read stays empty (a CI run)
+    assert len(kept) > 1 and len(copies) > 1 and not any(r() is not None for r in read + copies), (read, copies)
     # each placing added its array's bytes in jax.Arrays (its copy) and nothing more
     assert all(added == nbytes for added, nbytes in kept), kept
 
