@@ -863,12 +863,12 @@ def sec_tpu(d: dict) -> list[str]:
     return [*out, "", *_tpu_trainer_env(peak)]
 
 
-TPU_TRAINER_ENV = ("tpu-1b-trainer-env", "tpu-tuning", "tpu-8b-qlora-trainer-env")
+TPU_TRAINER_ENV = ("tpu-tiny-trainer-env", "tpu-1b-trainer-env", "tpu-tuning", "tpu-8b-qlora-trainer-env")
 
 
 def _tpu_trainer_env(peak_tflops: float | None) -> list[str]:
-    """The same measurements on the trainer image's versions (bench/tpu/carry_env.sh): the 1b phase's LoRA
-    cases, the remat policies of the tuning phase (training.tuning), and 8B QLoRA; each case once, its latest
+    """The same measurements on the trainer image's versions (bench/tpu/carry_env.sh): the tiny phase, the 1b
+    phase's LoRA cases, the remat policies of the tuning phase (training.tuning), and 8B QLoRA; each case once, its latest
     run (the tuning phase reuses the 1b phase's work folder, so its results repeat those cases)."""
     files = {name: load(name) or {} for name in TPU_TRAINER_ENV}
     runs: dict[str, dict] = {}
