@@ -101,7 +101,8 @@ def _moonshot() -> list[dict[str, Any]]:
         # nf4 in tiles of 128 values instead of 64 (half the scales to apply in each step's dequantization),
         # against case 1's speed and loss curve (issue 39 item 3: 3,000 tokens/s). 128 is the largest tile
         # that divides every kernel's contracted dimension (attention's out contracts head_dim, 128), as
-        # the spec's check demands; 256 failed in qwix on the chip.
+        # the spec's check demands; 256 failed in qwix on the chip. Measured: no faster than 64 (bench/notes.md
+        # section 14).
         {**_train("8b", "loraflow", "bfloat16", "nf4", 8), "config": {"tile_size": 128}},
     ]
 
