@@ -3,10 +3,10 @@
 MaxText's SFT data pipeline (``dataset_type=hf`` with ``grain_worker_count=0``) renders, tokenizes and packs
 each batch when the training loop asks for it, in the loop's own thread: the chip waits for it between steps.
 Packed batches of short examples cost the host a varying time each (1.5 B LoRA case on a CPU: 0.13 to 1.1 s
-a batch, alternating; bench/notes.md), so on a v5e chip every second step waited ~0.2 s. The pipeline
-tokenizes its examples lazily in chunks of 1,000 (the ``datasets`` default), so the batch that needs a
-chunk's first example also pays for the whole chunk: on a v5e chip's host 0.47 s, every 31 steps of the
-tiny model's 0.034 s (bench/notes.md section 14).
+a batch, alternating; bench/notes.md), so on a v5e chip every second step waited ~0.2 s. What it cannot hide
+is Python work in the pipeline that holds the interpreter lock the loop needs to dispatch the next step: the
+pipeline tokenizes lazily in chunks of 1,000 examples, and with 16 batches ahead instead of 2 the tiny model's
+step at each chunk still took 0.38 s against 0.033 on a v5e chip (bench/notes.md section 14).
 :class:`BatchesAhead` reads the same iterator in one thread of its own, at most ``ahead`` batches before the
 loop: the loop gets the same batches in the same order, an exception of the pipeline at the ``next()`` where
 it would have come, and ``StopIteration`` at the end of the data. :func:`prepare_batches_ahead` puts it under
@@ -24,10 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-# batches ready before the loop asks: enough that a chunk's 0.47 s is taken from the queue while the thread,
-# faster than the chip between chunks, fills it again (2 hid only 0.07 s of it at the tiny model's steps).
-# They are host arrays, not yet on the chip: about 200 KiB each for 8 x 1,024 tokens, 6 MiB for 64 x 4,096.
-AHEAD = 16
+AHEAD = 2  # batches ready before the loop asks (each a few hundred KiB for 8 x 1,024 tokens)
 _PUT_WAIT_S = 0.1  # how often a thread waiting for room checks whether it was closed
 _END = object()  # the source ran dry
 Reader = TypeVar("Reader", bound=Iterator[Any])

@@ -147,8 +147,8 @@ def test_the_trainer_s_data_loader_reads_through_it_and_the_log_says_so_once():
     trainer = SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader))
     said: list[str] = []
     batches = prepare_batches_ahead(trainer, said.append, backend="tpu")
-    assert batches is not None and loader.data_iterator is batches and batches.ahead == AHEAD == 16
-    assert said == ["training batches prepared 16 ahead of the step, in a background thread"]
+    assert batches is not None and loader.data_iterator is batches and batches.ahead == AHEAD == 2
+    assert said == ["training batches prepared 2 ahead of the step, in a background thread"]
     assert [next(loader.data_iterator)["batch"] for _ in range(4)] == [0, 1, 2, 3]
     batches.close()
     assert not batches.reading

@@ -284,7 +284,7 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
 
 
 def test_batches_read_ahead_train_the_same_steps_on_the_same_data(base, trained, monkeypatch):
-    """As on an accelerator: MaxText's pipeline read 16 batches ahead in a thread trains exactly what the loop's
+    """As on an accelerator: MaxText's pipeline read 2 batches ahead in a thread trains exactly what the loop's
     own reading trained (loss.csv's losses and tokens equal as text), says so once and leaves no thread."""
     from loraflow.steps import lora_sft
     from loraflow.trainer import batches_ahead
@@ -296,7 +296,7 @@ def test_batches_read_ahead_train_the_same_steps_on_the_same_data(base, trained,
     lines: list[str] = []
     ctx.progress = lines.append  # type: ignore[method-assign]
     lora_sft.run(ctx)
-    assert lines.count("training batches prepared 16 ahead of the step, in a background thread") == 1, lines
+    assert lines.count("training batches prepared 2 ahead of the step, in a background thread") == 1, lines
     assert not [t for t in threading.enumerate() if t.name == "loraflow-batches-ahead"]
 
     def trained_on(out: Path) -> list[tuple[str, str, str]]:
