@@ -20,10 +20,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import math
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +34,10 @@ from loraflow.errors import LoraflowError
 
 Progress = Callable[[str], None]
 GIB = 1 << 30
+# The most threads for one of the host layout's copies (:func:`_copy_threads`).
+COPY_THREADS = 8
+# A copy is split in parts of at least this many bytes: a thread per small array costs more than it saves.
+COPY_PART_BYTES = 32 << 20
 
 
 def device_bytes(tree: Any) -> int:
@@ -46,6 +53,7 @@ class Phases:
     """Seconds each phase of the build took, in the order first timed: the task log's breakdown of the set-up."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, Phases] = field(default_factory=dict)  # a phase's own breakdown, shown beside it
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -56,7 +64,11 @@ class Phases:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - started
 
     def text(self) -> str:
-        return ", ".join(f"{phase} {seconds:.0f}s" for phase, seconds in self.seconds.items())
+        return ", ".join(self._phase(phase, seconds) for phase, seconds in self.seconds.items())
+
+    def _phase(self, phase: str, seconds: float) -> str:
+        parts = self.parts.get(phase)
+        return f"{phase} {seconds:.0f}s" + (f" ({parts.text()})" if parts is not None and parts.seconds else "")
 
 
 def _host_devices() -> list[Any]:
@@ -249,7 +261,7 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     RNG streams) is made as MaxText makes it, by a compiled model build that computes nothing else."""
     import jax
     import orbax.checkpoint as ocp
-    from flax import nnx
+    from flax import nnx, traverse_util
     from flax.core.spmd import logical_axis_rules
     from maxtext.utils import model_creation_utils
 
@@ -276,21 +288,25 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     # its jax.Array.
     with phases.timed("checkpoint read"):
         restored = _read(checkpointer, str(config.load_parameters_path), target)
-    arrays = dict(nnx.to_flat_state(nnx.State(restored["params"]["params"])))
+    # flattened as plain dicts, not through an nnx.State: that makes a reference cycle holding every array
+    # read, which only a garbage collection frees, and a moved stack, which JAX does not copy from, has no
+    # let-go's collection after it (its read array lived on into the next placing)
+    arrays = traverse_util.flatten_dict(restored["params"]["params"])
     del restored, target
     axes = {path: _scan_axis(var) for path, var in nnx.to_flat_state(stored_params)}
     on_cpu = jax.sharding.SingleDeviceSharding(host[0])
-    host_phases = Phases()  # the host's own moves: not the accelerator's transfers
+    host_phases = Phases()  # the host's own copies: not the accelerator's transfers
     for path, var in nnx.to_flat_state(params):
-        copied, read = _from_host_memory(arrays.pop(path), on_cpu, host_phases)
-        if read is not None:
-            _let_go(read)
-        # moved to the host's layout once the numpy array is gone, and its copy let go before the next is
-        # read: the model and one array more at a time, not the numpy array, its copy and the moved copy
-        # together (at 3.6 B on CPU the layout's peak was 1.42x the model, 1.47x at 8B by the same count)
-        var.set_value(_moved(copied, axes[path], _scan_axis(var), on_cpu, host_phases))
-        del copied
+        placed, copied_from = _from_host_memory(arrays.pop(path), axes[path], _scan_axis(var), on_cpu, host_phases)
+        # gone before the next array is read: the model and one array more at a time (at 3.6 B on CPU the
+        # layout's peak was 1.42x the model while the numpy array lived on beside its copies)
+        with host_phases.timed("let-go"):
+            if copied_from is not None:
+                _let_go(copied_from)
+        var.set_value(placed)
+        del placed
     phases.seconds["host layout"] = sum(host_phases.seconds.values())
+    phases.parts["host layout"] = host_phases
     return nnx.merge(graphdef, params, rest), abstract.mesh
 
 
@@ -336,21 +352,89 @@ def _groups(sizes: dict[Any, int]) -> list[list[Any]]:
     return groups
 
 
-def _from_host_memory(array: Any, sharding: Any, phases: Phases) -> tuple[Any, weakref.ref[Any] | None]:
-    """``array``, read from the checkpoint into host memory, put where ``sharding`` says (:func:`put`), and a
-    weak reference to it for :func:`_let_go`: None where JAX took its buffer as it is (no copy: it is the
-    model's memory)."""
-    placed = put(array, sharding, phases)
+def _from_host_memory(
+    array: Any, source: int | None, target: int | None, sharding: Any, phases: Phases
+) -> tuple[Any, weakref.ref[Any] | None]:
+    """``array``, read from the checkpoint into host memory, put where ``sharding`` says (:func:`put`) with its
+    layer axis moved from ``source`` to ``target`` (:func:`_moves`), and a weak reference to what JAX copied
+    from for :func:`_let_go`: None where JAX took its buffer as it is (no copy: it is the model's memory).
+
+    A stack to move is copied once, by numpy, into the host's layout in memory JAX takes as it is
+    (:func:`_laid_out`); the array read is gone before JAX gets the copy (the caller hands over its only
+    reference). Before, JAX copied the unaligned array (at 1.5 GB/s, a quarter of numpy's speed) and a
+    compiled ``moveaxis`` copied that again, two passes over fresh memory: the host layout took 32 s of an 8B
+    set-up's 91 on the chip's host (bench/notes.md section 13), 10.4-12.2 s at 3.6 B on this project's CPU
+    against 5.4-5.9 s now (section 13c). An array that does not move goes through :func:`put` as it is (one
+    copy either way)."""
+    if _moves(array.ndim, source, target):
+        assert source is not None and target is not None  # for the type checker: _moves said so
+        with phases.timed("moves"):
+            array = _laid_out(array, source, target)
+    with phases.timed("copies"):
+        placed = put(array, sharding)
     if placed.unsafe_buffer_pointer() == array.ctypes.data:
         return placed, None
     return placed, weakref.ref(array)
+
+
+def _laid_out(array: Any, source: int, target: int, threads: int | None = None) -> Any:
+    """A copy of ``array`` with axis ``source`` moved to ``target``, in memory JAX's CPU client takes without
+    a copy of its own (:func:`_fresh`), made by ``threads`` threads (:func:`_copy_threads`), each copying
+    its own slices of the copy's first axis (:func:`_row_slices`). Moving the layer axis to the front keeps
+    the dimensions after it contiguous: the copy is rows of a kernel's last dimensions. Its time is mostly
+    the first touch of fresh memory, which threads share: at 3.6 B on this project's 2 cores the stacks'
+    copies took 11.2-12.7 s on one thread, 6.0-6.6 s on two (with numpy's huge pages; bench/notes.md
+    section 13c)."""
+    import numpy as np
+
+    view = np.moveaxis(array, source, target)
+    copy = _fresh(view.shape, view.dtype)
+    parts = min(_copy_threads() if threads is None else threads, max(1, copy.nbytes // COPY_PART_BYTES))
+    slices = _row_slices(copy.shape[0], parts)
+    if len(slices) <= 1:
+        np.copyto(copy, view)
+        return copy
+    with ThreadPoolExecutor(len(slices)) as pool:
+        # list(): a copy's exception is raised here, not dropped with its future
+        list(pool.map(lambda rows: np.copyto(copy[rows], view[rows]), slices))
+    return copy
+
+
+def _copy_threads() -> int:
+    """Threads for one of the host layout's copies: the host's cores, at most :data:`COPY_THREADS` (numpy
+    lets go of the GIL in a copy; the chip's host has 13 cores, this project's CPU 2)."""
+    return min(os.cpu_count() or 1, COPY_THREADS)
+
+
+def _fresh(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A numpy array of ``shape`` and ``dtype`` in an anonymous memory mapping of its own (zeros, its pages
+    untouched until written):
+    it starts at a page, so JAX's CPU client takes it without a copy (only a 64-byte boundary is taken as it
+    is, jaxlib 0.12: numpy places a large array 16 bytes past one), and it is unmapped when the last array
+    on it goes. Not ``np.empty``: numpy asks the kernel for huge pages for a large array, and their first
+    touch made the host layout slower at 3.6 B on this project's CPU (stacks copied on 2 threads in 6.5-7.1 s
+    with huge pages, 4.7-5.3 s without)."""
+    import mmap
+
+    import numpy as np
+
+    count = math.prod(shape)
+    memory = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+
+def _row_slices(rows: int, parts: int) -> list[slice]:
+    """``range(rows)`` cut into at most ``parts`` (at least 1) consecutive, non-empty slices of sizes within
+    one of each other, in order: every row in exactly one."""
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    return [slice(start, stop) for start, stop in itertools.pairwise(bounds) if stop > start]
 
 
 def _let_go(read: weakref.ref[Any], seconds: float = 10.0) -> None:
     """Return once the checkpoint array behind ``read`` is freed (or after ``seconds``), so that host
     memory holds the model and one array more, never two.
 
-    jaxlib lets go of a host buffer it copied from (or aliased, for a copy that was then moved) by
+    jaxlib lets go of a host buffer it copied from by
     handing its last reference to its garbage collection callback, which any collection runs, a young-
     generation one too: without one, 2.0 GiB of the 2.8 GiB model's numpy arrays were still alive at the
     loop's end at 1.5 B (1.7x the model). One young collection right after each placing was not always
