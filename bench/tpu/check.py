@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CASE = str(HERE / "_case.py")
 SERVE_CASE = str(HERE / "_serve_case.py")
+PROBE = HERE / "probe"  # its sitecustomize samples a process's threads (--probe)
 #: a case is stopped when the host's available memory falls below this
 MIN_AVAILABLE_BYTES = 3 << 30
 
@@ -165,12 +166,16 @@ def serving() -> dict[str, list[dict[str, Any]]]:
     return {"vllm-tiny": tiny, "vllm-1b": [{"kind": "vllm-prepare", "size": "1b"}, *throughput]}
 
 
-def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float) -> dict[str, Any]:
-    """One case in its own process; its result, or what went wrong with the tail of its output."""
+def run_case(case: dict[str, Any], root: Path, log: Path, timeout: float, probe: Path | None = None) -> dict[str, Any]:
+    """One case in its own process; its result, or what went wrong with the tail of its output. ``probe``: a
+    folder where a training case's process writes where its threads were (:data:`PROBE`)."""
     case = {**case, "root": str(root)}
     env = dict(os.environ)
     if case["kind"] in ("prepare", "vllm-prepare"):
         env["JAX_PLATFORMS"] = "cpu"  # converting needs no chip (and must not hold it)
+    if probe is not None and case["kind"] == "train":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE), env.get("PYTHONPATH")) if p)
+        env["LORAFLOW_PROBE"] = str(probe)
     script = SERVE_CASE if case["kind"].startswith("vllm-") else CASE
     t = time.perf_counter()
     with log.open("a") as sink:
@@ -281,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, help="train this many steps in every case (a quick rehearsal on CPU)")
     p.add_argument(
+        "--probe",
+        action="store_true",
+        help="the training cases' processes sample where their threads are every 10 ms, and time their full garbage "
+        "collections, into OUT/probe (bench/tpu/probe_report.py reads it): what a slow step waited for",
+    )
+    p.add_argument(
         "--cases",
         type=lambda text: [int(i) for i in text.split(",")],
         help="run only these of the phase's cases, by index from 0, comma-separated (e.g. 0,1,2 then 3,4 in a "
@@ -305,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"case": case, "failed": "no time left in this call"})
             continue
         print(f"[tpu-check] {time.strftime('%H:%M:%S')} {json.dumps(case)} ({left:.0f}s left)", flush=True)
-        res = run_case(case, root, args.out / f"tpu-{args.phase}.log", left)
+        res = run_case(case, root, args.out / f"tpu-{args.phase}.log", left, args.out / "probe" if args.probe else None)
         results.append(res)
         shown = ("failed", "skipped", "wall_s", "tokens_per_s", "step_s_median", "summary", "warm_tokens_per_s")
         brief = {k: res[k] for k in (*shown, "stage_over_raw", "peak_bytes_in_use", "host_memory") if k in res}

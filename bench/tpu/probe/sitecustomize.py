@@ -1,0 +1,104 @@
+"""Where a process's threads were, sampled: for finding what a slow training step waited for.
+
+``check.py --probe`` puts this folder first on the case processes' PYTHONPATH, so Python imports this module
+at start-up, and sets ``LORAFLOW_PROBE`` to a folder. Then a daemon thread looks at every thread's innermost
+frames every ``LORAFLOW_PROBE_INTERVAL`` seconds (0.01) and writes ``probe-<pid>.jsonl`` there, one line per
+run of samples in which the main thread stood at the same place:
+
+    {"t": epoch seconds of its first sample, "s": seconds it lasted, "n": samples, "late": the longest delay
+     of a sample past its interval (the sampler could not run: the interpreter lock was held, a garbage
+     collection ran, or the process stood), "main": the main thread's frames, innermost first,
+     "threads": {name: frames} of the others at its first sample}
+
+and one line per full garbage collection: ``{"t": ..., "gc2": seconds, "collected": objects}``. Lines are
+written as they end (line-buffered), so a process that leaves through ``os._exit`` loses at most one run.
+``bench/tpu/probe_report.py`` reads them. Without ``LORAFLOW_PROBE`` this module does nothing. It takes the
+place of any other ``sitecustomize`` (the carried environment has none).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+DEPTH = 8  # frames kept of the main thread
+OTHER_DEPTH = 4  # of every other thread
+
+
+def _frames(frame: Any, depth: int) -> list[str]:
+    """``file:line function`` of ``frame`` and its callers, innermost first, at most ``depth``."""
+    out: list[str] = []
+    while frame is not None and len(out) < depth:
+        out.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return out
+
+
+def _where(main: int | None, own: int | None) -> tuple[list[str], dict[str, list[str]]]:
+    """The main thread's frames and every other thread's (but the sampler's own), by thread name."""
+    current = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    others = {
+        names.get(ident, str(ident)): _frames(frame, OTHER_DEPTH)
+        for ident, frame in current.items()
+        if ident not in (main, own)
+    }
+    return _frames(current.get(main) if main is not None else None, DEPTH), others
+
+
+def _sample(out: TextIO, interval: float) -> None:
+    main = threading.main_thread().ident
+    own = threading.get_ident()
+    run: dict[str, Any] | None = None
+    due = time.monotonic() + interval
+    while True:
+        time.sleep(max(0.0, due - time.monotonic()))
+        now = time.monotonic()
+        late = now - due
+        due = now + interval
+        stack, others = _where(main, own)
+        if run is not None and run["main"] == stack and now - run["_start"] < 1.0:
+            run["n"] += 1
+            run["late"] = max(run["late"], round(late, 4))
+            run["s"] = round(now - run["_start"], 4)
+            continue
+        if run is not None:
+            out.write(json.dumps({k: v for k, v in run.items() if not k.startswith("_")}) + "\n")
+        run = {"t": round(time.time(), 4), "s": 0.0, "n": 1, "late": round(late, 4), "main": stack}
+        run["threads"], run["_start"] = others, now
+
+
+def _collections(out: TextIO) -> None:
+    started: dict[str, float] = {}
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            started["at"] = time.monotonic()
+        elif "at" in started:
+            took = time.monotonic() - started.pop("at")
+            out.write(
+                json.dumps({"t": round(time.time(), 4), "gc2": round(took, 4), "collected": info.get("collected")})
+                + "\n"
+            )
+
+    gc.callbacks.append(timed)
+
+
+def _start(folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    out = open(os.path.join(folder, f"probe-{os.getpid()}.jsonl"), "a", buffering=1)  # open for the process's life
+    out.write(json.dumps({"t": round(time.time(), 4), "argv": sys.argv[:3]}) + "\n")
+    _collections(out)
+    interval = float(os.environ.get("LORAFLOW_PROBE_INTERVAL", "0.01"))
+    threading.Thread(target=_sample, args=(out, interval), name="loraflow-probe", daemon=True).start()
+
+
+if os.environ.get("LORAFLOW_PROBE"):
+    _start(os.environ["LORAFLOW_PROBE"])
