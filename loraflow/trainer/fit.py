@@ -158,9 +158,10 @@ def present_config(
 
 
 def _config(settings: list[str], work: str) -> Any:
-    """MaxText's SFT config of ``settings``, writing nothing (no checkpoints, evaluation or metrics)."""
-    from maxtext.configs import pyconfig
+    """MaxText's SFT config of ``settings``, writing nothing (no checkpoints, evaluation, metrics or HLO dumps)."""
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
+
+    from loraflow.trainer.maxtext_config import sft_config
 
     argv = [
         "lora_sft_fit",
@@ -174,7 +175,7 @@ def _config(settings: list[str], work: str) -> Any:
         "monitor_goodput=false",
         "enable_tensorboard=false",
     ]
-    return pyconfig.initialize_pydantic(argv)
+    return sft_config(argv)
 
 
 def _sharded(state: Any, shardings: Any) -> Any:

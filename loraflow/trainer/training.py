@@ -17,6 +17,7 @@ from loraflow.trainer.curves import TrainingCurves
 from loraflow.trainer.data import TrainingSet, prepare, training_set, training_template
 from loraflow.trainer.distributed import sharding_note
 from loraflow.trainer.export import trained_adapter
+from loraflow.trainer.maxtext_config import sft_config
 from loraflow.trainer.memory import (
     Memory,
     StateBytes,
@@ -55,7 +56,6 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     """Train the adapter (resuming from the newest committed checkpoint), each step's scalars into ``curves``;
     the step program has imported MaxText."""
     from absl import flags
-    from maxtext.configs import pyconfig
     from maxtext.trainers.post_train.sft import train_sft
 
     from loraflow.trainer.batches_ahead import prepare_batches_ahead
@@ -72,7 +72,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     store = checkpoint_storage(sft, dist)
     choice = choose_remat(sft)  # training.tuning: auto (None: off)
     remat_policy = choice.policy if choice is not None else None
-    mt_config = pyconfig.initialize_pydantic(maxtext_argv(sft, train_set, store.base_output, remat_policy))
+    mt_config = sft_config(maxtext_argv(sft, train_set, store.base_output, remat_policy))
     train_sft.validate_config(mt_config)
 
     started = time.monotonic()

@@ -172,8 +172,11 @@ def trained(base):
     with pytest.MonkeyPatch.context() as mp, compiled_afresh(root / "jax-cache"):
         clock = _hook_clock(mp)
         step_compiles = _count_step_compiles(mp)
+        mp.delenv("XLA_FLAGS", raising=False)
         summary = lora_sft.run(ctx)
+        xla_flags = os.environ.get("XLA_FLAGS")  # as the stage left it (loraflow.trainer.maxtext_config)
     return {
+        "xla_flags": xla_flags,
         "ctx": ctx,
         "summary": summary,
         "inputs": inputs,
@@ -244,6 +247,7 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
 
     out, s = trained["ctx"].out, trained["summary"]
     assert s["steps"] == SFT["steps"] and s["resumed_from_step"] is None
+    assert trained["xla_flags"] is None  # MaxText's config would have XLA dump every train step into /tmp
     rows = list(csv.DictReader((out / "loss.csv").open()))
     assert [int(r["step"]) for r in rows] == list(range(1, SFT["steps"] + 1))
     first = sum(float(r["loss"]) for r in rows[:5]) / 5

@@ -131,6 +131,7 @@ def test_a_first_candidate_that_fits_is_the_only_compile(base: dict[str, Any], m
     from loraflow.trainer import fit
 
     monkeypatch.setattr(tuning, "device_memory_limit", lambda: 1 << 40)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     compiled: list[str] = []
     predict_here = fit.predict_here
 
@@ -153,6 +154,7 @@ def test_a_first_candidate_that_fits_is_the_only_compile(base: dict[str, Any], m
     finally:
         gc.set_threshold(*thresholds)
     assert left < LEFT_FOR_TRAINING, left
+    assert "XLA_FLAGS" not in os.environ  # the prediction's MaxText config turned on no HLO dumps
     assert compiled == ["minimal"]
     assert choice is not None and choice.policy == "minimal" and choice.fits and list(choice.peaks) == ["minimal"]
     assert len(lines) == 1
