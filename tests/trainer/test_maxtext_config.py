@@ -38,8 +38,9 @@ print("LEFT " + json.dumps(left))
 
 
 def _child(dump: Path, how: str) -> str | None:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    # compiled in each child, not read from the session's cache: a program read from it is dumped in part only
+    env |= {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
     done = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(ARGV), str(dump), how],
         env=env,
@@ -60,7 +61,8 @@ def test_a_stage_s_config_leaves_no_hlo_dump_and_no_xla_flags_behind(tmp_path: P
     # stopped doing it and maxtext_config can go)
     left = _child(theirs, "maxtext")
     assert left is not None and f"--xla_dump_to={theirs}/" in left
-    assert any(p.name.endswith(".jit_train_step.before_optimizations.txt") for p in theirs.iterdir())
+    dumped = sorted(p.name for p in theirs.iterdir())
+    assert any(".jit_train_step." in name for name in dumped), dumped
 
 
 def test_a_config_keeps_what_a_deployer_set(monkeypatch: pytest.MonkeyPatch) -> None:
