@@ -408,11 +408,11 @@ def _copy_threads() -> int:
 
 def _fresh(shape: tuple[int, ...], dtype: Any) -> Any:
     """A numpy array of ``shape`` and ``dtype`` in an anonymous memory mapping of its own (zeros, its pages
-    untouched until written). It starts at a page, so JAX's CPU client takes it without a copy (only a 64-byte boundary is taken as it
-    is, jaxlib 0.12: numpy places a large array 16 bytes past one), and it is unmapped when the last array
-    on it goes. Not ``np.empty``: numpy asks the kernel for huge pages for a large array, and their first
-    touch made the host layout slower at 3.6 B on this project's CPU (stacks copied on 2 threads in 6.5-7.1 s
-    with huge pages, 4.7-5.3 s without)."""
+    untouched until written). It starts at a page, so JAX's CPU client takes it without a copy (jaxlib 0.12
+    takes a buffer as it is only at a 64-byte boundary; numpy places a large array 16 bytes past one), and
+    it is unmapped when the last array on it goes. Not ``np.empty``: numpy asks the kernel for huge pages
+    for a large array, and their first touch made the host layout slower at 3.6 B on this project's CPU
+    (stacks copied on 2 threads in 6.5-7.1 s with huge pages, 4.7-5.3 s without)."""
     import mmap
 
     import numpy as np

@@ -419,6 +419,26 @@ def _at(offset: int, values: Any) -> Any:
     return array
 
 
+def _laid_out_on_threads(monkeypatch: pytest.MonkeyPatch, array: Any, *args: Any) -> tuple[Any, list[int]]:
+    """host_build._laid_out(array, *args), and the thread each of its numpy copies ran on, in order."""
+    import threading
+
+    import numpy as np
+
+    from loraflow.trainer import host_build
+
+    copyto, copies = np.copyto, []
+
+    def copying(*copy_args: Any) -> None:
+        copies.append(threading.get_ident())
+        copyto(*copy_args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(np, "copyto", copying)
+        copy = host_build._laid_out(array, *args)
+    return copy, copies
+
+
 @pytest.mark.parametrize(("source", "target"), [(1, 0), (2, 0), (0, 2)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_checkpoint_stack_is_moved_in_one_aligned_copy_that_jax_takes_as_it_is(monkeypatch, source, target, dtype):
@@ -494,18 +514,9 @@ def test_a_stack_copied_by_several_threads_has_every_layer_once_in_place(monkeyp
 
     monkeypatch.setattr(host_build, "COPY_PART_BYTES", 1)
     values = np.arange(7 * layers * 3 * 2, dtype=np.float32).reshape(7, layers, 3, 2) + 1
-    main, copyto, copies = threading.get_ident(), np.copyto, []
-
-    def copying(*args: Any) -> None:
-        copies.append(threading.get_ident())
-        copyto(*args)
-
+    main = threading.get_ident()
     for threads in (1, 2, 3, 8):
-        array = _at(16, values)
-        copies.clear()
-        monkeypatch.setattr(np, "copyto", copying)
-        copy = host_build._laid_out(array, 1, 0, threads)
-        monkeypatch.setattr(np, "copyto", copyto)
+        copy, copies = _laid_out_on_threads(monkeypatch, _at(16, values), 1, 0, threads)
         assert copy.ctypes.data % 64 == 0 and copy.dtype == values.dtype
         assert np.array_equal(copy, np.moveaxis(values, 1, 0)), (layers, threads)
         parts = min(threads, layers)  # one copy a part, on a thread of the pool where there are several
@@ -525,21 +536,11 @@ def test_a_stack_is_split_in_parts_of_at_least_the_part_bytes(monkeypatch):
 
     from loraflow.trainer import host_build
 
-    copyto, copies = np.copyto, []
-
-    def copying(*args: Any) -> None:
-        copies.append(threading.get_ident())
-        copyto(*args)
-
     monkeypatch.setattr(os, "cpu_count", lambda: 13)  # the chip's host: threads enough for more parts
     small = np.ones((4, 8, 16), dtype=np.float32)
     large = np.ones((host_build.COPY_PART_BYTES // 4 // 8, 8, 2), dtype=np.float32)
     for values, parts in ((small, 1), (large, 2)):
-        array = _at(16, values)
-        copies.clear()
-        monkeypatch.setattr(np, "copyto", copying)
-        copy = host_build._laid_out(array, 1, 0)
-        monkeypatch.setattr(np, "copyto", copyto)
+        copy, copies = _laid_out_on_threads(monkeypatch, _at(16, values), 1, 0)
         assert len(copies) == parts and np.array_equal(copy, np.moveaxis(values, 1, 0)), (values.shape, copies)
         assert copies == [threading.get_ident()] if parts == 1 else threading.get_ident() not in copies
 
