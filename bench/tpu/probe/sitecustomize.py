@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 DEPTH = 8  # frames kept of the main thread
 OTHER_DEPTH = 4  # of every other thread
+HOLD_S = 60.0  # the switch interval while the sampler holds other threads' frames: longer than it holds them
 
 
 def _frames(frame: Any, depth: int) -> list[str]:
@@ -40,15 +41,29 @@ def _frames(frame: Any, depth: int) -> list[str]:
 
 
 def _where(main: int | None, own: int | None) -> tuple[list[str], dict[str, list[str]]]:
-    """The main thread's frames and every other thread's (but the sampler's own), by thread name."""
-    current = sys._current_frames()
-    names = {t.ident: t.name for t in threading.enumerate()}
-    others = {
-        names.get(ident, str(ident)): _frames(frame, OTHER_DEPTH)
-        for ident, frame in current.items()
-        if ident not in (main, own)
-    }
-    return _frames(current.get(main) if main is not None else None, DEPTH), others
+    """The main thread's frames and every other thread's (but the sampler's own), by thread name.
+
+    No other thread runs while this one holds their frames: a frame that returns while another thread holds
+    it keeps its locals alive past the return and frees them later, in that thread, in an order its code never
+    chose. On the chip (CPython 3.12.1) that killed both sampled lora_sft processes as their first step began:
+    "deallocated BytesIO object has exported buffers", then SIGSEGV in the sampler's thread
+    (bench/notes.md section 15). So the interpreter is not asked to switch threads until they are let go
+    (nothing in between blocks or lets go of the GIL itself)."""
+    names = {t.ident: t.name for t in threading.enumerate()}  # takes a lock: outside the window
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(HOLD_S)
+    try:
+        current = sys._current_frames()
+        stack = _frames(current.get(main) if main is not None else None, DEPTH)
+        others = {
+            names.get(ident, str(ident)): _frames(frame, OTHER_DEPTH)
+            for ident, frame in current.items()
+            if ident not in (main, own)
+        }
+        del current
+    finally:
+        sys.setswitchinterval(switch)
+    return stack, others
 
 
 def _sample(out: TextIO, interval: float) -> None:
