@@ -38,6 +38,8 @@ GIB = 1 << 30
 COPY_THREADS = 8
 # A copy is split in parts of at least this many bytes: a thread per small array costs more than it saves.
 COPY_PART_BYTES = 32 << 20
+# JAX's CPU client takes a numpy array's buffer as it is only at this boundary (jaxlib 0.12), else it copies it
+TAKEN_AT = 64
 
 
 def device_bytes(tree: Any) -> int:
@@ -365,12 +367,16 @@ def _from_host_memory(
     compiled ``moveaxis`` copied that again, two passes over fresh memory: the host layout took 32 s of an 8B
     set-up's 91 on the chip's host (bench/notes.md section 13), 10.4-12.2 s at 3.6 B on this project's CPU
     against 5.4-5.9 s now (section 13c). An array that does not move goes through :func:`put` as it is (one
-    copy either way)."""
+    copy either way). An array that does not move but lies off JAX's boundary (:data:`TAKEN_AT`: Orbax's reads do)
+    gets the same numpy copy in place of JAX's: the embedding and the output head, 2 GiB at 8B, took most of
+    the host layout's "copies 4s" on the chip's host (bench/notes.md section 15)."""
     if _moves(array.ndim, source, target):
         assert source is not None and target is not None  # for the type checker: _moves said so
         with phases.timed("moves"):
             array = _laid_out(array, source, target)
     with phases.timed("copies"):
+        if array.ndim and array.ctypes.data % TAKEN_AT:
+            array = _laid_out(array, 0, 0)  # no axis moved: a copy by rows into memory JAX takes as it is
         placed = put(array, sharding)
     if placed.unsafe_buffer_pointer() == array.ctypes.data:
         return placed, None
