@@ -33,7 +33,7 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from loraflow.errors import LoraflowError
@@ -216,8 +216,15 @@ def abstract_trainer(config: Any, mesh: Any) -> tuple[Any, Any]:
             return nnx.merge(graph, _sharded(opt_state, shardings))
 
         nnx.Optimizer = abstract_optimizer  # type: ignore[misc]
+        # This trainer only compiles the step: no checkpoint manager (Orbax's, over a folder the prediction
+        # deletes) and no metrics logger. Tunix's registers its TensorBoard writer with jax.monitoring, and
+        # left so, in a process that then trains (tuning: auto), the writer and its two threads lived on and
+        # got every scalar the stage's own trainer logged.
+        quiet = replace(
+            train_sft.get_tunix_config(config), checkpoint_root_directory=None, metrics_logging_options=None
+        )
         try:
-            trainer = train_sft.MaxTextPeftTrainer(model, tx, train_sft.get_tunix_config(config))
+            trainer = train_sft.MaxTextPeftTrainer(model, tx, quiet)
         finally:
             nnx.Optimizer = optimizer_class  # type: ignore[misc]
         trainer = train_sft.use_maxtext_loss_function(trainer, config)

@@ -8,6 +8,7 @@ import gc
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ import pytest
 
 pytest.importorskip("maxtext")
 
+import orbax.checkpoint as ocp
+from jax._src import monitoring  # its listeners: jax.monitoring registers them, says none
+from tensorboardX import event_file_writer
 from test_trainer_steps import SFT, _ctx
 
 from loraflow.errors import LoraflowError
@@ -34,6 +38,16 @@ STEPS = 12
 # (loraflow.trainer.fit._predicted), the tiny model's leaves about 91,000 (the trace and the compiled
 # program), 35,600 of them in the old generation that only a full collection walks; it leaves 0.
 LEFT_FOR_TRAINING = 5_000
+
+
+def _recorded(init: Callable[..., None], made: list[str], name: str) -> Callable[..., None]:
+    """``init``, recording ``name`` and the folder it was made for (its first argument) in ``made``."""
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(f"{name} {args[0] if args else kwargs}")
+        init(self, *args, **kwargs)
+
+    return recording
 
 
 def _train(base: dict[str, Any], name: str, config: dict[str, Any], mp: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -128,6 +142,8 @@ def test_a_first_candidate_that_fits_is_the_only_compile(base: dict[str, Any], m
     """A device of 1 TiB: minimal, the first candidate, fits, and it is the only step compiled (no full
     beside it: each compile is set-up time on a chip); the task log says so. The prediction frees what
     its compile left in reference cycles before training starts, not in some training step."""
+    from maxtext.trainers.post_train.sft import train_sft  # noqa: F401 (imported, it starts a thread of its own)
+
     from loraflow.trainer import fit
 
     monkeypatch.setattr(tuning, "device_memory_limit", lambda: 1 << 40)
@@ -148,12 +164,23 @@ def test_a_first_candidate_that_fits_is_the_only_compile(base: dict[str, Any], m
     thresholds = gc.get_threshold()
     gc.collect()
     gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
+    # event file writers and checkpoint managers made while choosing (a finished stage's trainer of an
+    # earlier test may remake its own writer when JAX records a scalar: only the prediction's count)
+    made: list[str] = []
+    for owner in (event_file_writer.EventFileWriter, ocp.CheckpointManager):
+        monkeypatch.setattr(owner, "__init__", _recorded(owner.__init__, made, owner.__name__))
+    listeners = monitoring.get_scalar_listeners()
     try:
         choice = tuning.choose_remat(sft)
         left = gc.collect()
     finally:
         gc.set_threshold(*thresholds)
     assert left < LEFT_FOR_TRAINING, left
+    # nothing of the prediction's trainer lives on beside the training: no TensorBoard writer (with its two
+    # threads) listening for every scalar the process records, the stage's own trainer's included, and no
+    # checkpoint manager over the folder the prediction deletes
+    assert [m for m in made if "loraflow-tuning-" in m] == [], made
+    assert monitoring.get_scalar_listeners() == listeners
     assert "XLA_FLAGS" not in os.environ  # the prediction's MaxText config turned on no HLO dumps
     assert compiled == ["minimal"]
     assert choice is not None and choice.policy == "minimal" and choice.fits and list(choice.peaks) == ["minimal"]
