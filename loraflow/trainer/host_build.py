@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.trainer import nf4_table
+from loraflow.trainer import abs_max, nf4_table
 
 Progress = Callable[[str], None]
 GIB = 1 << 30
@@ -466,6 +466,7 @@ def _build(config: Any, apply_lora: Callable[..., Any], progress: Progress) -> t
     with (
         phases.timed("quantize"),
         nf4_table.by_table(host_mesh.devices.flat[0]),  # qwix's nf4 values without its 16-way argmin
+        abs_max.abs_apart(),  # qwix's scales without YNNPACK's fresh buffer per kernel
         jax.set_mesh(host_mesh),
         logical_axis_rules(config.logical_axis_rules),
     ):
