@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraflow.errors import LoraflowError
+from loraflow.trainer import abs_max, nf4_table
 
 Progress = Callable[[str], None]
 GIB = 1 << 30
@@ -468,7 +469,13 @@ def _build(config: Any, apply_lora: Callable[..., Any], progress: Progress) -> t
         f"QLoRA: base model restored into host memory ({device_bytes(nnx.state(host_model)) / GIB:.2f} GiB) "
         f"in {time.monotonic() - started:.0f}s; quantizing there"
     )
-    with phases.timed("quantize"), jax.set_mesh(host_mesh), logical_axis_rules(config.logical_axis_rules):
+    with (
+        phases.timed("quantize"),
+        nf4_table.by_table(host_mesh.devices.flat[0]),  # qwix's nf4 values without its 16-way argmin
+        abs_max.abs_apart(),  # qwix's scales without YNNPACK's fresh buffer per kernel
+        jax.set_mesh(host_mesh),
+        logical_axis_rules(config.logical_axis_rules),
+    ):
         host_model = apply_lora(host_model, host_mesh, host_config(config))
         # waited for here: the program runs asynchronously, and unwaited its run was timed as the next
         # phases' (the first transfer waits for it)

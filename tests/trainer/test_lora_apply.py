@@ -160,13 +160,30 @@ def qwix_is_restored() -> bool:
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
-def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, eager_builds, quantization):
+def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, eager_builds, quantization, monkeypatch):
     """QLoRA's model restored and quantized in host memory, then placed (loraflow.trainer.host_build): the
-    same model state, value for value, as MaxText's own from_pretrained + apply_lora_to_model."""
+    same model state, value for value, as MaxText's own from_pretrained + apply_lora_to_model; nf4's values
+    looked up in loraflow.trainer.nf4_table's table (bf16 weights), not computed by qwix's argmin, and the
+    scales calibrated by loraflow.trainer.abs_max."""
     import numpy as np
     from maxtext.trainers.post_train.sft import train_sft
 
-    from loraflow.trainer import host_build, lora_apply
+    from loraflow.trainer import abs_max, host_build, lora_apply, nf4_table
+
+    looked_up, lookups = nf4_table.looked_up, []
+    apart, calibrations = abs_max.apart, []
+
+    def counted_apart(qwix_calibrate: Any) -> Any:
+        calibrate = apart(qwix_calibrate)
+        return lambda array, how: calibrations.append(how.calibration_method) or calibrate(array, how)
+
+    monkeypatch.setattr(abs_max, "apart", counted_apart)
+
+    def counted(levels: Any, qwix_nf4: Any) -> Any:
+        by_table = looked_up(levels, qwix_nf4)
+        return lambda array: lookups.append(array.dtype) or by_table(array)
+
+    monkeypatch.setattr(nf4_table, "looked_up", counted)
 
     ctx = _sft_context(converted, f"host-{quantization}", steps=2, quantization=quantization, tile_size=32)
     mt_config = _config(ctx)
@@ -182,6 +199,10 @@ def test_qlora_built_on_the_host_is_the_model_maxtext_builds(converted, eager_bu
     different = [k for k in built if built[k].dtype != reference[k].dtype or not np.array_equal(built[k], reference[k])]
     assert different == [], different
     assert any("restored into host memory" in n for n in notes)
+    # every targeted kernel of the (bf16) layer stack quantized through the table; int8 has no nf4 to look up
+    assert lookups == (["bfloat16"] * 7 if quantization == "nf4" else []), lookups
+    # and every one's scales calibrated with its abs kept apart (loraflow.trainer.abs_max), nf4 and int8 alike
+    assert calibrations == ["absmax"] * 7, calibrations
     # the set-up's time, phase by phase (where an 8B QLoRA's minute of set-up goes): every phase named once
     placed = [n for n in notes if "model placed on" in n]
     assert len(placed) == 1, notes
