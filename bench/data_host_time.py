@@ -8,6 +8,9 @@ the batch's ``device_put``), on this machine's CPU. Prints each ``next()``'s sec
 
 ``--prefetch N``: the same batches through :mod:`loraflow.trainer.batches_ahead` with ``N`` ready ahead,
 each ``next()`` after a sleep of ``--step`` seconds (a device step's stand-in): what the loop then waits.
+``--workers 1``: MaxText's pipeline in grain's worker process, as lora_sft runs it on an accelerator
+(default 0: in this process). ``loop_cpu_s`` is this process's CPU time over the batches: on a TPU host, the
+time its Python holds the interpreter lock the training loop needs to dispatch steps.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 PARITY = REPO / "pipelines" / "data" / "parity" / "train.jsonl"
 
 
-def _loader(root: Path, steps: int) -> object:
+def _loader(root: Path, steps: int, workers: int = 0) -> object:
     from absl import flags
     from maxtext.common.data_loader import DataLoader
     from maxtext.configs import pyconfig
@@ -54,7 +58,9 @@ def _loader(root: Path, steps: int) -> object:
     cfg = parse(LoraSftConfig, settings)
     model = ConvertedModel(tinymodel.MAXTEXT_MODEL, dict(tinymodel.MAXTEXT_OVERRIDES), True, "/nowhere")
     prepared = prepare(cfg, training_set(data), hf)
-    mt_config = pyconfig.initialize_pydantic(sft_argv(cfg, model, prepared, hf, str(root / "maxtext")))
+    mt_config = pyconfig.initialize_pydantic(
+        sft_argv(cfg, model, prepared, hf, str(root / "maxtext"), data_workers=workers)
+    )
     mesh = maxtext_utils.get_mesh_from_config(mt_config)
     iterator, _ = input_pipeline_interface.create_data_iterator(mt_config, mesh)
     return DataLoader(mt_config, mesh, iterator, goodput_recorder=None)
@@ -76,21 +82,22 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--prefetch", type=int, default=0)
     parser.add_argument("--step", type=float, default=0.5, help="seconds a step takes (with --prefetch)")
+    parser.add_argument("--workers", type=int, default=0, choices=(0, 1), help="grain worker processes")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from loraflow.trainer.batches_ahead import close_data_workers, prepare_batches_ahead
+
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        loader = _loader(Path(tmp), args.batches)
+        loader = _loader(Path(tmp), args.batches, args.workers)
         built = time.perf_counter() - t
+        trainer = SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader))
+        end_workers = close_data_workers(trainer)
         if args.prefetch:  # as lora_sft puts it under its trainer's data loader on an accelerator
-            from types import SimpleNamespace
-
-            from loraflow.trainer.batches_ahead import prepare_batches_ahead
-
-            trainer = SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader))
             ahead = prepare_batches_ahead(trainer, print, args.prefetch, backend="tpu")
         load = loader.load_next_batch  # type: ignore[attr-defined]
         seconds, rows = [], []
+        loop_cpu = time.process_time()
         for _ in range(args.batches):
             if args.prefetch:
                 time.sleep(args.step)
@@ -98,19 +105,23 @@ def main() -> None:
             batch = load()
             seconds.append(time.perf_counter() - t)
             rows.append(int((batch["inputs_segmentation"] > 0).sum()))
+        loop_cpu = time.process_time() - loop_cpu
         if args.prefetch:
             ahead.close()  # type: ignore[union-attr]
+        end_workers()
         cpu = time.process_time()
     print(
         json.dumps(
             {
                 "pipeline_built_s": round(built, 2),
                 "prefetch": args.prefetch,
+                "workers": args.workers,
                 "step_s": args.step if args.prefetch else None,
                 "next_s": [round(s, 4) for s in seconds],
                 "tokens_per_batch": rows,
                 "spread_s": {k: round(v, 4) for k, v in _spread(seconds[1:]).items()},  # after the first
                 "process_cpu_s": round(cpu, 1),
+                "loop_cpu_s": round(loop_cpu, 2),
                 "load_average": os.getloadavg(),
             },
             indent=1,

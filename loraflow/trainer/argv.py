@@ -66,9 +66,11 @@ def sft_argv(
     tokenizer_dir: Path,
     base_output: str,
     remat_policy: str | None = None,
+    data_workers: int = 0,
 ) -> list[str]:
-    """MaxText's ``train_sft`` command line: the model, the prepared examples, the spec's training and LoRA
-    (and the remat policy ``training.tuning: auto`` chose, :func:`training_args`)."""
+    """MaxText's ``train_sft`` command line: the model, the prepared examples (read by ``data_workers`` grain
+    worker processes: 0, in the training process), the spec's training and LoRA (and the remat policy
+    ``training.tuning: auto`` chose, :func:`training_args`)."""
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # type: ignore[attr-defined]
 
     return [
@@ -79,7 +81,7 @@ def sft_argv(
         *compile_cache_args(),
         f"scan_layers={str(bool(model.scan_layers)).lower()}",
         f"load_parameters_path={model.parameters_path}",
-        *_data_args(data, tokenizer_dir),
+        *_data_args(data, tokenizer_dir, data_workers),
         *training_args(cfg, remat_policy=remat_policy),
         *_output_args(cfg, base_output),
     ]
@@ -95,7 +97,7 @@ def training_args(cfg: LoraSftConfig, devices: int | None = None, remat_policy: 
     return [*_batch_args(cfg, devices), *_optimizer_args(cfg), *_target_args(cfg), *_quantization_args(cfg), *remat]
 
 
-def _data_args(data: PreparedData, tokenizer_dir: Path) -> list[str]:
+def _data_args(data: PreparedData, tokenizer_dir: Path, workers: int) -> list[str]:
     """Read the ordered, rendered examples once, as they are, with the HF tokenizer; loss on the answers only."""
     return [
         "dataset_type=hf",
@@ -104,7 +106,7 @@ def _data_args(data: PreparedData, tokenizer_dir: Path) -> list[str]:
         "train_split=train",
         "train_data_columns=['messages']",
         "num_epoch=1",
-        "grain_worker_count=0",
+        f"grain_worker_count={workers}",
         "tokenizer_type=huggingface",
         f"tokenizer_path={tokenizer_dir}",
         f"chat_template_path={data.passthrough.resolve()}",

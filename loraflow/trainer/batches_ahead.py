@@ -13,8 +13,12 @@ it would have come, and ``StopIteration`` at the end of the data. :func:`prepare
 the trainer's data loader when the step runs on an accelerator (on a CPU the step needs the cores the thread
 would take); :meth:`BatchesAhead.close` ends the thread once training is over.
 
-A thread rather than grain's worker processes: the pipeline stays in this process (no fork of a process that
-holds the accelerator, inside Airflow's task process) and yields exactly what it yielded before.
+On an accelerator the pipeline itself also runs in a process of its own (:func:`data_workers`: grain's one
+worker process, MaxText's own default, which loraflow had turned off): the rendering, tokenizing and packing
+then never hold this process's interpreter lock, and the thread here only receives finished batches and puts
+them on the mesh. grain starts that process by ``spawn``, not ``fork``: it is a fresh interpreter that never
+holds the accelerator. It yields the same batches in the same order (``tests/trainer``: loss.csv equal as
+text); :func:`close_data_workers` ends it with training.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 AHEAD = 2  # batches ready before the loop asks (each a few hundred KiB for 8 x 1,024 tokens)
+WORKERS = 1  # MaxText's HF pipeline takes 0 or 1 (more would repeat the data: each worker reads it all)
 _PUT_WAIT_S = 0.1  # how often a thread waiting for room checks whether it was closed
 _END = object()  # the source ran dry
 Reader = TypeVar("Reader", bound=Iterator[Any])
@@ -120,6 +125,26 @@ def prepare_batches_ahead(
     batches = read_batches_through(trainer, lambda source: BatchesAhead(source, ahead))
     progress(f"training batches prepared {ahead} ahead of the step, in a background thread")
     return batches
+
+
+def data_workers(backend: str | None = None) -> int:
+    """grain's worker processes for MaxText's data pipeline (its ``grain_worker_count``): :data:`WORKERS` when
+    the step runs on an accelerator (``backend``: JAX's default), 0 on a CPU backend, for the reason
+    :func:`prepare_batches_ahead` gives (the process would take the step's cores)."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return 0 if backend == "cpu" else WORKERS
+
+
+def close_data_workers(trainer: Any) -> Callable[[], None]:
+    """What ends the worker process of the trainer's data pipeline (MaxText's ``MultiHostDataLoadIterator``,
+    taken now, before anything wraps it): grain's process would otherwise live until that iterator is
+    collected. Call after training; harmless without a worker."""
+    iterator = trainer.data_hooks.train_data_loader.data_iterator
+    close = getattr(iterator, "close", None)
+    return close if callable(close) else lambda: None
 
 
 def read_batches_through(trainer: Any, reader: Callable[[Iterator[Any]], Reader]) -> Reader:

@@ -58,7 +58,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     from absl import flags
     from maxtext.trainers.post_train.sft import train_sft
 
-    from loraflow.trainer.batches_ahead import prepare_batches_ahead
+    from loraflow.trainer.batches_ahead import close_data_workers, prepare_batches_ahead
     from loraflow.trainer.data_failure import stop_where_the_batches_end, watch_batches
     from loraflow.trainer.hooks import skip_trained_batches
 
@@ -74,6 +74,8 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     remat_policy = choice.policy if choice is not None else None
     mt_config = sft_config(maxtext_argv(sft, train_set, store.base_output, remat_policy))
     train_sft.validate_config(mt_config)
+    if mt_config.grain_worker_count:
+        sft.progress("training data rendered, tokenized and packed by MaxText's pipeline in a process of its own")
 
     started = time.monotonic()
     log = StepLog(sft.progress, sft.cfg.steps, sft.cfg.log_every)
@@ -82,6 +84,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     start_step = int(trainer.train_steps)
     state = state_bytes(trainer)
     _report_setup(sft, trainer, mesh, dist, state)
+    end_data_workers = close_data_workers(trainer)
     skip_trained_batches(trainer, start_step, sft.progress)
     batches = prepare_batches_ahead(trainer, sft.progress)  # the accelerator does not wait for the host's data
     watched = watch_batches(trainer)  # a pipeline error MaxText swallows, kept for the stage's error
@@ -97,6 +100,7 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
     finally:
         if batches is not None:
             batches.close()
+        end_data_workers()
     train_seconds = time.monotonic() - t_train
     if store.syncer is not None:
         store.syncer.poll()
@@ -122,10 +126,13 @@ def train(sft: SftRun, dist: multihost.DistributedConfig | None, curves: Trainin
 
 
 def maxtext_argv(sft: SftRun, train_set: TrainingSet, base_output: str, remat_policy: str | None = None) -> list[str]:
-    """MaxText's ``train_sft`` command line for this run (with the remat policy tuning chose); first renders
-    the examples and writes them in training order beside the training set."""
+    """MaxText's ``train_sft`` command line for this run (with the remat policy tuning chose, and the data
+    pipeline in a worker process on an accelerator: :func:`~loraflow.trainer.batches_ahead.data_workers`);
+    first renders the examples and writes them in training order beside the training set."""
+    from loraflow.trainer.batches_ahead import data_workers  # looked up when called: tests stand in for it
+
     data = prepare(sft.cfg, train_set, sft.tokenizer)
-    return sft_argv(sft.cfg, sft.model, data, sft.tokenizer, base_output, remat_policy)
+    return sft_argv(sft.cfg, sft.model, data, sft.tokenizer, base_output, remat_policy, data_workers())
 
 
 def _report_setup(

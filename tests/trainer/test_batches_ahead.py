@@ -10,7 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraflow.trainer.batches_ahead import AHEAD, BatchesAhead, prepare_batches_ahead
+from loraflow.trainer.batches_ahead import (
+    AHEAD,
+    BatchesAhead,
+    close_data_workers,
+    data_workers,
+    prepare_batches_ahead,
+)
 
 WAIT_S = 10.0  # the longest any test waits for the thread (it needs milliseconds)
 
@@ -173,3 +179,23 @@ def test_on_a_cpu_the_loop_prepares_its_batches_itself_and_says_so():
     assert loader.data_iterator is source and source.read == 0
     cpu = "training batches prepared in the loop: the step runs on this host's CPU, whose cores a thread reading ahead would take"
     assert said == [cpu, cpu]
+
+
+def test_maxtext_s_pipeline_gets_one_worker_process_on_an_accelerator_and_none_on_a_cpu():
+    """One: MaxText's HF pipeline repeats its data with more (each worker reads it all); none where the step
+    computes on the host's own cores (JAX's default backend decides: CPU here)."""
+    assert [data_workers(b) for b in ("tpu", "gpu", "cpu", None)] == [1, 1, 0, 0]
+
+
+def test_the_worker_is_ended_through_the_iterator_maxtext_built_not_whatever_wraps_it_later():
+    closed: list[str] = []
+    iterator = SimpleNamespace(close=lambda: closed.append("maxtext's"))
+    loader = SimpleNamespace(data_iterator=iterator)
+    trainer = SimpleNamespace(data_hooks=SimpleNamespace(train_data_loader=loader))
+    end = close_data_workers(trainer)
+    loader.data_iterator = BatchesAhead(Source(1))  # what lora_sft puts over it afterwards
+    assert closed == []
+    end()
+    assert closed == ["maxtext's"]
+    loader.data_iterator = Source(1)  # an iterator with no close (no worker): nothing to end
+    close_data_workers(trainer)()

@@ -263,6 +263,7 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
     # on this CPU its batches were prepared in the loop (loraflow.trainer.batches_ahead): the step needs the cores
     in_loop = "training batches prepared in the loop: the step runs on this host's CPU, whose cores a thread reading ahead would take"
     assert trained["progress"].count(in_loop) == 1, trained["progress"]
+    assert not [line for line in trained["progress"] if "pipeline in a process of its own" in line]
     # its compiled step's memory was read from the step that ran: nothing compiled again for it
     assert trained["step_compiles"] == [0] and s["step_temp_bytes"] > 0
     assert any(line.startswith("compiled train step, per device: ") for line in trained["progress"])
@@ -288,20 +289,28 @@ def test_lora_sft_outputs_and_learns_parity(base, trained):
 
 
 def test_batches_read_ahead_train_the_same_steps_on_the_same_data(base, trained, monkeypatch):
-    """As on an accelerator: MaxText's pipeline read 2 batches ahead in a thread trains exactly what the loop's
-    own reading trained (loss.csv's losses and tokens equal as text), says so once and leaves no thread."""
+    """As on an accelerator: MaxText's pipeline in a worker process of its own, read 2 batches ahead in a
+    thread, trains exactly what the loop's own reading trained (loss.csv's losses and tokens equal as text),
+    says so once and leaves no thread and no process."""
+    import multiprocessing
+
     from loraflow.steps import lora_sft
     from loraflow.trainer import batches_ahead
 
     real = batches_ahead.prepare_batches_ahead
     monkeypatch.setattr(batches_ahead, "prepare_batches_ahead", lambda *a, **k: real(*a, **k, backend="tpu"))
+    monkeypatch.setattr(batches_ahead, "data_workers", lambda: batches_ahead.WORKERS)
+    before = {p.pid for p in multiprocessing.active_children()}
     root = base["root"] / "sft-ahead"
     ctx = _ctx(root, "lora_sft", trained["inputs"], dict(SFT), str(base["root"] / "remote" / "lora_sft_ahead"))
     lines: list[str] = []
     ctx.progress = lines.append  # type: ignore[method-assign]
     lora_sft.run(ctx)
     assert lines.count("training batches prepared 2 ahead of the step, in a background thread") == 1, lines
+    worker = "training data rendered, tokenized and packed by MaxText's pipeline in a process of its own"
+    assert lines.count(worker) == 1, lines
     assert not [t for t in threading.enumerate() if t.name == "loraflow-batches-ahead"]
+    assert not [p for p in multiprocessing.active_children() if p.pid not in before]
 
     def trained_on(out: Path) -> list[tuple[str, str, str]]:
         return [(r["step"], r["loss"], r["tokens"]) for r in csv.DictReader((out / "loss.csv").open())]
