@@ -264,7 +264,7 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     RNG streams) is made as MaxText makes it, by a compiled model build that computes nothing else."""
     import jax
     import orbax.checkpoint as ocp
-    from flax import nnx, traverse_util
+    from flax import nnx
     from flax.core.spmd import logical_axis_rules
     from maxtext.utils import model_creation_utils
 
@@ -287,27 +287,31 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
     # buffer and copies it into a CPU jax.Array; jaxlib lets go of a buffer it copied from only at its next
     # garbage collection (a gc callback), so the read peaked at the model and 0.5-0.8 GiB more at 1.5 B on
     # CPU, 0.49 GiB of it still held when the read returned, and took 11-46 s. Read as numpy: the model and
-    # about 0.1 GiB, 3.7 s (bench/notes.md section 12). The loop below then copies one array at a time into
-    # its jax.Array.
-    with phases.timed("checkpoint read"):
-        restored = _read(checkpointer, str(config.load_parameters_path), target)
-    # flattened as plain dicts, not through an nnx.State: that makes a reference cycle holding every array
-    # read, which only a garbage collection frees, and a moved stack, which JAX does not copy from, has no
-    # let-go's collection after it (its read array lived on into the next placing)
-    arrays = traverse_util.flatten_dict(restored["params"]["params"])
-    del restored, target
+    # about 0.1 GiB, 3.7 s (bench/notes.md section 12). The loop below copies one array at a time into its
+    # jax.Array while the next group is read (:func:`_read_ahead`).
     axes = {path: _scan_axis(var) for path, var in nnx.to_flat_state(stored_params)}
+    variables = dict(nnx.to_flat_state(params))
     on_cpu = jax.sharding.SingleDeviceSharding(host[0])
     host_phases = Phases()  # the host's own copies: not the accelerator's transfers
-    for path, var in nnx.to_flat_state(params):
-        placed, copied_from = _from_host_memory(arrays.pop(path), axes[path], _scan_axis(var), on_cpu, host_phases)
-        # gone before the next array is read: the model and one array more at a time (at 3.6 B on CPU the
-        # layout's peak was 1.42x the model while the numpy array lived on beside its copies)
-        with host_phases.timed("let-go"):
-            if copied_from is not None:
-                _let_go(copied_from)
-        var.set_value(placed)
-        del placed
+    for arrays in _read_ahead(checkpointer, str(config.load_parameters_path), target, phases):
+        # flattened as plain dicts, not through an nnx.State: that makes a reference cycle holding every
+        # array read, which only a garbage collection frees, and a moved stack, which JAX does not copy
+        # from, has no let-go's collection after it (its read array lived on into the next placing)
+        for path in list(arrays):
+            var = variables.pop(path[2:])  # less the tree's ("params", "params")
+            placed, copied_from = _from_host_memory(
+                arrays.pop(path), axes[path[2:]], _scan_axis(var), on_cpu, host_phases
+            )
+            # gone before the next array is laid out: the model and one array more at a time (at 3.6 B on
+            # CPU the layout's peak was 1.42x the model while the numpy array lived on beside its copies)
+            with host_phases.timed("let-go"):
+                if copied_from is not None:
+                    _let_go(copied_from)
+            var.set_value(placed)
+            del placed
+        del arrays
+    if variables:
+        raise LoraflowError(f"QLoRA host build: {len(variables)} of the model's arrays are not in the checkpoint read")
     phases.seconds["host layout"] = sum(host_phases.seconds.values())
     phases.parts["host layout"] = host_phases
     return nnx.merge(graphdef, params, rest), abstract.mesh
@@ -316,29 +320,44 @@ def _restored_on_host(config: Any, phases: Phases) -> Any:
 READ_GROUP_BYTES = 1 << 30
 
 
-def _read(checkpointer: Any, directory: str, target: dict[str, Any]) -> dict[str, Any]:
-    """``target``'s arrays read from the checkpoint in ``directory`` as numpy arrays, in groups of at most
-    :data:`READ_GROUP_BYTES` (an array larger than that alone), one Orbax restore a group.
+def _read_ahead(checkpointer: Any, directory: str, target: dict[str, Any], phases: Phases) -> Iterator[dict[Any, Any]]:
+    """``target``'s arrays read from the checkpoint in ``directory`` as numpy arrays, a group at a time: each
+    group's arrays (flattened paths) in the tree's order, the next group read in a thread of its own while the
+    caller lays out this one (one group ahead, never more). ``phases``' "checkpoint read" is the time the
+    caller waited for a group: the read that the layout did not hide.
 
-    One restore of the whole tree asks tensorstore for every chunk of every array at once (Orbax's numpy
+    In groups of at most :data:`READ_GROUP_BYTES` (an array larger than that alone), one Orbax restore a group:
+    one restore of the whole tree asks tensorstore for every chunk of every array at once (Orbax's numpy
     handler gathers them all and ignores its ``restore_concurrent_gb`` bound), and chunks read but not yet
     decoded into their arrays pile up beside the model: at 3.6 B on a 2-core CPU the read peaked at
-    1.08-1.17x the model, in 1 GiB groups at 1.04x, in the same time (bench/notes.md section 13b)."""
+    1.08-1.17x the model, in 1 GiB groups at 1.04x, in the same time (bench/notes.md section 13b). Read ahead,
+    what is in memory is still at most the model and one group's chunks: the group being read is part of the
+    model not yet laid out. The read and the layout one after the other took 25 + 9 s of the 8B set-up on the
+    chip's host (section 15)."""
     import numpy as np
     import orbax.checkpoint as ocp
     from flax import traverse_util
 
     leaves = traverse_util.flatten_dict(target)
     sizes = {path: math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for path, leaf in leaves.items()}
-    restored: dict[Any, Any] = {}
-    for group in _groups(sizes):
+
+    def read(group: list[Any]) -> dict[Any, Any]:
         item = traverse_util.unflatten_dict({path: leaves[path] for path in group})
         args = traverse_util.unflatten_dict(
             {path: ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaves[path].dtype) for path in group}
         )
-        part = checkpointer.restore(directory, item=item, transforms={}, restore_args=args)
-        restored |= traverse_util.flatten_dict(part)
-    return traverse_util.unflatten_dict(restored)
+        return traverse_util.flatten_dict(checkpointer.restore(directory, item=item, transforms={}, restore_args=args))
+
+    groups = _groups(sizes)
+    with ThreadPoolExecutor(1, thread_name_prefix="loraflow-checkpoint-read") as reader:
+        coming = reader.submit(read, groups[0]) if groups else None
+        for later in [*groups[1:], None]:
+            assert coming is not None  # for the type checker: a group was submitted for this turn
+            with phases.timed("checkpoint read"):
+                arrays = coming.result()
+            coming = reader.submit(read, later) if later is not None else None
+            yield arrays
+            del arrays  # the caller's layout let go of each array: nothing here keeps one
 
 
 def _groups(sizes: dict[Any, int]) -> list[list[Any]]:

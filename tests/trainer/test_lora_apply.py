@@ -323,6 +323,90 @@ def test_qlora_reads_the_checkpoint_in_groups_of_bounded_bytes_and_builds_the_sa
     assert different == [], different
 
 
+def test_qlora_reads_the_next_group_while_it_lays_out_this_one_and_never_two_ahead(converted, monkeypatch):
+    """host_build._read_ahead: the second group's restore starts while the first group's first array is
+    being laid out (the layout waits for it, up to WAIT_S: read one group after the other, it never starts),
+    and a group's restore starts only once the group two before it is laid out whole (a slow layout: read
+    further ahead, restores would run past it). The model is the one a single read builds (the test above)."""
+    import threading
+    import time
+
+    import orbax.checkpoint as ocp
+    from flax import traverse_util
+
+    from loraflow.trainer import host_build
+
+    wait_s = 10.0
+    mt_config = _config(_sft_context(converted, "read-ahead", steps=2, quantization="nf4", tile_size=32))
+    monkeypatch.setattr(host_build, "READ_GROUP_BYTES", 1)  # every array a group of its own
+    restore, lay_out = ocp.Checkpointer.restore, host_build._from_host_memory
+    groups: list[list[Any]] = []  # each restore's paths, in the order the restores started
+    laid_out: list[Any] = []
+    second_started, lock = threading.Event(), threading.Lock()
+    seen_before_start: list[tuple[int, int]] = []  # (restore k, arrays laid out when it started)
+
+    def recorded(self: Any, directory: Any, item: Any = None, **kwargs: Any) -> Any:
+        with lock:
+            seen_before_start.append((len(groups), len(laid_out)))
+            groups.append([path[2:] for path in traverse_util.flatten_dict(item)])
+        if len(groups) == 2:
+            second_started.set()
+        return restore(self, directory, item=item, **kwargs)
+
+    waited: list[bool] = []
+
+    def slow_layout(array: Any, *args: Any) -> Any:
+        if not laid_out:
+            waited.append(second_started.wait(wait_s))
+        time.sleep(0.05)
+        result = lay_out(array, *args)
+        with lock:
+            laid_out.append(array.shape)
+        return result
+
+    monkeypatch.setattr(ocp.Checkpointer, "restore", recorded)
+    monkeypatch.setattr(host_build, "_from_host_memory", slow_layout)
+    host_build._restored_on_host(mt_config, host_build.Phases())
+    assert waited == [True]
+    assert len(groups) == len(laid_out) > 3 and all(len(group) == 1 for group in groups)
+    # restore k started with at least the groups before k-1 laid out (each group one array here)
+    assert all(done >= k - 1 for k, done in seen_before_start), seen_before_start
+    assert not [t for t in threading.enumerate() if t.name.startswith("loraflow-checkpoint-read")]
+
+
+def test_a_checkpoint_read_that_fails_fails_the_host_build_and_leaves_no_reader(converted, monkeypatch):
+    """A restore that raises while the layout runs (the third group: a truncated file, a lost disk) is the
+    host build's error, raised where the layout asks for that group; the reading thread ends."""
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    from loraflow.errors import LoraflowError
+    from loraflow.trainer import host_build
+
+    mt_config = _config(_sft_context(converted, "read-fails", steps=2, quantization="nf4", tile_size=32))
+    monkeypatch.setattr(host_build, "READ_GROUP_BYTES", 1)
+    restore, calls = ocp.Checkpointer.restore, []
+
+    def fails_third(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("checkpoint chunk 7 of layers/mlp/wo: unexpected end of file")
+        return restore(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.Checkpointer, "restore", fails_third)
+    with pytest.raises(OSError, match="unexpected end of file"):
+        host_build._restored_on_host(mt_config, host_build.Phases())
+    assert len(calls) == 3
+    assert not [t for t in threading.enumerate() if t.name.startswith("loraflow-checkpoint-read")]
+    # a read whose groups leave out one of the model's arrays is refused, not a model with a hole in it
+    monkeypatch.setattr(ocp.Checkpointer, "restore", restore)
+    groups = host_build._groups
+    monkeypatch.setattr(host_build, "_groups", lambda sizes: groups(sizes)[:-1])
+    with pytest.raises(LoraflowError, match="1 of the model's arrays are not in the checkpoint read"):
+        host_build._restored_on_host(mt_config, host_build.Phases())
+
+
 def test_read_groups_take_arrays_in_order_while_their_bytes_fit_the_bound(monkeypatch):
     """host_build._groups: a group takes the next array while the group's bytes stay at most the bound
     (filling it exactly too), and an array larger than the bound is a group of its own."""
