@@ -1,6 +1,7 @@
 """What ``check.py --probe``'s samples say (``bench/tpu/probe/sitecustomize.py``): for each process, its full
-garbage collections, the longest delays of the sampler (the interpreter lock held, or the process stood), and
-where the main thread stood still longest, each with the time since the process started.
+garbage collections, JAX's timed events (traces, compiles) in the order they ended, the longest delays of the
+sampler (the interpreter lock held, or the process stood), and where the main thread stood still longest, each
+with the time since the process started.
 
     python bench/tpu/probe_report.py $OUT/probe [--top 12] [--min-s 0.2]
 """
@@ -39,6 +40,10 @@ def report(path: Path, top: int, min_s: float) -> list[str]:
             f"full collections: {total:.2f} s in all; longest "
             + ", ".join(f"{r['gc2']:.3f} s at +{r['t'] - start:.1f}" for r in longest)
         )
+    events = [r for r in lines if "jax" in r]
+    if events:
+        out.append(f"JAX's timed events ({len(events)}, in the order they ended):")
+        out.extend(f"  {r['s']:.3f} s ending at +{r['t'] - start:.1f}: {r['jax']}" for r in events[: top * 4])
     out.append("sampler delays (the interpreter lock held, or the process stood):")
     for r in sorted(runs, key=lambda r: -r["late"])[:top]:
         out.append(f"  {r['late']:.3f} s at +{r['t'] - start:.1f}: {' <- '.join(r['main'][:4])}")

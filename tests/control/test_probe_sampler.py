@@ -68,3 +68,42 @@ def test_the_interval_is_restored_when_reading_fails(probe: Any, monkeypatch: py
     with pytest.raises(RuntimeError, match="no frames"):
         probe._where(threading.main_thread().ident, None)
     assert sys.getswitchinterval() == interval
+
+
+def test_jax_s_timed_events_are_written_once_jax_can_take_a_listener_and_only_the_long_ones(
+    probe: Any, tmp_path: Path
+) -> None:
+    """A step that compiled something shows as a "jax" line with its seconds; JAX's many short events do not;
+    before JAX is imported (no module, or one still importing) nothing is registered and the sampler asks again."""
+    import io
+    import json
+    from types import SimpleNamespace
+
+    out = io.StringIO()
+    assert probe._watch_jax(out, None) is False
+    assert probe._watch_jax(out, SimpleNamespace()) is False  # jax.monitoring mid-import: no function yet
+    listeners: list[Any] = []
+    assert probe._watch_jax(out, SimpleNamespace(register_event_duration_secs_listener=listeners.append)) is True
+    [timed] = listeners
+    timed("/jax/core/compile/backend_compile_duration", 1.85, fun_name="train_step")
+    timed("/jax/core/compile/tracing_duration", probe.JAX_EVENT_MIN_S)
+    timed("/jax/core/compile/jaxpr_trace_duration", probe.JAX_EVENT_MIN_S - 0.001)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(r["jax"], r["s"]) for r in lines] == [
+        ("/jax/core/compile/backend_compile_duration", 1.85),
+        ("/jax/core/compile/tracing_duration", probe.JAX_EVENT_MIN_S),
+    ]
+    assert probe.JAX_EVENT_MIN_S == 0.05
+
+    report = Path(__file__).resolve().parents[2] / "bench" / "tpu" / "probe_report.py"
+    spec = importlib.util.spec_from_file_location("loraflow_probe_report_under_test", report)
+    assert spec is not None and spec.loader is not None
+    reporting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reporting)
+    start = lines[0]["t"] - 10.0
+    (tmp_path / "probe-1.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in [{"t": start, "argv": ["x"]}, *lines]) + "\n"
+    )
+    text = reporting.report(tmp_path / "probe-1.jsonl", 12, 0.2)
+    assert "JAX's timed events (2, in the order they ended):" in text
+    assert "  1.850 s ending at +10.0: /jax/core/compile/backend_compile_duration" in text

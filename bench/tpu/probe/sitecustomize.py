@@ -10,7 +10,10 @@ run of samples in which the main thread stood at the same place:
      collection ran, or the process stood), "main": the main thread's frames, innermost first,
      "threads": {name: frames} of the others at its first sample}
 
-and one line per full garbage collection: ``{"t": ..., "gc2": seconds, "collected": objects}``. Lines are
+one line per full garbage collection: ``{"t": ..., "gc2": seconds, "collected": objects}``, and, once the
+process has imported JAX, one line per timed JAX event of at least ``JAX_EVENT_MIN_S`` (a trace, a lowering, a
+compile, a cache read: ``jax.monitoring``'s duration events) as it ends: ``{"t": ..., "jax": event, "s":
+seconds}``: a step that compiled something is told apart from one that waited for something else. Lines are
 written as they end (line-buffered), so a process that leaves through ``os._exit`` loses at most one run.
 ``bench/tpu/probe_report.py`` reads them. Without ``LORAFLOW_PROBE`` this module does nothing. It takes the
 place of any other ``sitecustomize`` (the carried environment has none).
@@ -29,6 +32,7 @@ from typing import Any, TextIO
 DEPTH = 8  # frames kept of the main thread
 OTHER_DEPTH = 4  # of every other thread
 HOLD_S = 60.0  # the switch interval while the sampler holds other threads' frames: longer than it holds them
+JAX_EVENT_MIN_S = 0.05  # JAX's timed events written when at least this long (it times thousands of short ones)
 
 
 def _frames(frame: Any, depth: int) -> list[str]:
@@ -71,8 +75,11 @@ def _sample(out: TextIO, interval: float) -> None:
     own = threading.get_ident()
     run: dict[str, Any] | None = None
     due = time.monotonic() + interval
+    watching_jax = False
     while True:
         time.sleep(max(0.0, due - time.monotonic()))
+        if not watching_jax:
+            watching_jax = _watch_jax(out, sys.modules.get("jax.monitoring"))
         now = time.monotonic()
         late = now - due
         due = now + interval
@@ -104,6 +111,21 @@ def _collections(out: TextIO) -> None:
             )
 
     gc.callbacks.append(timed)
+
+
+def _watch_jax(out: TextIO, monitoring: Any) -> bool:
+    """Whether JAX's timed events are now written to ``out``: once ``monitoring`` (``jax.monitoring``, looked
+    up in ``sys.modules`` by the sampler: the probe imports nothing itself) can register a listener."""
+    register = getattr(monitoring, "register_event_duration_secs_listener", None)
+    if register is None:  # not imported yet, or still being imported
+        return False
+
+    def timed(event: str, duration_secs: float, **_: Any) -> None:
+        if duration_secs >= JAX_EVENT_MIN_S:
+            out.write(json.dumps({"t": round(time.time(), 4), "jax": event, "s": round(duration_secs, 4)}) + "\n")
+
+    register(timed)
+    return True
 
 
 def _start(folder: str) -> None:
