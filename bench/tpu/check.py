@@ -67,6 +67,8 @@ def _tiny() -> list[dict[str, Any]]:
         _train("tiny", "loraflow", "bfloat16", "none", 150),
         _train("tiny", "loraflow", "bfloat16", "nf4", 150),
         _train("tiny", "maxtext", "float32", "none", 150),
+        # case 2 with MaxText's pipeline in the training process, as before 81f314f (bench/notes.md section 16)
+        {**_train("tiny", "loraflow", "bfloat16", "none", 150), "maxtext": ["grain_worker_count=0"]},
     ]
 
 
@@ -141,6 +143,8 @@ def _tuning() -> list[dict[str, Any]]:
         ],
         {**lora, "config": {"tuning": "auto"}},
         *[{**lora, "maxtext": ["remat_policy=minimal", *extra]} for extra in attention],
+        # case 1 with MaxText's pipeline in the training process, as before 81f314f (bench/notes.md section 16)
+        {**lora, "maxtext": ["remat_policy=minimal", "grain_worker_count=0"]},
     ]
 
 
