@@ -113,11 +113,7 @@ def prepare_batches_ahead(
     ``progress``. Close it after training. None on a CPU backend: there the step computes on the same cores
     the thread would take (the tiny model's steps: 65 ms median without it, 77-89 ms with it, bench/notes.md
     section 11), and the batches are prepared in the loop as MaxText does."""
-    if backend is None:
-        import jax
-
-        backend = jax.default_backend()
-    if backend == "cpu":
+    if _on_cpu(backend):
         progress(
             "training batches prepared in the loop: the step runs on this host's CPU, whose cores a thread reading ahead would take"
         )
@@ -131,26 +127,36 @@ def data_workers(backend: str | None = None) -> int:
     """grain's worker processes for MaxText's data pipeline (its ``grain_worker_count``): :data:`WORKERS` when
     the step runs on an accelerator (``backend``: JAX's default), 0 on a CPU backend, for the reason
     :func:`prepare_batches_ahead` gives (the process would take the step's cores)."""
+    return 0 if _on_cpu(backend) else WORKERS
+
+
+def _on_cpu(backend: str | None) -> bool:
+    """Whether the step runs on the host's CPU: ``backend``, or JAX's default backend when None. The one
+    test both the thread and the worker process are decided by."""
     if backend is None:
         import jax
 
         backend = jax.default_backend()
-    return 0 if backend == "cpu" else WORKERS
+    return backend == "cpu"
 
 
 def close_data_workers(trainer: Any) -> Callable[[], None]:
     """What ends the worker process of the trainer's data pipeline (MaxText's ``MultiHostDataLoadIterator``,
     taken now, before anything wraps it): grain's process would otherwise live until that iterator is
     collected. Call after training; harmless without a worker."""
-    iterator = trainer.data_hooks.train_data_loader.data_iterator
-    close = getattr(iterator, "close", None)
+    close = getattr(data_loader(trainer).data_iterator, "close", None)
     return close if callable(close) else lambda: None
 
 
+def data_loader(trainer: Any) -> Any:
+    """The trainer's data loader (MaxText's ``data_hooks.train_data_loader``): the one place that knows where
+    MaxText keeps it, and in it (``data_iterator``) the iterator its loop reads."""
+    return trainer.data_hooks.train_data_loader
+
+
 def read_batches_through(trainer: Any, reader: Callable[[Iterator[Any]], Reader]) -> Reader:
-    """The trainer's data loader (MaxText's ``data_hooks.train_data_loader``) reads its batches through
-    ``reader(the iterator it read until now)``, which is returned: the one place that knows where MaxText
-    keeps that iterator."""
-    loader = trainer.data_hooks.train_data_loader
+    """The trainer's data loader (:func:`data_loader`) reads its batches through ``reader(the iterator it
+    read until now)``, which is returned."""
+    loader = data_loader(trainer)
     loader.data_iterator = wrapped = reader(loader.data_iterator)
     return wrapped

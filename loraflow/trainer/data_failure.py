@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from loraflow.errors import LoraflowError
-from loraflow.trainer.batches_ahead import read_batches_through
+from loraflow.trainer.batches_ahead import data_loader, read_batches_through
 from loraflow.trainer.sft_run import Progress
 
 MESSAGE_CHARS = 500  # of the exception's message in the stage's error (a row echoed whole could be megabytes)
@@ -61,7 +61,7 @@ def watch_batches(trainer: Any) -> WatchedBatches:
     failure too; call it after :func:`~loraflow.trainer.batches_ahead.prepare_batches_ahead`, whose reader it
     then watches."""
     watched = read_batches_through(trainer, WatchedBatches)
-    loader = trainer.data_hooks.train_data_loader
+    loader = data_loader(trainer)
     load = loader.load_next_batch
 
     def load_next_batch(*args: Any, **kwargs: Any) -> Any:
