@@ -132,7 +132,8 @@ class SharedStack:
         self._emulator_env = {k: os.environ[k] for k in EMULATOR_ENV if k in os.environ}
 
     def reparse(self, timeout: float = 60) -> None:
-        """Ask the DAG processor to parse every DAG file of the stack now (each file's token from one of its DAGs)."""
+        """Ask the DAG processor to parse every DAG file of the stack now (each file's token from one of its DAGs).
+        A request the API server fails (HTTP 5xx: its database busy) is asked again until ``timeout``."""
         assert self.airflow is not None
         deadline = time.monotonic() + timeout
         while True:
@@ -145,9 +146,13 @@ class SharedStack:
         if not tokens:
             raise LoraflowError(f"the shared stack lists no DAG to reparse (HTTP {status}: {body})")
         for token in tokens.values():
-            status, body = self.airflow.call("PUT", f"/parseDagFile/{token}")
-            if status != 201:
-                raise LoraflowError(f"the reparse request was refused (HTTP {status}: {body})")
+            while True:  # a server error (SQLite locked by the processor's own write, on a loaded machine) passes
+                status, body = self.airflow.call("PUT", f"/parseDagFile/{token}")
+                if status == 201:
+                    break
+                if status < 500 or time.monotonic() > deadline:
+                    raise LoraflowError(f"the reparse request was refused (HTTP {status}: {body})")
+                time.sleep(2)
 
     def close(self) -> None:
         """Stop the stack (if it runs); a later ``use`` would start a new one."""

@@ -221,7 +221,9 @@ def test_emulator_env_names_what_local_stack_sets() -> None:
     assert set(shared_stack.EMULATOR_ENV) == set(local_gcs.Emulator("h", "b", None).env())  # type: ignore[arg-type]
 
 
-def test_reparse_says_when_there_is_nothing_to_reparse_or_it_is_refused(stack: SharedStack, tmp_path: Path) -> None:
+def test_reparse_says_when_there_is_nothing_to_reparse_or_it_is_refused(
+    stack: SharedStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     stack.use("test_a", spec(tmp_path, "tiny-a"))
     airflow = stack.airflow
     airflow.dags = [{"fileloc": "/dags/loraflow_pipelines.py"}]  # type: ignore[union-attr]  # no token (yet)
@@ -229,8 +231,33 @@ def test_reparse_says_when_there_is_nothing_to_reparse_or_it_is_refused(stack: S
         stack.reparse(timeout=0)
     airflow.dags = [{"fileloc": "/dags/loraflow_pipelines.py", "file_token": "tok-p"}]  # type: ignore[union-attr]
     airflow.call = lambda method, path, body=None: (200, {"dags": airflow.dags}) if method == "GET" else (403, "no")  # type: ignore[union-attr]
+    monkeypatch.setattr(shared_stack.time, "sleep", lambda s: pytest.fail("a refusal (4xx) was asked again"))
     with pytest.raises(LoraflowError, match=r"the reparse request was refused \(HTTP 403: no\)"):
         stack.reparse()
+
+
+def test_reparse_asks_again_while_the_server_fails_and_names_the_last_failure(
+    stack: SharedStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack.use("test_a", spec(tmp_path, "tiny-a"))
+    airflow = stack.airflow
+    answers = [(500, "locked"), (503, "busy"), (201, None)]
+    puts: list[str] = []
+
+    def call(method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        if method == "GET":
+            return 200, {"dags": airflow.dags}  # type: ignore[union-attr]
+        puts.append(path)
+        return answers.pop(0) if answers else (500, "still locked")
+
+    airflow.call = call  # type: ignore[union-attr]
+    sleeps: list[float] = []
+    monkeypatch.setattr(shared_stack.time, "sleep", sleeps.append)
+    stack.reparse()
+    assert puts == ["/parseDagFile/tok-p"] * 3 and sleeps == [2, 2]
+    with pytest.raises(LoraflowError, match=r"the reparse request was refused \(HTTP 500: still locked\)"):
+        stack.reparse(timeout=0)  # past the deadline: the failure, not another try
+    assert len(puts) == 4
 
 
 def test_leaving_the_with_block_stops_the_stack_it_started(stack: SharedStack, tmp_path: Path) -> None:
