@@ -72,3 +72,33 @@ def test_a_layout_that_disagrees_with_maxtexts_hooks_is_refused(monkeypatch, bad
     monkeypatch.setattr(peft_layout, "_peft_factors", scrambled)
     with pytest.raises(LoraflowError, match=rf"PEFT export check failed for model\.layers\.{bad_layer}\.self_attn"):
         llama.FAMILY.peft_modules(_adapter(), _mt_config(), _hf_config(), 2.0)
+
+
+def test_the_export_and_its_check_run_on_the_host_not_beside_the_trained_model(monkeypatch, tmp_path) -> None:
+    """MaxText's hooks use jax.numpy (Llama's RoPE layout): under the export every JAX array made by default
+    is on the host's CPU, so on an accelerator the check's full deltas take none of its memory."""
+    import jax
+
+    from loraflow.trainer import export
+
+    right, seen = peft_layout._check_factors, []
+
+    def watched(*args, **kwargs):
+        seen.append(jax.config.jax_default_device)
+        return right(*args, **kwargs)
+
+    monkeypatch.setattr(peft_layout, "_check_factors", watched)
+    exported = export.export_peft(_nested(_adapter()), _mt_config(), _hf_config(), RANK, 4.0, tmp_path)
+    assert exported.tensors == 2 * LAYERS and len(seen) == 2  # the first and the last layer checked
+    assert all(d is not None and d.platform == "cpu" for d in seen), seen
+    assert jax.config.jax_default_device is None  # and only while it exports
+
+
+def _nested(flat):
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
