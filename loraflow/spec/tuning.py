@@ -44,9 +44,10 @@ CANDIDATES = ("minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_q
 FALLBACK = "full"
 #: the MaxText setting tuning chooses
 KEY = "remat_policy"
-#: the share of the chip a candidate other than FALLBACK must leave free: the prediction has come out 2.2-4.4 %
-#: under what the chip used (the PEFT export's transient is not in it), and a policy tuning picks must not
-#: turn a run that trains under full into an out-of-memory
+#: the share of the chip a candidate other than FALLBACK must leave free: the prediction has come out 0.5-2.7 %
+#: under what the chip used, less the PEFT export's transient since run on the host (2.2-4.5 % with it:
+#: bench/notes.md section 18), and a policy tuning picks must not turn a run that trains under full into an
+#: out-of-memory
 HEADROOM = 0.05
 
 
