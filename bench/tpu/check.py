@@ -107,6 +107,14 @@ def _moonshot() -> list[dict[str, Any]]:
         # the spec's check demands; 256 failed in qwix on the chip. Measured: no faster than 64 (bench/notes.md
         # section 14).
         {**_train("8b", "loraflow", "bfloat16", "nf4", 8), "config": {"tile_size": 128}},
+        # the MLP's first two projections (wi_0, wi_1: 7 GiB each at 8 x 1,024 tokens) kept for the backward in
+        # the host's memory instead of recomputed there (MaxText's custom remat, 14 GiB each way a step at
+        # ~14 GB/s): plan --fit predicts 9.88 GiB on the chip (bench/notes.md section 18), the 3,000 tokens/s
+        # question of issue 39 item 3 against case 1's recompute
+        {
+            **_train("8b", "loraflow", "bfloat16", "nf4", 8),
+            "maxtext": ["remat_policy=custom", "mlpwi_0=offload", "mlpwi_1=offload"],
+        },
     ]
 
 
