@@ -94,6 +94,28 @@ def test_the_export_and_its_check_run_on_the_host_not_beside_the_trained_model(m
     assert jax.config.jax_default_device is None  # and only while it exports
 
 
+def test_the_export_checks_on_the_default_device_where_jax_has_no_cpu_backend(monkeypatch, tmp_path) -> None:
+    """A spec's JAX_PLATFORMS may leave the CPU out (tpu): the export still runs, after the training, on
+    JAX's default device, rather than failing a finished run."""
+    import jax
+
+    from loraflow.trainer import export
+
+    right, seen = peft_layout._check_factors, []
+
+    def watched(*args, **kwargs):
+        seen.append(jax.config.jax_default_device)
+        return right(*args, **kwargs)
+
+    def no_cpu(backend=None, **kwargs):
+        raise RuntimeError(f"Unknown backend {backend}")
+
+    monkeypatch.setattr(peft_layout, "_check_factors", watched)
+    monkeypatch.setattr(jax, "local_devices", no_cpu)
+    exported = export.export_peft(_nested(_adapter()), _mt_config(), _hf_config(), RANK, 4.0, tmp_path)
+    assert exported.tensors == 2 * LAYERS and seen == [None, None]
+
+
 def _nested(flat):
     tree: dict = {}
     for path, value in flat.items():
