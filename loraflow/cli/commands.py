@@ -127,6 +127,11 @@ def fit_text(name: str, config: dict[str, Any], result: dict[str, Any]) -> str:
         f"{_size(step['output_bytes'] - step['alias_bytes'])} not over donated ones, temporaries "
         f"{_size(step['temp_bytes'])}; set-up {_size(asked['setup_bytes'])}",
     ]
+    if step.get("host_bytes"):  # a remat policy that offloads: the host's memory holds it, per chip
+        lines.append(
+            f"    and {_size(step['host_bytes'])} per chip in the host's memory (what the remat policy offloads), "
+            "not in the peak: a host's memory must hold it for each of its chips"
+        )
     tuned = result.get("tuning")
     if tuned is not None:
         each = ", ".join(f"{policy} {_size(peak)}" for policy, peak in tuned["peaks"].items())

@@ -66,6 +66,8 @@ class StepPeak:
     # False: XLA refused to compile the step, its temporaries alone over the chip's memory (the figures
     # are then its temporaries as XLA's refusal states them and the rest counted from the shapes)
     compiled: bool = True
+    # what the step keeps in the host's memory per chip (a remat policy that offloads); not in peak_bytes
+    host_bytes: int = 0
 
 
 # XLA's compile-time refusal: "... the total memory required for HLO temporaries (21.01G) exceeds ..."
@@ -268,7 +270,7 @@ def step_figures(stats: Any) -> StepPeak:
     summed = arguments + outputs - alias + temp
     on_host = sum(int(getattr(stats, f"host_{kind}_size_in_bytes", 0) or 0) for kind in ("argument", "output", "temp"))
     peak = summed if on_host else int(getattr(stats, "peak_memory_in_bytes", 0) or summed)
-    return StepPeak(arguments, outputs, alias, temp, peak)
+    return StepPeak(arguments, outputs, alias, temp, peak, host_bytes=on_host)
 
 
 def _uncompiled(trainer: Any, batch: Any, temp: int) -> StepPeak:

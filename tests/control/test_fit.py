@@ -289,6 +289,15 @@ def test_fit_prints_the_peak_the_verdict_and_the_largest_batch(
     assert main(["plan", str(spec), "--fit"]) == 0
     out = capsys.readouterr().out
     assert "predicted peak 7.50 GiB per chip\n" in out and "queued" not in out
+    assert "host's memory" not in out  # nothing offloaded
+    answer["asked"]["step"]["host_bytes"] = 19 * GIB  # a remat policy that offloads (minimal_offloaded at 8B)
+    assert main(["plan", str(spec), "--fit"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "temporaries 2.00 GiB; set-up 1.00 GiB\n    and 19.00 GiB per chip in the host's memory (what the remat "
+        "policy offloads), not in the peak: a host's memory must hold it for each of its chips\n" in out
+    )
+    assert "fits: 8.50 GiB to spare" in out  # the chip's verdict, the host's bytes not in it
 
 
 def test_fit_says_when_it_does_not_fit_and_exits_1(

@@ -196,10 +196,12 @@ def test_a_step_that_offloads_to_the_host_is_predicted_by_the_chips_bytes_alone(
     )
     assert device_peak(stats) == 6_045_221_888 + 6_045_063_168 - 6_045_058_048 + 4_563_714_048
     assert dataclasses.astuple(step_figures(stats))[:4] == (6_045_221_888, 6_045_063_168, 6_045_058_048, 4_563_714_048)
+    assert step_figures(stats).host_bytes == 15_032_385_536  # said beside the peak, not in it
     for kind in ("argument", "output"):  # a host argument or output (offloaded optimizer state) as well
         moved = {**vars(stats), "host_temp_size_in_bytes": 0, f"host_{kind}_size_in_bytes": 1}
         assert device_peak(SimpleNamespace(**moved)) == device_peak(stats)
     # nothing on the host: XLA's own peak (with liveness, under the sum), or the sum where it gives none
     on_chip = {**vars(stats), "host_temp_size_in_bytes": 0, "peak_memory_in_bytes": 10_361_328_128}
     assert device_peak(SimpleNamespace(**on_chip)) == 10_361_328_128
+    assert step_figures(SimpleNamespace(**on_chip)).host_bytes == 0
     assert device_peak(SimpleNamespace(**{**on_chip, "peak_memory_in_bytes": 0})) == device_peak(stats)
