@@ -17,6 +17,7 @@ from loraflow.lora import peft
 from loraflow.spec.step_configs import LoraSftConfig
 from loraflow.trainer.converted import ConvertedModel
 from loraflow.trainer.distributed import barrier
+from loraflow.trainer.host_build import host_cpu
 
 ADAPTER_JSON = "loraflow_adapter.json"
 
@@ -95,24 +96,15 @@ def export_peft(
 
     family = models.family_for(mt_config.model_name)
     # on the host: MaxText's hooks reach for jax.numpy (Llama's RoPE layout), and on an accelerator the full
-    # deltas of the check would land beside the trained model (8B nf4 on a v5e: its peak +0.31 GiB here)
-    with jax.default_device(_host_device()):
+    # deltas of the check would land beside the trained model (8B nf4 on a v5e: its peak +0.31 GiB here).
+    # Without a CPU backend (JAX_PLATFORMS=tpu), JAX's default device (None): the training is done by now,
+    # and the export must not fail for want of a place to check it.
+    with jax.default_device(host_cpu()):
         modules, max_err = family.peft_modules(flatten(lora_tree), mt_config, hf_config, float(alpha) / float(rank))
     tensors = peft.adapter_tensors(modules)
     targets = peft.target_modules(modules)
     peft.write_adapter(out_dir, tensors, peft.adapter_config(base_model, rank, alpha, targets))
     return PeftExport(len(tensors), targets, max_err)
-
-
-def _host_device() -> Any:
-    """The host's CPU device; None (JAX's default device) where JAX_PLATFORMS leaves the CPU out: the
-    training is done by now, and the export must not fail for want of a place to check it."""
-    import jax
-
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return None
 
 
 def lora_b_norm(lora_tree: Any) -> float:

@@ -74,16 +74,24 @@ class Phases:
         return f"{phase} {seconds:.0f}s" + (f" ({parts.text()})" if parts is not None and parts.seconds else "")
 
 
-def _host_devices() -> list[Any]:
+def host_cpu() -> Any:
+    """The host's first CPU device; None where JAX has no CPU backend (a JAX_PLATFORMS without cpu)."""
     import jax
 
     try:
-        return jax.local_devices(backend="cpu")[:1]
-    except RuntimeError as exc:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def _host_devices() -> list[Any]:
+    device = host_cpu()
+    if device is None:
         raise LoraflowError(
-            f"QLoRA builds the base model on the host's CPU, and JAX has no CPU backend here ({exc}): "
+            "QLoRA builds the base model on the host's CPU, and JAX has no CPU backend here: "
             "let JAX_PLATFORMS include cpu (e.g. JAX_PLATFORMS=tpu,cpu) or leave it unset"
-        ) from exc
+        )
+    return [device]
 
 
 def _place(host_model: Any, abstract_model: Any, mesh: Any, phases: Phases) -> Any:

@@ -74,9 +74,8 @@ def test_a_layout_that_disagrees_with_maxtexts_hooks_is_refused(monkeypatch, bad
         llama.FAMILY.peft_modules(_adapter(), _mt_config(), _hf_config(), 2.0)
 
 
-def test_the_export_and_its_check_run_on_the_host_not_beside_the_trained_model(monkeypatch, tmp_path) -> None:
-    """MaxText's hooks use jax.numpy (Llama's RoPE layout): under the export every JAX array made by default
-    is on the host's CPU, so on an accelerator the check's full deltas take none of its memory."""
+def _export_watching_devices(monkeypatch, tmp_path):
+    """The export of the scanned query adapter, and JAX's default device at each layer's check."""
     import jax
 
     from loraflow.trainer import export
@@ -88,7 +87,15 @@ def test_the_export_and_its_check_run_on_the_host_not_beside_the_trained_model(m
         return right(*args, **kwargs)
 
     monkeypatch.setattr(peft_layout, "_check_factors", watched)
-    exported = export.export_peft(_nested(_adapter()), _mt_config(), _hf_config(), RANK, 4.0, tmp_path)
+    return export.export_peft(_nested(_adapter()), _mt_config(), _hf_config(), RANK, 4.0, tmp_path), seen
+
+
+def test_the_export_and_its_check_run_on_the_host_not_beside_the_trained_model(monkeypatch, tmp_path) -> None:
+    """MaxText's hooks use jax.numpy (Llama's RoPE layout): under the export every JAX array made by default
+    is on the host's CPU, so on an accelerator the check's full deltas take none of its memory."""
+    import jax
+
+    exported, seen = _export_watching_devices(monkeypatch, tmp_path)
     assert exported.tensors == 2 * LAYERS and len(seen) == 2  # the first and the last layer checked
     assert all(d is not None and d.platform == "cpu" for d in seen), seen
     assert jax.config.jax_default_device is None  # and only while it exports
@@ -96,24 +103,20 @@ def test_the_export_and_its_check_run_on_the_host_not_beside_the_trained_model(m
 
 def test_the_export_checks_on_the_default_device_where_jax_has_no_cpu_backend(monkeypatch, tmp_path) -> None:
     """A spec's JAX_PLATFORMS may leave the CPU out (tpu): the export still runs, after the training, on
-    JAX's default device, rather than failing a finished run."""
+    JAX's default device, rather than failing a finished run; QLoRA's host build, before any training,
+    refuses such a process naming the fix."""
     import jax
 
-    from loraflow.trainer import export
-
-    right, seen = peft_layout._check_factors, []
-
-    def watched(*args, **kwargs):
-        seen.append(jax.config.jax_default_device)
-        return right(*args, **kwargs)
+    from loraflow.trainer import host_build
 
     def no_cpu(backend=None, **kwargs):
         raise RuntimeError(f"Unknown backend {backend}")
 
-    monkeypatch.setattr(peft_layout, "_check_factors", watched)
     monkeypatch.setattr(jax, "local_devices", no_cpu)
-    exported = export.export_peft(_nested(_adapter()), _mt_config(), _hf_config(), RANK, 4.0, tmp_path)
+    exported, seen = _export_watching_devices(monkeypatch, tmp_path)
     assert exported.tensors == 2 * LAYERS and seen == [None, None]
+    with pytest.raises(LoraflowError, match=r"JAX has no CPU backend here: let JAX_PLATFORMS include cpu"):
+        host_build._host_devices()
 
 
 def _nested(flat):
